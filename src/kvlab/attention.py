@@ -1,0 +1,97 @@
+"""Causal attention with grouped-query heads, written so the grouping is visible.
+
+Grouped-query attention (GQA; Ainslie et al., 2023, "GQA: Training Generalized Multi-Query
+Transformer Models from Multi-Head Checkpoints", section 2) lets `G = num_attention_heads /
+num_key_value_heads` query heads share one key/value head. Query head `h` reads KV head
+`h // G`. MHA is G = 1, MQA (Shazeer, 2019) is one KV head for all.
+
+`grouped_attention` computes it with a reshape: the G query heads of one KV head are laid side by
+side as extra rows, so one batched matmul per KV head serves the whole group and the K/V tensors
+are never copied G times. `repeat_kv` does the copy instead; it exists only as the reference the
+tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["grouped_attention", "repeat_kv", "reference_attention"]
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      query_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
+                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention of one sequence, GQA by grouping (no repeated K/V).
+
+    Args:
+        query: [num_query_tokens, num_attention_heads, head_dim].
+        key, value: [num_key_tokens, num_key_value_heads, head_dim], same dtype as query.
+        query_positions: [num_query_tokens] int64, absolute position of each query token.
+        key_positions: [num_key_tokens] int64; default 0, 1, ..., num_key_tokens - 1.
+        key_mask: optional [num_key_tokens] bool, False for slots that hold no token (padding).
+
+    A query at position p sees the keys at positions <= p (causal mask). Scores and softmax are
+    computed in float32 whatever the input dtype (as HF and vLLM do), the result is cast back.
+
+    Returns:
+        [num_query_tokens, num_attention_heads, head_dim], dtype of query.
+
+    Raises:
+        ValueError: head counts that do not group evenly, or mismatched head_dim.
+    """
+    num_queries, num_heads, head_dim = query.shape
+    num_keys, num_kv_heads, key_dim = key.shape
+    if key_dim != head_dim or value.shape != key.shape:
+        raise ValueError(f"head_dim mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+
+    # [Tq, Hq, D] -> [Hkv, G * Tq, D]: query head h = kv * G + g lands in block kv, rows g * Tq ...
+    grouped_q = query.reshape(num_queries, num_kv_heads, group, head_dim)
+    grouped_q = grouped_q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_queries, head_dim)
+    keys = key.transpose(0, 1)      # [Hkv, Tk, D], a view
+    values = value.transpose(0, 1)  # [Hkv, Tk, D], a view
+
+    scores = torch.bmm(grouped_q.float(), keys.float().transpose(1, 2)) / math.sqrt(head_dim)
+    scores = scores.view(num_kv_heads, group, num_queries, num_keys)
+
+    if key_positions is None:
+        key_positions = torch.arange(num_keys, device=key.device)
+    visible = key_positions[None, :] <= query_positions[:, None]  # [Tq, Tk]
+    if key_mask is not None:
+        visible = visible & key_mask[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_queries, num_keys)
+    out = torch.bmm(probs, values.float())  # [Hkv, G * Tq, D]
+    out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(num_queries, num_heads, head_dim).to(query.dtype)
+
+
+def repeat_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """Test reference only: copy each KV head `group` times, [T, Hkv, D] -> [T, Hkv * group, D].
+
+    Head kv * group + g of the result is a copy of KV head kv, which is the mapping
+    `h -> h // group` that GQA defines. This costs `group` times the memory: the thing GQA avoids.
+    """
+    return kv.repeat_interleave(group, dim=1)
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        query_positions: torch.Tensor) -> torch.Tensor:
+    """Test reference only: PyTorch SDPA over repeated K/V with an explicit causal mask.
+
+    Shapes as in `grouped_attention` (keys at positions 0..Tk-1). Computes in the input dtype;
+    pass float64 tensors for a high-precision reference.
+    """
+    group = query.shape[1] // key.shape[1]
+    q = query.transpose(0, 1)
+    k = repeat_kv(key, group).transpose(0, 1)
+    v = repeat_kv(value, group).transpose(0, 1)
+    mask = torch.arange(key.shape[0], device=key.device)[None, :] <= query_positions[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(0, 1)

@@ -1,0 +1,110 @@
+"""Load and save Llama checkpoints in the Hugging Face folder layout.
+
+A checkpoint folder holds `config.json`, one or more `*.safetensors` files with HF parameter names,
+and (for text in and out) `tokenizer.json`. That is what `save_pretrained` writes and what the Hub
+serves, so a learner with internet access can point the course at SmolLM2 or TinyLlama; offline, the
+course's own tiny model (`kvlab.checkpoint.TINY_MODEL_DIR`) has the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from .config import ConfigError, LlamaConfig, load_config
+from .model import LlamaForCausalLM
+
+__all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "load_model",
+           "load_tokenizer", "save_model"]
+
+MODELS_DIR = Path(__file__).parent / "models"
+TINY_MODEL_DIR = MODELS_DIR / "tiny"
+TINY_MHA_MODEL_DIR = MODELS_DIR / "tiny-mha"
+_NAMED_MODELS = {"tiny": TINY_MODEL_DIR, "tiny-mha": TINY_MHA_MODEL_DIR}
+
+# Buffers that some older checkpoints saved; the model recomputes them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """'tiny', 'tiny-mha' or a checkpoint folder path -> the folder.
+
+    Raises:
+        FileNotFoundError: the folder or its config.json does not exist.
+    """
+    folder = _NAMED_MODELS.get(str(model), Path(model))
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint at {folder}: expected config.json, *.safetensors "
+                                f"and tokenizer.json there (or use --model tiny)")
+    return folder
+
+
+def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build a `LlamaForCausalLM` from a checkpoint folder and load its safetensors weights.
+
+    Tied embeddings: a checkpoint with tie_word_embeddings=True stores no `lm_head.weight`.
+
+    Raises:
+        FileNotFoundError: no config.json or no *.safetensors in the folder.
+        ConfigError: the config is one the decoder does not implement.
+        KeyError: weights missing from, or unexpected in, the checkpoint (names listed).
+    """
+    folder = resolve_model_dir(model)
+    config = load_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    expected = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    tensors[name] = handle.get_tensor(name).to(dtype)
+    missing, unexpected = expected - set(tensors), set(tensors) - expected - {"lm_head.weight"}
+    if missing or unexpected:
+        raise KeyError(f"{folder}: checkpoint does not match the config; missing "
+                       f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+    model_ = LlamaForCausalLM(config).to(dtype)
+    model_.load_state_dict(tensors, strict=False)
+    if config.tie_word_embeddings:
+        model_.lm_head.weight = model_.model.embed_tokens.weight
+    return model_.to(device).eval()
+
+
+def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
+    """The `tokenizers.Tokenizer` stored as tokenizer.json in the checkpoint folder.
+
+    Raises:
+        FileNotFoundError: the folder has no tokenizer.json.
+    """
+    path = resolve_model_dir(model) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path.parent}; pass --prompt-ids instead")
+    return Tokenizer.from_file(str(path))
+
+
+def save_model(model: LlamaForCausalLM, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write config.json and model.safetensors (HF layout; a tied lm_head is not stored)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
+             for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    raw = model.config.to_hf_dict()
+    raw["torch_dtype"] = str(dtype or model.dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

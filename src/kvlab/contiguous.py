@@ -1,0 +1,142 @@
+"""The naive KV cache: one contiguous slab of max_model_len tokens reserved per request.
+
+This is how early serving stacks (FasterTransformer, Orca as described in the vLLM paper) kept the
+cache: at start-up, reserve `max_num_seqs` slabs, each big enough for a request of `max_model_len`
+tokens, whatever the request will really use. A request that stops after 200 tokens leaves the rest
+of its 4,096-token slab empty, and no other request may use it. The vLLM paper (Kwon et al., SOSP
+2023, section 2.3 and figure 2) measured only 20.4-38.2 % of such reservations holding token states.
+
+Layout per layer: `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
+head_dim]; slab `s` is row `s`, token at position p lives at `[s, p]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import grouped_attention
+from .config import LlamaConfig
+from .sizing import format_bytes
+
+__all__ = ["ContiguousKVCache", "KVCacheOutOfMemory", "reservation_bytes"]
+
+
+class KVCacheOutOfMemory(MemoryError):
+    """The KV cache cannot be reserved or cannot grow; the message gives the arithmetic."""
+
+
+def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int,
+                      element_bytes: int) -> int:
+    """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return max_num_seqs * max_model_len * per_token * element_bytes
+
+
+class ContiguousKVCache:
+    """`max_num_seqs` slabs of `max_model_len` tokens, reserved once at construction.
+
+    Args:
+        config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
+        max_num_seqs: slabs, i.e. requests that can be in flight at once.
+        max_model_len: tokens per slab (prompt + generated).
+        dtype, device: where the slabs live.
+        budget_bytes: refuse a reservation above this many bytes (a stand-in for a GPU's free
+            memory on CPU). On CUDA, with no budget, the allocator itself decides and its
+            `torch.cuda.OutOfMemoryError` is re-raised with the same arithmetic.
+
+    Raises:
+        ValueError: max_num_seqs or max_model_len < 1.
+        KVCacheOutOfMemory: the reservation exceeds the budget or the device's memory. The message
+            reads like "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget".
+    """
+
+    def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 budget_bytes: int | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.config, self.max_num_seqs, self.max_model_len = config, max_num_seqs, max_model_len
+        self.dtype, self.device = dtype, torch.device(device)
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = reservation_bytes(config, 1, 1, element_bytes)
+        wanted = reservation_bytes(config, max_num_seqs, max_model_len, element_bytes)
+        formula = (f"{max_num_seqs} seqs x {max_model_len} tokens x "
+                   f"{format_bytes(self.bytes_per_token)}/token = {format_bytes(wanted)}")
+        if budget_bytes is not None and wanted > budget_bytes:
+            raise KVCacheOutOfMemory(f"KV cache reservation {formula} > "
+                                     f"{format_bytes(budget_bytes)} budget")
+
+        shape = (config.num_hidden_layers, max_num_seqs, max_model_len,
+                 config.num_key_value_heads, config.head_dim)
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        except torch.cuda.OutOfMemoryError as error:
+            self.k = self.v = None
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise KVCacheOutOfMemory(f"KV cache reservation {formula} > {format_bytes(free)} free "
+                                     f"of {format_bytes(total)} on {self.device}") from error
+        # The allocator's own count of what the slabs took, to cross-check `reserved_bytes`.
+        self.allocator_delta_bytes = (torch.cuda.memory_allocated(self.device) - before
+                                      if before is not None else None)
+        self.seq_lens = [0] * max_num_seqs       # tokens held by each slab
+        self.in_use = [False] * max_num_seqs
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Exact bytes of the K and V slabs (all of them, in use or not)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes holding token states: tokens held by all slabs x KV bytes per token."""
+        return sum(self.seq_lens) * self.bytes_per_token
+
+    # ---- slabs -------------------------------------------------------------------------------
+
+    def add_sequence(self) -> int:
+        """Claim a free slab; returns its index.
+
+        Raises:
+            KVCacheOutOfMemory: all max_num_seqs slabs are in use (nothing changes).
+        """
+        for slab, busy in enumerate(self.in_use):
+            if not busy:
+                self.in_use[slab], self.seq_lens[slab] = True, 0
+                return slab
+        raise KVCacheOutOfMemory(f"all {self.max_num_seqs} slabs (max_num_seqs) are in use")
+
+    def free_sequence(self, slab: int) -> None:
+        """Give a slab back. Its bytes stay reserved: that is the point of this design."""
+        self.in_use[slab], self.seq_lens[slab] = False, 0
+
+    def view(self, slab: int) -> "ContiguousSequence":
+        """The KV store (see `kvlab.model.KVStore`) of one sequence, for a forward pass."""
+        if not self.in_use[slab]:
+            raise ValueError(f"slab {slab} is not in use; call add_sequence() first")
+        return ContiguousSequence(self, slab)
+
+
+class ContiguousSequence:
+    """One request's slab seen as a KV store: writes new K/V at their positions, attends over all."""
+
+    def __init__(self, cache: ContiguousKVCache, slab: int):
+        self.cache, self.slab = cache, slab
+
+    def attend(self, layer_index, query, key, value, positions):
+        cache = self.cache
+        end = int(positions.max()) + 1
+        if end > cache.max_model_len:
+            raise KVCacheOutOfMemory(f"position {end - 1} is past max_model_len="
+                                     f"{cache.max_model_len} of slab {self.slab}")
+        cache.k[layer_index, self.slab, positions] = key
+        cache.v[layer_index, self.slab, positions] = value
+        if layer_index == cache.config.num_hidden_layers - 1:
+            cache.seq_lens[self.slab] = max(cache.seq_lens[self.slab], end)
+        keys = cache.k[layer_index, self.slab, :end]
+        values = cache.v[layer_index, self.slab, :end]
+        return grouped_attention(query, keys, values, query_positions=positions)

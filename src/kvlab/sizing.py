@@ -1,0 +1,213 @@
+"""Exact sizes of a model's weights and KV cache: the arithmetic behind stage 0.
+
+The KV cache stores, for every token a request holds, one key and one value vector per KV head per
+layer (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP 2023, section 2):
+
+    KV bytes per token = 2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
+
+Llama-3.1-70B in bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB per token.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; as vLLM shards attention) gives each of `tp`
+GPUs num_key_value_heads / tp KV heads. When tp exceeds num_key_value_heads the heads cannot be
+split further, so each GPU keeps one whole KV head, replicated (vLLM does the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import LlamaConfig
+
+__all__ = ["DTYPE_BYTES", "GPU_MEMORY_GIB", "dtype_bytes", "kv_heads_per_gpu",
+           "kv_bytes_per_token", "num_parameters", "weights_bytes", "SizeReport", "size_report",
+           "SizingError", "format_bytes"]
+
+# Bytes per element of each storage dtype the course sizes for.
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+               "fp8": 1, "float8": 1}
+
+# Memory of common cards as NVIDIA/AMD market it; for these cards "80 GB" means 80 GiB of HBM
+# (torch.cuda reports slightly less: the driver keeps some). Units: GiB = 2**30 bytes.
+GPU_MEMORY_GIB = {
+    "T4": 16, "L4": 24, "A10G": 24, "RTX-4090": 24, "L40S": 48, "A100-40GB": 40,
+    "A100-80GB": 80, "H100-80GB": 80, "H200": 141, "B200": 180, "MI300X": 192,
+}
+
+
+class SizingError(ValueError):
+    """A request for a size that makes no sense (the message names the value)."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name ('bf16', 'fp16', 'fp32', 'fp8').
+
+    Raises:
+        SizingError: an unknown dtype name.
+    """
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise SizingError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp8") from None
+
+
+def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
+    """KV heads each of `tp` tensor-parallel GPUs stores.
+
+    tp <= num_key_value_heads: the heads are split, num_key_value_heads / tp each.
+    tp > num_key_value_heads: one head per GPU, each head replicated tp / num_key_value_heads times.
+
+    Raises:
+        SizingError: tp < 1, or tp and num_key_value_heads do not divide one another.
+    """
+    kv = config.num_key_value_heads
+    if not isinstance(tp, int) or tp < 1:
+        raise SizingError(f"tensor parallel size must be a positive integer, got {tp!r}")
+    if tp <= kv:
+        if kv % tp:
+            raise SizingError(f"num_key_value_heads={kv} cannot be split evenly over tp={tp} GPUs")
+        return kv // tp
+    if tp % kv:
+        raise SizingError(f"tp={tp} is not a multiple of num_key_value_heads={kv}, so KV heads "
+                          f"cannot be replicated evenly")
+    return 1
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
+    """KV-cache bytes one token occupies on one GPU: 2 x layers x KV heads per GPU x head_dim x bytes.
+
+    At tp = 1 this is the whole model's figure (Llama-3.1-8B bf16: 131,072 B = 128 KiB).
+
+    Raises:
+        SizingError: unknown dtype or an impossible tp.
+    """
+    return (2 * config.num_hidden_layers * kv_heads_per_gpu(config, tp) * config.head_dim
+            * dtype_bytes(dtype))
+
+
+def _parameter_counts(config: LlamaConfig, tp: int = 1) -> int:
+    """Parameters one of `tp` GPUs holds (tp = 1: the whole model)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_heads = config.num_attention_heads // tp if tp <= config.num_attention_heads else 1
+    kv_heads = kv_heads_per_gpu(config, tp)
+    attention = hidden * head_dim * (2 * q_heads + 2 * kv_heads)  # q, o, k, v projections
+    if config.attention_bias:
+        # Llama's attention_bias adds biases to q, k, v and o; Qwen2 has q, k, v biases only.
+        attention += head_dim * (q_heads + 2 * kv_heads)
+        if config.model_type != "qwen2":
+            attention += hidden
+    mlp = 3 * hidden * config.intermediate_size // tp  # gate, up, down
+    norms = 2 * hidden  # replicated on every GPU
+    embedding = config.vocab_size * hidden // tp
+    lm_head = 0 if config.tie_word_embeddings else embedding
+    return embedding + lm_head + config.num_hidden_layers * (attention + mlp + norms) + hidden
+
+
+def num_parameters(config: LlamaConfig) -> int:
+    """Parameter count computed from the config (tied embeddings counted once).
+
+    Llama-3.1-70B: 70,553,706,496; Llama-3.1-8B: 8,030,261,248.
+    """
+    return _parameter_counts(config, tp=1)
+
+
+def weights_bytes(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
+    """Bytes of the weights one of `tp` GPUs holds, stored in `dtype` (norms replicated).
+
+    Raises:
+        SizingError: unknown dtype or an impossible tp.
+    """
+    kv_heads_per_gpu(config, tp)  # validates tp
+    return _parameter_counts(config, tp) * dtype_bytes(dtype)
+
+
+@dataclasses.dataclass
+class SizeReport:
+    """What `kvlab size` prints. Per-GPU figures unless the name ends in `_total` (all tp GPUs)."""
+
+    model: str
+    dtype: str
+    tp: int
+    batch: int
+    seq_len: int
+    num_parameters: int
+    kv_heads_per_gpu: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    kv_bytes_per_token_total: int
+    kv_cache_bytes_total: int
+    weights_bytes_total: int
+    gpu: str | None
+    gpu_memory_bytes: int | None
+    gpu_memory_utilization: float
+    usable_bytes: int | None
+    kv_share_of_gpu: float | None
+    weights_share_of_gpu: float | None
+    max_concurrent_requests: int | None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096, dtype: str = "bf16",
+                tp: int = 1, gpu: str | None = None, gpu_mem_gib: float | None = None,
+                gpu_memory_utilization: float = 0.9) -> SizeReport:
+    """Weights and KV cache of `batch` requests of `seq_len` tokens, and how many fit on a GPU.
+
+    max_concurrent_requests = floor((gpu_memory_utilization x GPU bytes - weights bytes per GPU)
+    / (seq_len x KV bytes per token per GPU)), the requests of seq_len tokens that fit beside the
+    weights (0 when the weights alone do not fit; None when no GPU is named). Activations and the
+    CUDA context are ignored here: vLLM measures them with a profiling run.
+
+    Raises:
+        SizingError: batch or seq_len < 1, unknown dtype or GPU, impossible tp, utilization
+            outside (0, 1].
+    """
+    for name, value in (("batch", batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise SizingError(f"{name} must be a positive number of requests/tokens, got {value!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    per_token = kv_bytes_per_token(config, dtype, tp)
+    weights = weights_bytes(config, dtype, tp)
+    kv_cache = batch * seq_len * per_token
+
+    gpu_bytes = None
+    if gpu is not None:
+        key = {name.lower(): name for name in GPU_MEMORY_GIB}.get(gpu.lower())
+        if key is None:
+            raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)} "
+                              f"(or give --gpu-mem GIB)")
+        gpu, gpu_bytes = key, GPU_MEMORY_GIB[key] * 2**30
+    elif gpu_mem_gib is not None:
+        if gpu_mem_gib <= 0:
+            raise SizingError(f"GPU memory must be positive, got {gpu_mem_gib} GiB")
+        gpu, gpu_bytes = f"{gpu_mem_gib:g} GiB GPU", int(gpu_mem_gib * 2**30)
+
+    usable = fit = kv_share = weights_share = None
+    if gpu_bytes is not None:
+        usable = int(gpu_bytes * gpu_memory_utilization)
+        fit = max(0, (usable - weights) // (seq_len * per_token))
+        kv_share, weights_share = kv_cache / gpu_bytes, weights / gpu_bytes
+    return SizeReport(
+        model=config.name, dtype=dtype, tp=tp, batch=batch, seq_len=seq_len,
+        num_parameters=num_parameters(config), kv_heads_per_gpu=kv_heads_per_gpu(config, tp),
+        kv_bytes_per_token=per_token, kv_cache_bytes=kv_cache, weights_bytes=weights,
+        kv_bytes_per_token_total=per_token * tp, kv_cache_bytes_total=kv_cache * tp,
+        weights_bytes_total=weights * tp,
+        gpu=gpu, gpu_memory_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        usable_bytes=usable, kv_share_of_gpu=kv_share, weights_share_of_gpu=weights_share,
+        max_concurrent_requests=fit)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable binary units: 327680 -> '320 KiB', 171798691840 -> '160 GiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            text = f"{value:.2f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+

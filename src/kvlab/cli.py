@@ -1,0 +1,224 @@
+"""The `kvlab` command: size a KV cache, generate text, replay traffic, check exercises.
+
+    kvlab size llama-3.1-70b --batch 128 --seq-len 4096 --gpu H100-80GB
+    kvlab generate --model tiny --prompt "The" --max-new-tokens 20 --cache contiguous
+    kvlab report                      # the main job: every cache strategy on realistic traffic
+    kvlab check 0                     # check your stage-0 exercise
+
+Every subcommand takes --json for machine-readable output. Bad input exits with status 2 and one
+line on stderr that names the bad value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ConfigError, load_config
+from .sizing import GPU_MEMORY_GIB, SizingError, format_bytes, size_report
+
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
+
+
+def _size(args: argparse.Namespace) -> int:
+    config = load_config(args.model)
+    report = size_report(config, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
+                         tp=args.tp, gpu=args.gpu, gpu_mem_gib=args.gpu_mem,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0
+    per_gpu = f" per GPU (tp={report.tp}, {report.kv_heads_per_gpu} KV heads each)" \
+        if report.tp > 1 else ""
+    print(f"{config.name}: {report.num_parameters:,} parameters ({report.num_parameters / 1e9:.2f} B), "
+          f"{args.dtype}")
+    print(f"KV bytes per token{per_gpu}: 2 x {config.num_hidden_layers} layers x "
+          f"{report.kv_heads_per_gpu} KV heads x {config.head_dim} head_dim x "
+          f"{report.kv_bytes_per_token // (2 * config.num_hidden_layers * report.kv_heads_per_gpu * config.head_dim)} B"
+          f" = {report.kv_bytes_per_token:,} B ({format_bytes(report.kv_bytes_per_token)})")
+    print(f"KV cache for {args.batch} requests x {args.seq_len:,} tokens{per_gpu}: "
+          f"{report.kv_cache_bytes:,} B ({format_bytes(report.kv_cache_bytes)})")
+    print(f"weights{per_gpu}: {report.weights_bytes:,} B ({format_bytes(report.weights_bytes)}, "
+          f"{report.weights_bytes / 1e9:.1f} GB)")
+    if report.gpu is not None:
+        print(f"on {report.gpu} ({format_bytes(report.gpu_memory_bytes)}): weights "
+              f"{report.weights_share_of_gpu:.1%}, this KV cache {report.kv_share_of_gpu:.1%} of "
+              f"the card")
+        print(f"requests of {args.seq_len:,} tokens that fit beside the weights "
+              f"(gpu_memory_utilization={report.gpu_memory_utilization}): "
+              f"{report.max_concurrent_requests:,}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_model, load_tokenizer
+    from .generate import generate
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    model = load_model(args.model, dtype=dtypes[args.dtype], device=args.device)
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except FileNotFoundError:
+        if args.prompt is not None:
+            raise
+    if args.prompt is not None:
+        prompt_ids = tokenizer.encode(args.prompt).ids
+    else:
+        try:
+            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got "
+                             f"{args.prompt_ids!r}") from None
+    result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
+                      max_model_len=args.max_model_len)
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": text}))
+    elif text is not None:
+        print((args.prompt or tokenizer.decode(prompt_ids)) + text)
+    else:
+        print(" ".join(map(str, result.token_ids)))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import ContiguousStrategy, format_report, replay
+    from .sizing import kv_bytes_per_token, weights_bytes
+    from .workload import load_azure_trace, synthetic_requests
+
+    config = load_config(args.model)
+    if args.trace:
+        requests = load_azure_trace(args.trace, limit=args.num_requests)
+        workload = f"trace {args.trace}"
+    else:
+        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
+        workload = "synthetic fit to Azure LLM conversation trace 2023"
+    if args.kv_budget is not None:
+        budget = int(args.kv_budget * 2**30)
+    else:  # vLLM's default: 90 % of the card (gpu_memory_utilization=0.9), minus the weights
+        budget = int(0.9 * GPU_MEMORY_GIB["H100-80GB"] * 2**30) - weights_bytes(config, args.dtype)
+    per_token = kv_bytes_per_token(config, args.dtype)
+    strategies = [ContiguousStrategy(args.max_model_len, per_token)]
+    report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
+                    model=f"{config.name} ({args.dtype})")
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .exercises import check_stage
+
+    return check_stage(args.stage, target=args.target)
+
+
+def _exercises(args: argparse.Namespace) -> int:
+    from .exercises import find_root, stale_exercises, write_exercises
+
+    root = find_root()
+    if args.write:
+        for path in write_exercises(root):
+            print(f"wrote {path}")
+        return 0
+    stale = stale_exercises(root)
+    for path in stale:
+        print(f"out of date: {path} (run `kvlab exercises --write`)")
+    return 1 if stale else 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    size = commands.add_parser("size", help="KV-cache and weight sizes of a model")
+    size.add_argument("model", help="preset name or path to a config.json / checkpoint folder")
+    size.add_argument("--batch", type=_positive_int, default=1, help="concurrent requests")
+    size.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens per request")
+    size.add_argument("--dtype", choices=DTYPES, default="bf16")
+    size.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs")
+    gpu = size.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", help=f"one of {', '.join(GPU_MEMORY_GIB)}")
+    gpu.add_argument("--gpu-mem", type=_positive_float, metavar="GIB", help="GPU memory in GiB")
+    size.add_argument("--gpu-memory-utilization", type=_positive_float, default=0.9,
+                      help="share of the GPU the server may use (vLLM's default 0.9)")
+    size.add_argument("--json", action="store_true")
+    size.set_defaults(func=_size)
+
+    gen = commands.add_parser("generate", help="greedy generation with a chosen KV cache")
+    gen.add_argument("--model", default="tiny", help="'tiny' or a HF Llama checkpoint folder")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--max-new-tokens", type=_positive_int, required=True)
+    gen.add_argument("--cache", choices=("none", "contiguous"), default="contiguous")
+    gen.add_argument("--max-model-len", type=_positive_int, default=None,
+                     help="tokens per request (prompt + output); default: the model's limit")
+    gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    gen.add_argument("--json", action="store_true")
+    gen.set_defaults(func=_generate)
+
+    rep = commands.add_parser("report", help="replay traffic through every cache strategy")
+    rep.add_argument("--model", default="llama-3.1-8b", help="preset or config.json (KV shape)")
+    rep.add_argument("--dtype", choices=DTYPES, default="bf16")
+    rep.add_argument("--trace", help="CSV in the Azure trace format TIMESTAMP,ContextTokens,"
+                                     "GeneratedTokens")
+    rep.add_argument("--max-model-len", type=_positive_int, default=4096)
+    rep.add_argument("--num-requests", type=_positive_int, default=None,
+                     help="requests to draw (synthetic, default 10000) or read (trace, default all)")
+    rep.add_argument("--kv-budget", type=_positive_float, metavar="GIB", default=None,
+                     help="KV memory in GiB (default: 90%% of an 80 GiB GPU minus the weights)")
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=_report)
+
+    chk = commands.add_parser("check", help="check your exercise for a stage")
+    chk.add_argument("stage", help="stage number, or 'all'")
+    chk.add_argument("--target", default="exercises",
+                     help="'exercises' (your work), 'solutions', or a folder")
+    chk.set_defaults(func=_check)
+
+    exe = commands.add_parser("exercises", help="regenerate exercises/ from solutions/")
+    exe.add_argument("--write", action="store_true", help="write the files (default: check)")
+    exe.set_defaults(func=_exercises)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, SizingError, ValueError, FileNotFoundError, KeyError, MemoryError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"kvlab {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""One memory report for every stage: count bytes, never estimate them.
+
+A `MemoryReport` holds the weights' bytes, the KV bytes reserved, the KV bytes holding token states,
+the waste 1 - used / reserved, the CUDA peak, and the device they were measured on.
+
+* On CPU every figure is the exact byte count of the tensors (numel x element_size).
+* On CUDA the same counts are cross-checked against the caching allocator: the cache records
+  `torch.cuda.memory_allocated` before and after reserving its tensors, and `measure` checks that
+  this delta agrees with the tensor bytes (the allocator rounds each allocation up to 512 B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Protocol
+
+import torch
+
+from .sizing import format_bytes
+
+__all__ = ["MemoryReport", "measure", "tensor_bytes", "device_name", "AccountedCache"]
+
+# torch's caching allocator rounds every block up to a multiple of this (c10 kMinBlockSize).
+_CUDA_ROUNDING_BYTES = 512
+
+
+class AccountedCache(Protocol):
+    """What a KV cache exposes to be measured (all in bytes)."""
+
+    reserved_bytes: int
+    used_bytes: int
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Exact bytes of some tensors: sum of numel x element_size (shared storage counted per tensor)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def device_name(device: str | torch.device) -> str:
+    """'cpu', or the CUDA card's name (e.g. 'NVIDIA H100 80GB HBM3')."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """Bytes a model and its KV cache take on one device.
+
+    kv_reserved_bytes: bytes the cache has set aside (whether or not tokens are in them).
+    kv_used_bytes: bytes holding token states (tokens held x KV bytes per token).
+    peak_allocated_bytes / allocator_kv_bytes: CUDA only (None on CPU), from torch.cuda.
+    """
+
+    device: str
+    weights_bytes: int
+    kv_reserved_bytes: int
+    kv_used_bytes: int
+    peak_allocated_bytes: int | None = None
+    allocator_kv_bytes: int | None = None
+
+    @property
+    def waste(self) -> float:
+        """1 - used / reserved: the share of reserved KV memory holding no token (0 if none reserved)."""
+        if self.kv_reserved_bytes == 0:
+            return 0.0
+        return 1.0 - self.kv_used_bytes / self.kv_reserved_bytes
+
+    def rows(self) -> list[tuple[str, str]]:
+        rows = [("device", self.device),
+                ("weights", _exact(self.weights_bytes)),
+                ("KV reserved", _exact(self.kv_reserved_bytes)),
+                ("KV used (holding tokens)", _exact(self.kv_used_bytes)),
+                ("KV waste", f"{self.waste:.1%}")]
+        if self.allocator_kv_bytes is not None:
+            rows.append(("KV per CUDA allocator", _exact(self.allocator_kv_bytes)))
+        if self.peak_allocated_bytes is not None:
+            rows.append(("peak allocated (CUDA)", _exact(self.peak_allocated_bytes)))
+        return rows
+
+    def __str__(self) -> str:
+        width = max(len(name) for name, _ in self.rows())
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in self.rows())
+
+
+def _exact(num_bytes: int) -> str:
+    return f"{num_bytes:,} B ({format_bytes(num_bytes)})"
+
+
+def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None = None,
+            device: str | torch.device | None = None) -> MemoryReport:
+    """Measure a model's weights and a cache's reservation/use on their device.
+
+    Args:
+        model: the decoder (its parameters are counted; tied weights once), or None.
+        cache: any KV cache with `reserved_bytes` and `used_bytes`, or None.
+        device: where to read CUDA figures; default the model's device, else CPU.
+
+    Returns:
+        MemoryReport. On CUDA it includes peak allocated bytes, and the allocator's own delta for
+        the cache when the cache recorded one (`allocator_delta_bytes`).
+
+    Raises:
+        RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree by more than
+            the allocator's rounding (that would mean the cache is not counting what it holds).
+    """
+    if device is None:
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
+    device = torch.device(device)
+    weights = tensor_bytes(model.parameters()) if model is not None else 0
+    reserved = cache.reserved_bytes if cache is not None else 0
+    used = cache.used_bytes if cache is not None else 0
+    report = MemoryReport(device_name(device), weights, reserved, used)
+    if device.type == "cuda":
+        report.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
+        delta = getattr(cache, "allocator_delta_bytes", None)
+        if delta is not None:
+            report.allocator_kv_bytes = delta
+            # Each tensor is rounded up separately; a cache owns a handful of tensors.
+            if not 0 <= delta - reserved <= 64 * _CUDA_ROUNDING_BYTES:
+                raise RuntimeError(f"CUDA allocator saw {delta:,} B for the KV cache but its "
+                                   f"tensors hold {reserved:,} B")
+    return report

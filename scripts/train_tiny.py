@@ -1,9 +1,8 @@
 """Train the course's tiny Llama on text that ships with every Python install.
 
 Corpus: `pydoc_data.topics`, the reference-manual pages that `help("if")` shows (the Python Language
-Reference, PSF licence), about 465 kB of English on Python 3.11. The topics are sorted by name;
-every tenth one (`HELD_OUT_TOPICS`) is held out for perplexity measurements (stage 3) and never
-trained on.
+Reference, PSF licence), about 465 kB of English on Python 3.11; every tenth topic is held out for
+perplexity measurements (stage 3) and never trained on (see `kvlab.corpus`).
 
 Tokenizer: byte-level BPE with a 2,048-token vocabulary, trained by Hugging Face `tokenizers`.
 Model: Llama architecture (RMSNorm, RoPE, SwiGLU, GQA) from `kvlab.model`, about 3.5 M parameters.
@@ -28,28 +27,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from kvlab.attention import repeat_kv
 from kvlab.checkpoint import save_model
 from kvlab.config import LlamaConfig
+from kvlab.corpus import corpus_texts
 from kvlab.model import LlamaForCausalLM
 
 VOCAB_SIZE = 2048
 END_OF_TEXT = "<|endoftext|>"
-
-
-def topic_names() -> list[str]:
-    from pydoc_data.topics import topics
-    return sorted(topics)
-
-
-def held_out_topics() -> list[str]:
-    """Every tenth topic by name: the evaluation split (stage 3 measures perplexity on it)."""
-    return topic_names()[5::10]
-
-
-def corpus_texts(split: str) -> list[str]:
-    """'train' or 'eval' texts of pydoc_data.topics."""
-    from pydoc_data.topics import topics
-    held_out = set(held_out_topics())
-    names = [n for n in topic_names() if (n in held_out) == (split == "eval")]
-    return [topics[name] for name in names]
 
 
 def train_tokenizer(texts: list[str]) -> Tokenizer:

@@ -86,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import ContiguousStrategy, format_report, replay
+    from .report import ContiguousStrategy, PagedStrategy, format_report, replay
     from .sizing import kv_bytes_per_token, weights_bytes
     from .workload import load_azure_trace, synthetic_requests
 
@@ -102,7 +102,14 @@ def _report(args: argparse.Namespace) -> int:
     else:  # vLLM's default: 90 % of the card (gpu_memory_utilization=0.9), minus the weights
         budget = int(0.9 * GPU_MEMORY_GIB["H100-80GB"] * 2**30) - weights_bytes(config, args.dtype)
     per_token = kv_bytes_per_token(config, args.dtype)
-    strategies = [ContiguousStrategy(args.max_model_len, per_token)]
+    strategies = []
+    if config.num_key_value_heads < config.num_attention_heads:
+        # The same model had it kept one KV head per query head (MHA): what GQA saves.
+        mha = config.with_changes(num_key_value_heads=config.num_attention_heads)
+        strategies.append(ContiguousStrategy(args.max_model_len, kv_bytes_per_token(mha, args.dtype),
+                                             name="contiguous-mha"))
+    strategies += [ContiguousStrategy(args.max_model_len, per_token),
+                   PagedStrategy(args.block_size, per_token)]
     report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
                     model=f"{config.name} ({args.dtype})")
     if args.json:
@@ -194,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests to draw (synthetic, default 10000) or read (trace, default all)")
     rep.add_argument("--kv-budget", type=_positive_float, metavar="GIB", default=None,
                      help="KV memory in GiB (default: 90%% of an 80 GiB GPU minus the weights)")
+    rep.add_argument("--block-size", type=_positive_int, default=16,
+                     help="tokens per block of the paged strategy (vLLM's default 16)")
     rep.add_argument("--seed", type=int, default=0)
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_report)

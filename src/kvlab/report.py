@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .workload import Request
 
-__all__ = ["CacheStrategy", "ContiguousStrategy", "StrategyRow", "Report", "replay",
+__all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow", "Report", "replay",
            "held_token_steps", "decode_steps"]
 
 
@@ -64,6 +64,38 @@ class ContiguousStrategy:
 
     def reserved_token_steps(self, request: Request) -> int:
         return decode_steps(request) * self.max_model_len
+
+
+def _block_slots_up_to(tokens: int, block_size: int) -> int:
+    """sum_{n=1}^{tokens} ceil(n / block_size) * block_size, in closed form.
+
+    With q = tokens // block_size full blocks and r = tokens % block_size left over, the counts
+    n = 1..B each need 1 block, B+1..2B need 2, ..., so the sum is B*(B*(1 + ... + q)) + r*B*(q + 1).
+    """
+    q, r = divmod(tokens, block_size)
+    return block_size * (block_size * q * (q + 1) // 2 + r * (q + 1))
+
+
+@dataclasses.dataclass
+class PagedStrategy:
+    """Paged allocation: ceil(held / block_size) blocks at each step (vLLM paper, section 4.2).
+
+    A request reserves a block only when its tokens cross a block boundary, so at most
+    block_size - 1 slots of its last block are empty: waste below one block per sequence.
+    """
+
+    block_size: int
+    bytes_per_token: int
+    name: str = "paged"
+
+    def reserved_token_steps(self, request: Request) -> int:
+        p, g = request.prompt_len, request.output_len
+        if g == 0:
+            return _block_slots_up_to(p, self.block_size) - _block_slots_up_to(p - 1,
+                                                                                self.block_size)
+        # steps hold P+1 ... P+G tokens
+        return (_block_slots_up_to(p + g, self.block_size)
+                - _block_slots_up_to(p, self.block_size))
 
 
 @dataclasses.dataclass

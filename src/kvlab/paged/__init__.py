@@ -1,0 +1,38 @@
+"""Stage 4: the paged KV cache (vLLM's PagedAttention memory manager, Kwon et al., SOSP 2023).
+
+The pool is cut into fixed-size blocks; a sequence's block table maps its logical blocks to any
+physical blocks; blocks are taken only when a sequence crosses a block boundary and returned when it
+finishes; forks share blocks by ref count and copy on write; when the pool runs dry the newest
+sequence is preempted and recomputed later.
+
+One module per idea, in reading order:
+
+* `free_queue`: `Block`, `FreeBlockQueue` (doubly linked, O(1) pop / append / remove).
+* `block_pool`: `BlockPool` (free queue + ref counts; no tensors).
+* `block_table`: `BlockTable` (logical -> physical blocks, slot = block_id * block_size + offset).
+* `kv_cache_manager`: `KVCacheManager` (allocate, append_slots, fork with copy-on-write, free,
+  preempt; every failed call changes nothing).
+* `reference_attention`: write K/V by slot mapping; gather + attend for prefill and decode.
+* `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
+* `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
+* `engine`: `PagedEngine`, `generate_paged` (batched generation with preemption).
+"""
+
+from .block_pool import BlockPool
+from .block_table import BlockTable, cdiv
+from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
+from .engine import PagedEngine, PagedGenerationResult, PagedStats, Sequence, generate_paged
+from .errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
+from .free_queue import Block, FreeBlockQueue
+from .kv_cache_manager import KVCacheManager, SlotReservation
+from .paged_cache import DecodeStore, PagedKVCache, PrefillStore
+from .reference_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
+                                  write_kv)
+
+__all__ = [
+    "Block", "FreeBlockQueue", "BlockPool", "BlockTable", "cdiv", "KVCacheManager",
+    "SlotReservation", "PagedKVCache", "PrefillStore", "DecodeStore", "write_kv", "gather_kv",
+    "paged_prefill_attention", "paged_decode_attention", "kv_block_bytes", "num_blocks_for_budget",
+    "check_pool_fits", "PagedEngine", "PagedGenerationResult", "PagedStats", "Sequence",
+    "generate_paged", "KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError",
+]

@@ -1,0 +1,61 @@
+"""A block table: one sequence's map from logical blocks to physical blocks.
+
+Token at position p lives in logical block p // block_size, at offset p % block_size. The block
+table says which physical block of the pool that logical block is (vLLM paper, Kwon et al., SOSP
+2023, section 4.2, figure 6). Its slot, the row of the flattened pool
+[num_blocks * block_size, num_key_value_heads, head_dim], is
+
+    slot = block_id * block_size + offset
+
+so a sequence's tokens can sit in any blocks, in any order, and only its last block is ever
+partly empty: the waste is under one block per sequence (section 4.2), instead of a whole
+max_model_len reservation (stage 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["BlockTable", "cdiv"]
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division: blocks needed for `numerator` tokens of `denominator` per block."""
+    return -(-numerator // denominator)
+
+
+@dataclasses.dataclass
+class BlockTable:
+    """The physical block ids of one sequence, in logical order, and how many tokens it holds.
+
+    Attributes:
+        block_size: tokens per block.
+        block_ids: entry i is the block holding positions i * block_size .. (i + 1) * block_size - 1.
+        num_tokens: tokens whose slots are reserved (positions 0 .. num_tokens - 1).
+    """
+
+    block_size: int
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+
+    def slot(self, position: int) -> int:
+        """Slot of the token at `position`: block_id * block_size + offset.
+
+        Raises:
+            IndexError: the position has no block yet.
+        """
+        block_id = self.block_ids[position // self.block_size]
+        return block_id * self.block_size + position % self.block_size
+
+    def num_blocks_after(self, num_new_tokens: int) -> int:
+        """New blocks needed to hold `num_new_tokens` more tokens (0 while the last block has room)."""
+        return cdiv(self.num_tokens + num_new_tokens, self.block_size) - len(self.block_ids)
+
+    @property
+    def num_empty_slots(self) -> int:
+        """Reserved but unused slots: all in the last block, so always < block_size."""
+        return len(self.block_ids) * self.block_size - self.num_tokens
+
+    def tokens_in_block(self, index: int) -> int:
+        """Tokens held by logical block `index` (block_size for all but maybe the last)."""
+        return min(self.block_size, self.num_tokens - index * self.block_size)

@@ -1,0 +1,83 @@
+"""How many blocks a server can afford, and the start-up check that one request fits.
+
+vLLM does not size its pool from the traffic. At start-up it loads the weights, runs one profiling
+forward pass at the largest batch to measure peak activation memory, and gives every byte that is
+left of `gpu_memory_utilization x total GPU memory` to the block pool:
+
+    num_blocks = (budget - weights - activations) // bytes of one block
+
+(vLLM v1 worker, `determine_available_memory`; the paper, Kwon et al., SOSP 2023, section 4.2,
+pre-allocates the pool the same way). It then refuses to start when the pool cannot hold a single
+request of max_model_len tokens, because such a request could never be served.
+
+Unlike stage 2, the pool size does not depend on max_num_seqs: blocks go to whichever sequences
+need them, so a bigger max_num_seqs costs nothing up front.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import LlamaConfig
+from ..contiguous import reservation_bytes
+from ..sizing import format_bytes
+from .block_table import cdiv
+from .errors import KVCacheOutOfMemory
+
+__all__ = ["kv_block_bytes", "num_blocks_for_budget", "check_pool_fits"]
+
+
+def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one block id stands for: its K and V slots in every layer.
+
+    = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x dtype bytes
+    = block_size x KV bytes per token. Llama-3.1-8B, bf16, block_size 16: 16 x 128 KiB = 2 MiB.
+    """
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return block_size * reservation_bytes(config, 1, 1, element_bytes)
+
+
+def num_blocks_for_budget(budget_bytes: int, weights_bytes: int, block_bytes: int,
+                          activation_bytes: int = 0) -> int:
+    """Blocks that fit in what a memory budget leaves after the weights and activations.
+
+    Args:
+        budget_bytes: memory the server may use (on a GPU: gpu_memory_utilization x total bytes).
+        weights_bytes: bytes of the model's parameters (`model.weights_bytes`).
+        block_bytes: bytes of one block over all layers (`kv_block_bytes`).
+        activation_bytes: peak activation memory of the largest forward pass (measured by a
+            profiling run on a GPU; 0 by default).
+
+    Returns:
+        (budget_bytes - weights_bytes - activation_bytes) // block_bytes, at least 1.
+
+    Raises:
+        KVCacheOutOfMemory: the budget does not cover the weights plus activations plus one block;
+            the message gives each number in bytes.
+    """
+    left = budget_bytes - weights_bytes - activation_bytes
+    if left < block_bytes:
+        raise KVCacheOutOfMemory(
+            f"budget {budget_bytes:,} B ({format_bytes(budget_bytes)}) - weights {weights_bytes:,} B "
+            f"({format_bytes(weights_bytes)}) - activations {activation_bytes:,} B leaves "
+            f"{left:,} B for the KV cache, less than one block of {block_bytes:,} B")
+    return left // block_bytes
+
+
+def check_pool_fits(num_blocks: int, block_size: int, max_model_len: int,
+                    block_bytes: int | None = None) -> None:
+    """vLLM's start-up check: the pool must hold at least one request of max_model_len tokens.
+
+    Raises:
+        KVCacheOutOfMemory: cdiv(max_model_len, block_size) > num_blocks. The message reads like
+            "a max_model_len=2048 request needs 128 blocks of 16 tokens, the pool has 100 blocks
+            (1600 tokens)", plus the bytes when block_bytes is given.
+    """
+    needed = cdiv(max_model_len, block_size)
+    if needed > num_blocks:
+        message = (f"a max_model_len={max_model_len} request needs {needed} blocks of {block_size} "
+                   f"tokens, the pool has {num_blocks} blocks ({num_blocks * block_size} tokens)")
+        if block_bytes is not None:
+            message += (f": {format_bytes(needed * block_bytes)} needed, "
+                        f"{format_bytes(num_blocks * block_bytes)} in the pool")
+        raise KVCacheOutOfMemory(message + "; lower max_model_len or give the cache more memory")

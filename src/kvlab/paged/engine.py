@@ -1,0 +1,368 @@
+"""Batched greedy generation over the paged KV cache, with preemption by recompute.
+
+A scheduler in the style of vLLM (Kwon et al., SOSP 2023, section 4.5; the vLLM v1 scheduler), cut
+to what the paged cache needs. Each `step`:
+
+1. Decode slots. Every running sequence, oldest first, reserves the slot of its next token. If the
+   block pool has run dry, the *newest* running sequence is preempted: its blocks are freed and it
+   goes back to the front of the waiting queue, to be recomputed later (its prompt and the tokens it
+   generated so far are prefilled again at positions 0, 1, ...). Serving the oldest first means the
+   oldest always make progress, so the server never livelocks.
+2. Admission. If nothing was preempted this step, waiting sequences are admitted first come, first
+   served while their prefill fits in the free blocks and max_num_seqs allows.
+3. One forward pass for the whole decode batch: the newest token of every running sequence, flat
+   [num_seqs], each writing its K/V to its slot and attending over its own blocks.
+4. One forward pass per admitted sequence over all its tokens (prefill). A fresh request with n > 1
+   completions then forks n - 1 siblings that share the prompt's blocks (section 4.4).
+
+Requests that could never fit are rejected by `add_request` before they enter the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Sequence as Seq
+
+import torch
+
+from ..generate import check_request
+from ..model import LlamaForCausalLM
+from .block_table import cdiv
+from .errors import NoFreeBlocksError, RequestTooLongError
+from .paged_cache import PagedKVCache
+
+__all__ = ["Sequence", "PagedStats", "PagedEngine", "PagedGenerationResult", "generate_paged"]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One completion being generated. seq_id = (request_id, sibling), sibling in 0 .. n - 1."""
+
+    seq_id: tuple[int, int]
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    first_token: int | None = None           # forced first generated token, if given
+    generator: torch.Generator | None = None  # for sampling (temperature > 0)
+    siblings_to_fork: list["Sequence"] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt + output: what a prefill after preemption must recompute."""
+        return self.prompt + self.output
+
+
+@dataclasses.dataclass
+class PagedStats:
+    """What a run cost. Counts are tokens or blocks, never bytes (multiply by the cache's
+    bytes_per_token or block_bytes)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0   # tokens whose K/V were dropped by preemption and redone
+    num_prefill_tokens: int = 0      # tokens run through prefill, recomputation included
+    peak_blocks_in_use: int = 0      # physical blocks held at the fullest moment
+    blocks_saved_by_sharing: int = 0  # most block-table entries that pointed at a shared block
+    num_cow_copies: int = 0          # blocks copied by copy-on-write
+
+
+class PagedEngine:
+    """Continuous batching over a `PagedKVCache`: add requests, then `step` (or `run`).
+
+    Args:
+        model: the decoder (its dtype and device are the pool's).
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        max_model_len: longest request (prompt + max_new_tokens); default the model's
+            max_position_embeddings. Checked against the pool at start-up.
+        max_num_seqs: most sequences running at once.
+        eos_token_id: a sequence stops after generating it.
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        seed: seeds one generator per sequence, so samples do not depend on how the batch was
+            scheduled or preempted.
+
+    Raises:
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (numbers in the message).
+        ValueError: bad sizes.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 eos_token_id: int | None = None, temperature: float = 0.0, seed: int = 0):
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.model = model
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len)
+        self.max_num_seqs, self.eos_token_id = max_num_seqs, eos_token_id
+        self.temperature, self.seed = temperature, seed
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.requests: list[list[Sequence]] = []  # request_id -> its n sequences
+        self.stats = PagedStats()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, prompt: Seq[int], max_new_tokens: int, n: int = 1,
+                    first_tokens: Seq[int] | None = None) -> int:
+        """Queue a request for n completions of one prompt; returns its request_id.
+
+        Args:
+            prompt: token ids.
+            max_new_tokens: tokens to generate per completion.
+            n: completions (parallel sampling); they share the prompt's blocks.
+            first_tokens: optional n token ids forced as each completion's first token (makes
+                greedy siblings diverge, so copy-on-write is visible).
+
+        Raises:
+            RequestTooLongError: prompt + max_new_tokens > max_model_len. The start-up check makes
+                the pool hold max_model_len tokens, so this also covers "longer than the pool".
+            ValueError: empty prompt, bad token ids, bad n or first_tokens.
+        """
+        total = len(prompt) + max_new_tokens
+        if total > self.max_model_len:
+            cache = self.cache
+            raise RequestTooLongError(
+                f"request of {len(prompt)} prompt tokens + max_new_tokens={max_new_tokens} = "
+                f"{total} tokens ({cdiv(total, cache.block_size)} blocks of {cache.block_size}) > "
+                f"max_model_len={self.max_model_len} (the pool holds {cache.num_blocks} blocks = "
+                f"{cache.num_blocks * cache.block_size} tokens); rejected")
+        vocab_size = self.model.config.vocab_size
+        check_request(prompt, max_new_tokens, self.max_model_len, vocab_size)
+        if not isinstance(n, int) or not 1 <= n <= self.max_num_seqs:
+            raise ValueError(f"n must be an integer in [1, max_num_seqs={self.max_num_seqs}], "
+                             f"got {n!r}")
+        if first_tokens is not None:
+            if len(first_tokens) != n:
+                raise ValueError(f"first_tokens has {len(first_tokens)} ids for n={n} completions")
+            bad = [t for t in first_tokens if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"first_tokens {bad} are outside the vocabulary [0, {vocab_size})")
+
+        request_id = len(self.requests)
+        family = []
+        for sibling in range(n):
+            generator = None
+            if self.temperature > 0:
+                generator = torch.Generator(device=self.model.device)
+                generator.manual_seed(self.seed + 7919 * request_id + sibling)
+            family.append(Sequence((request_id, sibling), [int(t) for t in prompt],
+                                   max_new_tokens, generator=generator,
+                                   first_token=None if first_tokens is None
+                                   else int(first_tokens[sibling])))
+        family[0].siblings_to_fork = family[1:]  # forked from sibling 0 once its prompt is cached
+        self.requests.append(family)
+        self.waiting.append(family[0])
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def outputs(self, request_id: int) -> list[list[int]]:
+        """Generated ids of each completion of a request (so far)."""
+        return [list(seq.output) for seq in self.requests[request_id]]
+
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    # ---- one scheduler step ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reserve decode slots (preempting when dry), admit, one decode pass, prefill admitted ones."""
+        self.stats.num_steps += 1
+        preemptions_before = self.stats.num_preemptions
+        decode_slots = self._reserve_decode_slots()
+        decode_batch = list(self.running)
+        # Admitting right after a preemption would only hand the freed blocks to a newer request.
+        admitted = self._admit() if self.stats.num_preemptions == preemptions_before else []
+        if not decode_batch and not admitted and self.waiting:
+            raise RuntimeError("scheduler stuck: nothing running and the head of the queue does not "
+                               "fit in an empty pool")  # cannot happen after the start-up check
+        self._record_memory()
+        if decode_batch:
+            self._decode(decode_batch, decode_slots)
+        for seq, slots in admitted:
+            self._prefill(seq, slots)
+        self.stats.num_cow_copies = self.cache.manager.num_cow_copies
+
+    def _reserve_decode_slots(self) -> list[int]:
+        """One slot per running sequence, oldest first; preempt the newest while the pool is dry."""
+        slots: list[int] = []
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            try:
+                slots.append(int(self.cache.append_slots(seq.seq_id, 1)))
+                index += 1
+            except NoFreeBlocksError:
+                # May be `seq` itself when it is the newest: then the loop ends.
+                self._preempt(self.running[-1])
+        return slots
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the sequence's blocks, queue it first to prefill again."""
+        self.running.remove(seq)
+        self.stats.num_recomputed_tokens += self.cache.preempt(seq.seq_id)
+        self.stats.num_preemptions += 1
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)  # several preempted in one step keep their relative order
+
+    def _admit(self) -> list[tuple[Sequence, torch.Tensor]]:
+        """Take waiting sequences (first come, first served) while blocks and max_num_seqs allow."""
+        admitted = []
+        num_seqs = len(self.running)
+        while self.waiting:
+            seq = self.waiting[0]
+            family_size = 1 + len(seq.siblings_to_fork)
+            if num_seqs + family_size > self.max_num_seqs:
+                break
+            try:
+                slots = self.cache.allocate(seq.seq_id, len(seq.tokens))
+            except NoFreeBlocksError:
+                break  # the head waits for blocks; no overtaking, so it cannot starve
+            self.waiting.popleft()
+            admitted.append((seq, slots))
+            num_seqs += family_size
+        return admitted
+
+    def _decode(self, batch: list[Sequence], slots: list[int]) -> None:
+        """One forward pass: the newest token of each sequence at its position, flat [num_seqs]."""
+        device = self.model.device
+        token_ids = torch.tensor([seq.output[-1] for seq in batch], device=device)
+        positions = torch.tensor([len(seq.tokens) - 1 for seq in batch], device=device)
+        store = self.cache.decode_store([seq.seq_id for seq in batch],
+                                        torch.tensor(slots, device=device))
+        logits = self.model(token_ids, positions, store)  # [num_seqs, vocab_size]
+        for seq, row in zip(batch, logits):
+            self._append_token(seq, self._next_token(seq, row))
+
+    def _prefill(self, seq: Sequence, slots: torch.Tensor) -> None:
+        """Run all of a sequence's tokens (prompt, + output after a preemption); sample the next."""
+        tokens = seq.tokens
+        device = self.model.device
+        store = self.cache.prefill_store(seq.seq_id, slots)
+        logits = self.model(torch.tensor(tokens, device=device),
+                            torch.arange(len(tokens), device=device), store)[-1]
+        self.stats.num_prefill_tokens += len(tokens)
+        family = [seq] + seq.siblings_to_fork
+        for sibling in seq.siblings_to_fork:  # share the prompt's blocks, copy nothing
+            self.cache.fork(seq.seq_id, sibling.seq_id)
+        seq.siblings_to_fork = []
+        self.running.extend(family)
+        self._record_memory()
+        for member in family:  # every sibling's first token comes from the same logits
+            self._append_token(member, self._next_token(member, logits))
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """Forced first token, else greedy (temperature 0) or a sample from the sequence's generator."""
+        if not seq.output and seq.first_token is not None:
+            return seq.first_token
+        if self.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.output.append(token)
+        if token == self.eos_token_id or len(seq.output) == seq.max_new_tokens:
+            seq.finished = True
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)  # its blocks are free for the next step
+
+    def _record_memory(self) -> None:
+        manager, stats = self.cache.manager, self.stats
+        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, manager.num_used_blocks)
+        saved = manager.num_logical_blocks - manager.num_used_blocks
+        stats.blocks_saved_by_sharing = max(stats.blocks_saved_by_sharing, saved)
+
+
+# ---- one call for a whole batch ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PagedGenerationResult:
+    """Output of `generate_paged`.
+
+    Attributes:
+        token_ids: per prompt, the generated ids of its first completion ([] if rejected).
+        completions: per prompt, the generated ids of each of its n completions.
+        errors: per prompt, None or the message of the RequestTooLongError that rejected it.
+        stats: preemptions, peak blocks in use, blocks saved by sharing, copy-on-write copies.
+        cache: the PagedKVCache used (every block is free again at the end).
+    """
+
+    token_ids: list[list[int]]
+    completions: list[list[list[int]]]
+    errors: list[str | None]
+    stats: PagedStats
+    cache: PagedKVCache
+
+
+def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
+                   max_new_tokens: int | Seq[int], block_size: int = 16,
+                   num_blocks: int | None = None, max_model_len: int | None = None, n: int = 1,
+                   eos_token_id: int | None = None, max_num_seqs: int = 256,
+                   first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
+                   seed: int = 0) -> PagedGenerationResult:
+    """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
+
+    Args:
+        model: the decoder.
+        prompts: token ids of each prompt (lengths may differ).
+        max_new_tokens: tokens per completion, one int for all or one per prompt.
+        block_size: tokens per block.
+        num_blocks: pool size; default enough for every completion at full length (nothing is
+            preempted). A small pool forces preemption.
+        max_model_len: longest request allowed; default min(max_position_embeddings, the longest
+            request) when num_blocks is None, else min(max_position_embeddings, num_blocks x
+            block_size).
+        n: completions per prompt (parallel sampling, prompt blocks shared).
+        eos_token_id: stop a completion after this token.
+        max_num_seqs: most sequences running at once.
+        first_tokens: per prompt None or n forced first tokens, one per completion.
+        temperature, seed: sampling (0 = greedy); see `PagedEngine`.
+
+    Returns:
+        PagedGenerationResult. Rejected prompts (RequestTooLongError) get [] and an error
+        message; the other prompts are generated as if they were alone.
+
+    Raises:
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
+        ValueError: malformed input (empty prompt, bad token id, mismatched list lengths).
+    """
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    if len(max_new_tokens) != len(prompts):
+        raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
+    if first_tokens is not None and len(first_tokens) != len(prompts):
+        raise ValueError(f"{len(first_tokens)} first_tokens entries for {len(prompts)} prompts")
+    limit = model.config.max_position_embeddings
+    lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
+    if max_model_len is None:
+        max_model_len = min(limit, max(lengths) if num_blocks is None else num_blocks * block_size)
+    if num_blocks is None:
+        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
+        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+
+    engine = PagedEngine(model, num_blocks, block_size, max_model_len, max_num_seqs,
+                         eos_token_id, temperature, seed)
+    request_ids: list[int | None] = []
+    errors: list[str | None] = []
+    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+        forced = None if first_tokens is None else first_tokens[index]
+        try:
+            request_ids.append(engine.add_request(prompt, new, n, forced))
+            errors.append(None)
+        except RequestTooLongError as error:  # rejected at once; the others still run
+            request_ids.append(None)
+            errors.append(f"prompt {index}: {error}")
+    engine.run()
+    completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
+                   for rid in request_ids]
+    return PagedGenerationResult([c[0] for c in completions], completions, errors,
+                                 engine.stats, engine.cache)

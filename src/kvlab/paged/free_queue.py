@@ -1,0 +1,116 @@
+"""The free block queue: every block no sequence holds, in a doubly linked list.
+
+Allocation takes the block at the head; a freed block goes to the tail. So the block that was freed
+longest ago is reused first (least recently used). Three operations must cost O(1), whatever the
+pool size (vLLM v1 keeps ~10^5 blocks):
+
+* `popleft`: take the next free block (allocation),
+* `append`: give a block back (a sequence finished),
+* `remove`: take a block out of the *middle*. Stage 6 (prefix caching) needs it: a freed block still
+  holds the K/V of its tokens, and when a new request has that same prefix the block is taken back
+  from wherever it sits in the queue.
+
+A Python `list` pops from the front in O(n); `collections.deque` removes from the middle in O(n).
+Storing the two links on the block itself makes all three O(1): that is the design of vLLM v1's
+free block queue (the "block pool with an LRU free queue" of the v1 KV cache manager). Two sentinel
+nodes at the ends mean no operation ever has to test for "am I the first / last block?".
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+__all__ = ["Block", "FreeBlockQueue"]
+
+
+class Block:
+    """One block (page) of the pool: `block_size` token slots in every layer, named by `block_id`.
+
+    Attributes:
+        block_id: index into the pool tensors, 0 .. num_blocks - 1 (block 0 is a real block).
+        ref_count: how many block tables hold this block; 0 = free, > 1 = shared after a fork.
+        prev_free, next_free: the free block queue's links; both None while the block is held.
+    """
+
+    __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:  # never follow the links: printing would walk the whole queue
+        return f"Block(block_id={self.block_id}, ref_count={self.ref_count})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) `popleft`, `append` and `remove`.
+
+    Args:
+        blocks: the blocks that start out free, in the order they should be handed out.
+
+    A block is in the queue exactly when its links are set (`block.prev_free is not None`), so
+    "is this block free?" is also O(1) and needs no separate set.
+    """
+
+    def __init__(self, blocks: Iterable[Block] = ()):
+        # Sentinels: the real blocks always sit between these two, so every queued block has a
+        # prev and a next and the link updates below need no special cases.
+        self._head, self._tail = Block(-1), Block(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self._length = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __contains__(self, block: Block) -> bool:
+        return block.prev_free is not None
+
+    def __iter__(self) -> Iterator[Block]:
+        """The free blocks from head (next to be allocated) to tail (most recently freed)."""
+        node = self._head.next_free
+        while node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> Block:
+        """Take the block at the head (freed longest ago).
+
+        Raises:
+            IndexError: the queue is empty.
+        """
+        if self._length == 0:
+            raise IndexError("popleft from an empty free block queue")
+        block = self._head.next_free
+        self.remove(block)
+        return block
+
+    def append(self, block: Block) -> None:
+        """Put a block at the tail (it will be reused last).
+
+        Raises:
+            ValueError: the block is already in the queue (a double free).
+        """
+        if block in self:
+            raise ValueError(f"block {block.block_id} is already in the free block queue")
+        last = self._tail.prev_free
+        block.prev_free, block.next_free = last, self._tail
+        last.next_free = block
+        self._tail.prev_free = block
+        self._length += 1
+
+    def remove(self, block: Block) -> None:
+        """Unlink a block from anywhere in the queue: its two neighbours now point at each other.
+
+        Raises:
+            ValueError: the block is not in the queue.
+        """
+        if block not in self:
+            raise ValueError(f"block {block.block_id} is not in the free block queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self._length -= 1

@@ -1,0 +1,248 @@
+"""The paged KV cache: the block pool tensors, the KV cache manager, and the KV stores a model runs on.
+
+Per layer, one K tensor and one V tensor of shape [num_blocks, block_size, num_key_value_heads,
+head_dim] are allocated once, at start-up, and never resized (vLLM paper, Kwon et al., SOSP 2023,
+section 4.2). A block id names the same rows in every layer, so one block table serves all layers.
+
+`PagedKVCache` is the object a notebook drives step by step (allocate, append, fork, free, preempt,
+print the block tables). For a forward pass it hands out a KV store (see `kvlab.model.KVStore`):
+
+* `PrefillStore`: many tokens of one sequence (a prompt, or prompt + output after a preemption),
+* `DecodeStore`: one new token for each of a batch of sequences, in one forward pass.
+
+Both first write the new K/V into their slots (slot mapping), then attend through the block tables
+(`kvlab.paged.reference_attention`).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from ..config import LlamaConfig
+from ..sizing import format_bytes
+from .budget import check_pool_fits, kv_block_bytes
+from .errors import KVCacheOutOfMemory
+from .kv_cache_manager import KVCacheManager
+from .reference_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
+                                  write_kv)
+
+__all__ = ["PagedKVCache", "PrefillStore", "DecodeStore"]
+
+
+class PagedKVCache:
+    """A block pool of `num_blocks` blocks of `block_size` tokens, in every layer.
+
+    Args:
+        config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
+        num_blocks: blocks in the pool (see `num_blocks_for_budget` to derive it from memory).
+        block_size: tokens per block.
+        dtype, device: of the pool tensors (use the model's).
+        max_model_len: if given, check at start-up that one request this long fits in the pool.
+
+    Attributes:
+        k_caches, v_caches: one tensor per layer, [num_blocks, block_size, num_key_value_heads,
+            head_dim], zero-filled.
+        manager: the `KVCacheManager` (block tables, ref counts, free block queue).
+        block_bytes: bytes of one block id over all layers, K and V.
+        allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
+            was allocated (compare with pool_bytes); None on CPU.
+        bytes_per_token: KV bytes of one token over all layers (block_bytes / block_size).
+
+    Raises:
+        ValueError: num_blocks or block_size < 1.
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request, or (CUDA) the device
+            has no room for the pool; the message gives the numbers.
+    """
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 max_model_len: int | None = None):
+        self.manager = KVCacheManager(num_blocks, block_size)  # validates the two sizes
+        self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.block_bytes = kv_block_bytes(config, block_size, dtype)
+        self.bytes_per_token = self.block_bytes // block_size
+        if max_model_len is not None:
+            check_pool_fits(num_blocks, block_size, max_model_len, self.block_bytes)
+        self.max_model_len = max_model_len
+
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else None
+        try:
+            self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                             for _ in range(config.num_hidden_layers)]
+            self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                             for _ in range(config.num_hidden_layers)]
+        except torch.cuda.OutOfMemoryError as error:
+            self.k_caches = self.v_caches = []
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise KVCacheOutOfMemory(
+                f"block pool of {num_blocks} blocks x {format_bytes(self.block_bytes)} = "
+                f"{format_bytes(num_blocks * self.block_bytes)} > {format_bytes(free)} free of "
+                f"{format_bytes(total)} on {self.device}") from error
+        # The allocator's own count of what the pool took, to cross-check `pool_bytes` (not
+        # `reserved_bytes`: here the allocation is the whole pool, held or free).
+        self.allocator_delta_bytes = (torch.cuda.memory_allocated(self.device) - before
+                                           if cuda else None)
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16,
+                  max_model_len: int | None = None) -> "PagedKVCache":
+        """A pool with the model's shape, dtype and device."""
+        return cls(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
+                   max_model_len=max_model_len)
+
+    # ---- the step-by-step API (block ids from the manager, bytes moved here) -----------------
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> torch.Tensor:
+        """Start a sequence of `num_tokens` tokens; returns their slot mapping [num_tokens] int64.
+
+        Raises:
+            ValueError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.allocate`.
+        """
+        return self._tensor(self.manager.allocate(seq_id, num_tokens))
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> torch.Tensor:
+        """Reserve the next `num_new_tokens` slots of a sequence; returns them, [num_new_tokens] int64.
+
+        If the sequence's last block is shared and partly filled, its data is copied to a fresh
+        block first (copy-on-write), in every layer.
+
+        Raises:
+            KeyError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.append_slots`.
+        """
+        reservation = self.manager.append_slots(seq_id, num_new_tokens)
+        for src, dst in reservation.copies:
+            self.copy_block(src, dst)
+        return self._tensor(reservation.slots)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """`child_id` shares all of `parent_id`'s blocks (no data copied). See `KVCacheManager.fork`."""
+        self.manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a finished sequence's blocks. See `KVCacheManager.free`."""
+        self.manager.free(seq_id)
+
+    def preempt(self, seq_id: Hashable) -> int:
+        """Free a sequence's blocks to recompute it later; returns the tokens dropped."""
+        return self.manager.preempt(seq_id)
+
+    @torch.no_grad()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src`'s K/V into block `dst`, in every layer (block_bytes bytes moved)."""
+        for k_cache, v_cache in zip(self.k_caches, self.v_caches):
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    # ---- KV stores for a forward pass --------------------------------------------------------
+
+    def prefill_store(self, seq_id: Hashable, slot_mapping: torch.Tensor) -> "PrefillStore":
+        """The KV store for a forward pass over tokens of one sequence whose slots are reserved."""
+        block_table = self._tensor(self.manager.block_ids(seq_id))
+        return PrefillStore(self, slot_mapping, block_table, self.manager.num_tokens(seq_id))
+
+    def decode_store(self, seq_ids: Sequence[Hashable],
+                     slot_mapping: torch.Tensor) -> "DecodeStore":
+        """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token."""
+        block_tables, seq_lens = self.block_tables_tensor(seq_ids)
+        return DecodeStore(self, slot_mapping, block_tables, seq_lens)
+
+    def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables of a batch padded with block 0 to one width, and the tokens of each.
+
+        Returns:
+            block_tables [num_seqs, max_blocks_per_seq] int64, seq_lens [num_seqs] int64.
+            Padding is block id 0, a real block: only seq_lens tells what belongs to a sequence.
+        """
+        tables = [self.manager.block_ids(seq_id) for seq_id in seq_ids]
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        seq_lens = [self.manager.num_tokens(seq_id) for seq_id in seq_ids]
+        return self._tensor(padded), self._tensor(seq_lens)
+
+    def gather(self, seq_id: Hashable, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one sequence's keys and values of one layer, [num_tokens, H_kv, head_dim] each."""
+        block_table = self._tensor(self.manager.block_ids(seq_id))
+        num_tokens = self.manager.num_tokens(seq_id)
+        return (gather_kv(self.k_caches[layer_index], block_table, num_tokens),
+                gather_kv(self.v_caches[layer_index], block_table, num_tokens))
+
+    # ---- accounting: exact bytes, counted, never estimated -----------------------------------
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of every K and V pool tensor: what the cache really allocated, held or free."""
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the blocks held by sequences (a shared block once): blocks used x block_bytes."""
+        return self.manager.num_used_blocks * self.block_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes holding token states: distinct tokens stored x KV bytes per token.
+
+        A slot counts from when it is reserved (`allocate`, `append_slots`); the forward pass
+        that follows writes it. A block shared by a fork counts once.
+        """
+        return self.manager.num_stored_tokens * self.bytes_per_token
+
+    @property
+    def waste(self) -> float:
+        """1 - used / reserved: empty slots in last blocks (under one block per sequence); 0 if idle."""
+        reserved = self.reserved_bytes
+        return 1.0 - self.used_bytes / reserved if reserved else 0.0
+
+    def format_block_tables(self) -> str:
+        """Block tables, shared blocks and the free queue, as text (see the manager's example)."""
+        return self.manager.format_block_tables()
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache({self.num_blocks} blocks x {self.block_size} tokens, "
+                f"{self.manager.num_used_blocks} used, pool {format_bytes(self.pool_bytes)})")
+
+
+class PrefillStore:
+    """KV store for many tokens of one sequence: write them to their slots, attend causally.
+
+    slot_mapping [num_tokens] int64; block_table [num_blocks_of_sequence] int64; seq_len: tokens
+    of the sequence in the cache once this pass has written (int).
+    """
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                 seq_len: int):
+        self.cache, self.slot_mapping = cache, slot_mapping
+        self.block_table, self.seq_len = block_table, seq_len
+
+    def attend(self, layer_index, query, key, value, positions):
+        k_cache, v_cache = self.cache.k_caches[layer_index], self.cache.v_caches[layer_index]
+        write_kv(k_cache, v_cache, key, value, self.slot_mapping)
+        return paged_prefill_attention(query, k_cache, v_cache, self.block_table, self.seq_len,
+                                       query_positions=positions)
+
+
+class DecodeStore:
+    """KV store for one new token of each sequence of a batch (token i belongs to sequence i).
+
+    slot_mapping [num_seqs] int64; block_tables [num_seqs, max_blocks_per_seq] int64 (padded);
+    seq_lens [num_seqs] int64, tokens of each sequence once this pass has written. The positions
+    passed to `attend` are seq_lens - 1 by construction.
+    """
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor):
+        self.cache, self.slot_mapping = cache, slot_mapping
+        self.block_tables, self.seq_lens = block_tables, seq_lens
+
+    def attend(self, layer_index, query, key, value, positions):
+        k_cache, v_cache = self.cache.k_caches[layer_index], self.cache.v_caches[layer_index]
+        write_kv(k_cache, v_cache, key, value, self.slot_mapping)
+        return paged_decode_attention(query, k_cache, v_cache, self.block_tables, self.seq_lens)

@@ -1,0 +1,110 @@
+"""Paged attention in plain PyTorch: the reference every faster kernel (stage 5) is checked against.
+
+The pool of one layer is a tensor [num_blocks, block_size, num_key_value_heads, head_dim]. Seen
+flat, [num_blocks * block_size, num_key_value_heads, head_dim], its row `slot` is the token slot
+block_id * block_size + offset. Three operations cover a forward pass:
+
+* `write_kv`: scatter this step's K/V into their slots (the slot mapping). vLLM's
+  `reshape_and_cache` kernel does this.
+* gather, then attend: read a sequence's K/V back through its block table and run ordinary
+  attention (`kvlab.attention.grouped_attention`) over it. `paged_prefill_attention` does this for
+  many query tokens of one sequence, `paged_decode_attention` for one query token of each of a batch
+  of sequences (vLLM paper, Kwon et al., SOSP 2023, section 4.1, equation 4: attention computed
+  block by block over a block table).
+
+This reference copies the blocks into a contiguous tensor before attending; a real kernel reads
+them in place, block by block. Same numbers, less memory traffic: that is stage 5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import grouped_attention
+
+__all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention"]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store token i's key and value at slot `slot_mapping[i]` of one layer's pool (in place).
+
+    Args:
+        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
+        key, value: [num_tokens, num_key_value_heads, head_dim], same dtype as the cache.
+        slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    # A view, not a copy: writing into the flat view writes into the pool.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's keys (or values) in position order, copied out of its blocks.
+
+    Args:
+        cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer of the pool.
+        block_table: [num_blocks_of_sequence] int64 block ids in logical order.
+        seq_len: tokens the sequence holds (<= len(block_table) * block_size).
+
+    Returns:
+        [seq_len, num_key_value_heads, head_dim], a new contiguous tensor.
+    """
+    blocks = cache[block_table]  # [n, block_size, H_kv, D]: advanced indexing copies
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_len: int,
+                            query_positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of many query tokens of one sequence over its blocks (prefill).
+
+    The query tokens' own K/V must already be written (`write_kv`). Query tokens may be the whole
+    sequence or only its last part (e.g. after recompute, or after a prefix-cache hit in stage 6).
+
+    Args:
+        query: [num_tokens, num_attention_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
+        block_table: [num_blocks_of_sequence] int64.
+        seq_len: tokens of the sequence in the cache, keys at positions 0 .. seq_len - 1.
+        query_positions: [num_tokens] int64, all < seq_len.
+
+    Returns:
+        [num_tokens, num_attention_heads, head_dim], dtype of query.
+    """
+    keys = gather_kv(k_cache, block_table, seq_len)
+    values = gather_kv(v_cache, block_table, seq_len)
+    return grouped_attention(query, keys, values, query_positions=query_positions)
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """One query token per sequence, each attending over its own blocks (a batched decode step).
+
+    Block tables of different lengths are padded to one width. Padding entries are ordinary block
+    ids (0 by convention) and block 0 is a real block holding some other sequence's tokens, so
+    padding cannot be recognised by its id: only `seq_lens` says which slots belong to a sequence,
+    and everything at or past seq_len is masked out.
+
+    Args:
+        query: [num_seqs, num_attention_heads, head_dim], the token at position seq_len - 1 of
+            each sequence (its K/V already written).
+        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
+        block_tables: [num_seqs, max_blocks_per_seq] int64, padded.
+        seq_lens: [num_seqs] int64, tokens of each sequence in the cache (>= 1).
+
+    Returns:
+        [num_seqs, num_attention_heads, head_dim], dtype of query.
+    """
+    num_seqs, width = block_tables.shape
+    block_size = k_cache.shape[1]
+    # Gather the whole padded batch at once: [num_seqs, width * block_size, H_kv, D].
+    keys = k_cache[block_tables].reshape(num_seqs, width * block_size, *k_cache.shape[2:])
+    values = v_cache[block_tables].reshape(num_seqs, width * block_size, *v_cache.shape[2:])
+    slot_positions = torch.arange(width * block_size, device=query.device)
+    holds_token = slot_positions[None, :] < seq_lens[:, None]  # [num_seqs, width * block_size]
+    outputs = [grouped_attention(query[i:i + 1], keys[i], values[i],
+                                 query_positions=seq_lens[i:i + 1] - 1, key_mask=holds_token[i])
+               for i in range(num_seqs)]
+    return torch.cat(outputs)

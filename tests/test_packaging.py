@@ -58,6 +58,8 @@ def test_wheel_installs_kernels_under_kvlab_and_ships_the_tiny_model(tmp_path):
     wheel = next(tmp_path.glob("kvlab-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvlab/kernels/__init__.py" in names
+    for package in (ROOT / "src" / "kvlab").rglob("__init__.py"):  # every subpackage ships
+        assert f"kvlab/{package.relative_to(ROOT / 'src' / 'kvlab').as_posix()}" in names
     assert not any(name.startswith("kernels/") for name in names)
     for file in ("config.json", "model.safetensors", "tokenizer.json"):
         assert f"kvlab/models/tiny/{file}" in names

@@ -12,6 +12,7 @@ line on stderr that names the bad value.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -73,15 +74,37 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got "
                              f"{args.prompt_ids!r}") from None
-    result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
-                      max_model_len=args.max_model_len)
-    text = tokenizer.decode(result.token_ids) if tokenizer is not None else None
-    if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": text}))
-    elif text is not None:
-        print((args.prompt or tokenizer.decode(prompt_ids)) + text)
+    if args.cache == "paged":
+        from .paged import generate_paged
+
+        paged = generate_paged(model, [prompt_ids], args.max_new_tokens,
+                               block_size=args.block_size, n=args.n,
+                               max_model_len=args.max_model_len)
+        if paged.errors[0]:
+            raise ValueError(paged.errors[0])
+        completions, stats = paged.completions[0], dataclasses.asdict(paged.stats)
     else:
-        print(" ".join(map(str, result.token_ids)))
+        if args.n != 1:
+            raise ValueError(f"--n {args.n} needs --cache paged (siblings share prompt blocks)")
+        completions = [generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
+                                max_model_len=args.max_model_len).token_ids]
+        stats = None
+    texts = [tokenizer.decode(ids) for ids in completions] if tokenizer is not None else None
+    if args.json:
+        out = {"token_ids": completions[0], "text": texts[0] if texts else None}
+        if args.n > 1:
+            out["completions"] = [{"token_ids": ids, "text": texts[i] if texts else None}
+                                  for i, ids in enumerate(completions)]
+        if stats is not None:
+            out["stats"] = stats
+        print(json.dumps(out))
+        return 0
+    for i, ids in enumerate(completions):
+        prefix = f"[{i}] " if args.n > 1 else ""
+        if texts is not None:
+            print(prefix + (args.prompt or tokenizer.decode(prompt_ids)) + texts[i])
+        else:
+            print(prefix + " ".join(map(str, ids)))
     return 0
 
 
@@ -183,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True)
-    gen.add_argument("--cache", choices=("none", "contiguous"), default="contiguous")
+    gen.add_argument("--cache", choices=("none", "contiguous", "paged"), default="contiguous")
+    gen.add_argument("--block-size", type=_positive_int, default=16,
+                     help="tokens per block (--cache paged)")
+    gen.add_argument("--n", type=_positive_int, default=1,
+                     help="completions of the prompt, sharing its blocks (--cache paged)")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
                      help="tokens per request (prompt + output); default: the model's limit")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -117,8 +117,12 @@ def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None =
         delta = getattr(cache, "allocator_delta_bytes", None)
         if delta is not None:
             report.allocator_kv_bytes = delta
-            # Each tensor is rounded up separately; a cache owns a handful of tensors.
-            if not 0 <= delta - reserved <= 64 * _CUDA_ROUNDING_BYTES:
+            # What the cache allocated: a paged cache allocates its whole pool up front
+            # (`pool_bytes`) and reserves blocks of it; a contiguous cache allocates what it reserves.
+            allocated = getattr(cache, "pool_bytes", reserved)
+            # Each tensor is rounded up separately; a cache owns a few tensors per layer.
+            slack = 4 * 1024 * _CUDA_ROUNDING_BYTES
+            if not 0 <= delta - allocated <= slack:
                 raise RuntimeError(f"CUDA allocator saw {delta:,} B for the KV cache but its "
-                                   f"tensors hold {reserved:,} B")
+                                   f"tensors hold {allocated:,} B")
     return report

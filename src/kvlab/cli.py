@@ -149,16 +149,20 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _exercises(args: argparse.Namespace) -> int:
-    from .exercises import find_root, stale_exercises, write_exercises
+    from . import exercises
 
-    root = find_root()
-    if args.write:
-        for path in write_exercises(root):
-            print(f"wrote {path}")
-        return 0
-    stale = stale_exercises(root)
+    try:
+        if args.write:
+            print(exercises.write_exercises(force=args.force).summary())
+            return 0
+        stale = exercises.exercises_up_to_date()
+    except exercises.ExerciseError as error:
+        print(f"kvlab exercises: error: {error}", file=sys.stderr)
+        return 2
     for path in stale:
         print(f"out of date: {path} (run `kvlab exercises --write`)")
+    if not stale:
+        print("exercises/ is up to date with solutions/")
     return 1 if stale else 0
 
 
@@ -235,13 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=_report)
 
     chk = commands.add_parser("check", help="check your exercise for a stage")
-    chk.add_argument("stage", help="stage number, or 'all'")
+    chk.add_argument("stage", nargs="?", default="all", help="stage number, or 'all' (default)")
     chk.add_argument("--target", default="exercises",
                      help="'exercises' (your work), 'solutions', or a folder")
     chk.set_defaults(func=_check)
 
     exe = commands.add_parser("exercises", help="regenerate exercises/ from solutions/")
     exe.add_argument("--write", action="store_true", help="write the files (default: check)")
+    exe.add_argument("--force", action="store_true",
+                     help="with --write: also overwrite exercise files you have edited")
     exe.set_defaults(func=_exercises)
     return parser
 

@@ -1,0 +1,1 @@
+"""Tests that grade a learner's stage files (see tests/exercises/conftest.py)."""

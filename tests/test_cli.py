@@ -1,0 +1,313 @@
+"""The `kvlab` command: exact JSON figures, exit status 2 with a named value on bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from kvlab.cli import main
+from kvlab.workload import synthetic_requests
+
+GiB = 2**30
+SIZE_KEYS = {
+    "model", "dtype", "tp", "batch", "seq_len", "num_parameters", "kv_heads_per_gpu",
+    "kv_bytes_per_token", "kv_cache_bytes", "weights_bytes", "kv_bytes_per_token_total",
+    "kv_cache_bytes_total", "weights_bytes_total", "gpu", "gpu_memory_bytes",
+    "gpu_memory_utilization", "usable_bytes", "kv_share_of_gpu", "weights_share_of_gpu",
+    "max_concurrent_requests",
+}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """main(argv) -> (exit status, stdout, stderr); argparse errors exit via SystemExit."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv: str):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def contiguous_row(data: dict) -> dict:
+    """The 'contiguous' row of a report, after checking what every row must satisfy."""
+    for row in data["rows"]:
+        assert set(row) == ROW_KEYS
+        assert row["requests_held"] == data["kv_budget_bytes"] // row["kv_reserved_bytes"]
+        assert 0.0 <= row["waste"] < 1.0
+        assert row["kv_used_bytes"] <= row["kv_reserved_bytes"]
+        # Both byte figures are averages over the same request-steps: their ratio is 1 - waste.
+        assert 1 - row["kv_used_bytes"] / row["kv_reserved_bytes"] == pytest.approx(
+            row["waste"], abs=1e-6)
+    by_name = {row["strategy"]: row for row in data["rows"]}
+    assert len(by_name) == len(data["rows"])  # strategy names are unique
+    return by_name["contiguous"]
+
+
+# ---- kvlab size ------------------------------------------------------------------------------
+
+def test_size_70b_json_exact(capsys):
+    data = run_json(capsys, "size", "llama-3.1-70b", "--batch", "128", "--seq-len", "4096",
+                    "--dtype", "bf16")
+    assert set(data) == SIZE_KEYS
+    assert data["model"] == "llama-3.1-70b" and data["dtype"] == "bf16"
+    assert (data["batch"], data["seq_len"], data["tp"]) == (128, 4096, 1)
+    assert data["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert data["kv_cache_bytes"] == 171_798_691_840 == 160 * GiB
+    assert data["num_parameters"] == 70_553_706_496
+    assert data["weights_bytes"] == 2 * 70_553_706_496
+    assert data["kv_heads_per_gpu"] == 8
+    assert data["kv_cache_bytes_total"] == data["kv_cache_bytes"]
+    assert data["max_concurrent_requests"] is None
+    assert data["gpu"] is None and data["usable_bytes"] is None
+
+
+def test_size_text_output(capsys):
+    code, out, err = run(capsys, "size", "llama-3.1-70b", "--batch", "128", "--seq-len", "4096")
+    assert code == 0 and err == ""
+    assert "70,553,706,496 parameters (70.55 B)" in out
+    assert "2 x 80 layers x 8 KV heads x 128 head_dim x 2 B = 327,680 B (320 KiB)" in out
+    assert "171,798,691,840 B (160 GiB)" in out
+
+
+def test_size_fit_on_named_gpu(capsys):
+    data = run_json(capsys, "size", "llama-3.1-8b", "--seq-len", "4096", "--gpu", "H100-80GB")
+    # (0.9 x 80 GiB - 2 x 8,030,261,248 B of weights) // (4096 tokens x 131,072 B)
+    expected = (80 * GiB * 9 // 10 - 2 * 8_030_261_248) // (4096 * 131_072)
+    assert data["max_concurrent_requests"] == expected == 114
+    assert data["gpu"] == "H100-80GB" and data["gpu_memory_bytes"] == 80 * GiB
+
+
+def test_size_fit_with_gpu_mem(capsys):
+    data = run_json(capsys, "size", "llama-3.1-70b", "--seq-len", "4096", "--gpu-mem", "192")
+    usable = 192 * GiB * 9 // 10  # 185,542,587,187 (floor of 185,542,587,187.2)
+    assert data["usable_bytes"] == usable
+    assert data["max_concurrent_requests"] == (usable - 141_107_412_992) // (4096 * 327_680) == 33
+    lower = run_json(capsys, "size", "llama-3.1-70b", "--seq-len", "4096", "--gpu-mem", "192",
+                     "--gpu-memory-utilization", "0.8")
+    assert lower["max_concurrent_requests"] == (
+        192 * GiB * 8 // 10 - 141_107_412_992) // (4096 * 327_680) == 17
+    # 70B weights do not fit one 80 GiB card: nothing fits.
+    assert run_json(capsys, "size", "llama-3.1-70b", "--gpu", "H100-80GB")[
+        "max_concurrent_requests"] == 0
+
+
+def test_size_tp(capsys):
+    data = run_json(capsys, "size", "llama-3.1-70b", "--tp", "16")
+    assert data["kv_heads_per_gpu"] == 1
+    assert data["kv_bytes_per_token"] == 2 * 80 * 1 * 128 * 2
+    assert data["kv_bytes_per_token_total"] == 16 * data["kv_bytes_per_token"]
+
+
+def test_size_config_json_and_checkpoint_folder(capsys, tmp_path, write_config, hf_checkpoint):
+    path = write_config(tmp_path / "m", head_dim=16)
+    data = run_json(capsys, "size", str(path), "--dtype", "fp8", "--batch", "3", "--seq-len", "10")
+    assert data["kv_bytes_per_token"] == 2 * 3 * 2 * 16 * 1 == 192
+    assert data["kv_cache_bytes"] == 3 * 10 * 192
+    folder = run_json(capsys, "size", str(hf_checkpoint.path), "--dtype", "fp32")
+    assert folder["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    assert folder["num_parameters"] == sum(p.numel() for p in hf_checkpoint.hf_model.parameters())
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["size", "llama-9-zillion"], "llama-9-zillion"),
+    (["size", "llama-3.1-70b", "--batch", "0"], "0"),
+    (["size", "llama-3.1-70b", "--batch", "many"], "'many'"),
+    (["size", "llama-3.1-70b", "--seq-len", "-5"], "-5"),
+    (["size", "llama-3.1-70b", "--dtype", "fp4"], "fp4"),
+    (["size", "llama-3.1-70b", "--tp", "3"], "tp=3"),
+    (["size", "llama-3.1-70b", "--gpu", "Z80"], "Z80"),
+    (["size", "llama-3.1-70b", "--gpu-mem", "0"], "0"),
+    (["size", "llama-3.1-70b", "--gpu-memory-utilization", "1.5"], "1.5"),
+    (["size", "llama-3.1-70b", "--gpu-mem", "inf"], "inf"),
+])
+def test_size_bad_input_exits_2_naming_the_value(capsys, argv, named):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert named in err
+    assert "Traceback" not in err
+
+
+def test_size_heads_not_divisible_exits_2(capsys, tmp_path, write_config):
+    path = write_config(tmp_path, num_attention_heads=6, num_key_value_heads=4)
+    code, out, err = run(capsys, "size", str(path))
+    assert code == 2 and out == ""
+    assert "num_attention_heads=6" in err and "num_key_value_heads=4" in err
+    assert err.startswith("kvlab size: error:")
+
+
+def test_console_script_subprocess():
+    script = Path(sys.executable).with_name("kvlab")
+    exe = str(script) if script.exists() else shutil.which("kvlab")
+    assert exe, "the kvlab console script is not installed"
+    done = subprocess.run([exe, "size", "llama-3.1-70b", "--batch", "128", "--seq-len", "4096",
+                           "--dtype", "bf16", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["kv_bytes_per_token"] == 327_680 and data["kv_cache_bytes"] == 160 * GiB
+    bad = subprocess.run([exe, "size", "llama-3.1-70b", "--batch", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "0" in bad.stderr
+
+
+# ---- kvlab generate --------------------------------------------------------------------------
+
+def test_generate_caches_agree_and_match_hf(capsys, hf_checkpoint):
+    common = ["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3",
+              "--max-new-tokens", "5"]
+    plain = run_json(capsys, *common, "--cache", "none")
+    cached = run_json(capsys, *common, "--cache", "contiguous")
+    assert plain == cached
+    assert plain["text"] is None  # no tokenizer.json in this checkpoint
+    assert plain["token_ids"] == hf_checkpoint.hf_greedy([1, 2, 3], 5)
+    code, out, _ = run(capsys, *common, "--max-model-len", "8")
+    assert code == 0 and out.split() == [str(t) for t in plain["token_ids"]]
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--prompt-ids", "1,x,3"], "'1,x,3'"),
+    (["--prompt-ids", "1,500"], "[500]"),
+    (["--prompt-ids", "1,2,3", "--max-model-len", "6"], "max_model_len=6"),
+    (["--prompt", "hello"], "tokenizer.json"),
+])
+def test_generate_bad_input_exits_2(capsys, hf_checkpoint, extra, named):
+    code, out, err = run(capsys, "generate", "--model", str(hf_checkpoint.path),
+                         "--max-new-tokens", "5", *extra)
+    assert code == 2 and out == ""
+    assert named in err
+    assert err.startswith("kvlab generate: error:")
+
+
+def test_generate_on_cuda_without_cuda_exits_2(capsys, hf_checkpoint):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
+    code, out, err = run(capsys, "generate", "--model", str(hf_checkpoint.path), "--prompt-ids",
+                         "1,2", "--max-new-tokens", "2", "--device", "cuda")
+    assert code == 2 and out == ""
+    assert "cuda" in err.lower()
+    assert err.startswith("kvlab generate: error:")
+
+
+def test_generate_missing_checkpoint_exits_2(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "none"), "--prompt-ids", "1",
+                       "--max-new-tokens", "1")
+    assert code == 2 and str(tmp_path / "none") in err
+
+
+# ---- kvlab report ----------------------------------------------------------------------------
+
+REPORT_KEYS = {"rows", "num_requests", "served", "rejected", "rejected_examples", "max_model_len",
+               "kv_budget_bytes", "workload", "model"}
+ROW_KEYS = {"strategy", "kv_bytes_per_token", "kv_reserved_bytes", "kv_used_bytes", "waste",
+            "requests_held"}
+
+
+def test_report_json_synthetic(capsys):
+    data = run_json(capsys, "report", "--num-requests", "2000", "--seed", "3")
+    assert set(data) == REPORT_KEYS
+    row = contiguous_row(data)
+    per_token = 131_072  # llama-3.1-8b, bf16
+    budget = 80 * GiB * 9 // 10 - 2 * 8_030_261_248  # 90 % of an 80 GiB card minus the weights
+    assert data["kv_budget_bytes"] == budget
+    assert data["max_model_len"] == 4096
+    assert row["kv_bytes_per_token"] == per_token
+    assert row["kv_reserved_bytes"] == 4096 * per_token
+    assert row["requests_held"] == budget // (4096 * per_token) == 114
+    # Independent count over the same draws.
+    requests = synthetic_requests(2000, seed=3)
+    served = [r for r in requests if r.total_len <= 4096]
+    steps = sum(max(r.output_len, 1) for r in served)
+    held = sum(sum(min(r.prompt_len + i + 1, r.total_len) for i in range(r.output_len))
+               if r.output_len else r.prompt_len for r in served)
+    assert (data["num_requests"], data["served"]) == (2000, len(served))
+    assert data["rejected"] == 2000 - len(served)
+    assert row["waste"] == pytest.approx(1 - held / (steps * 4096), abs=1e-12)
+    assert row["kv_used_bytes"] == round(Fraction(held * per_token, steps))
+    assert 0.6 < row["waste"] < 0.8
+
+
+TRACE = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+         "2023-11-16 18:15:46.6805900,10,5\n"
+         "2023-11-16 18:15:47.0000000,60,10\n"     # 70 > 64: rejected
+         "2023-11-16 18:15:48.0000000,3,0\n"
+         "2023-11-16 18:15:49.0000000,50,14\n"     # exactly 64: served
+         "2023-11-16 18:15:50.0000000,5000,20\n")  # far too long: rejected
+
+
+def test_report_trace_by_hand(capsys, tmp_path):
+    path = tmp_path / "small.csv"
+    path.write_text(TRACE)
+    data = run_json(capsys, "report", "--trace", str(path), "--max-model-len", "64",
+                    "--kv-budget", "1")
+    assert (data["num_requests"], data["served"], data["rejected"]) == (5, 3, 2)
+    assert data["rejected_examples"] == [
+        {"prompt_len": 60, "output_len": 10, "total_len": 70},
+        {"prompt_len": 5000, "output_len": 20, "total_len": 5020}]
+    # steps 5 + 1 + 14 = 20; held (10x5 + 15) + 3 + (50x14 + 105) = 873; reserved 20 x 64 = 1280.
+    row = contiguous_row(data)
+    assert row["waste"] == pytest.approx(1 - 873 / 1280)
+    assert row["kv_reserved_bytes"] == 64 * 131_072 == 8_388_608
+    assert row["kv_used_bytes"] == round(873 * 131_072 / 20) == 5_721_293
+    assert row["requests_held"] == GiB // 8_388_608 == 128
+    assert data["kv_budget_bytes"] == GiB
+    assert str(path) in data["workload"]
+    # --num-requests reads only the first rows of a trace.
+    first_two = run_json(capsys, "report", "--trace", str(path), "--max-model-len", "64",
+                         "--num-requests", "2", "--kv-budget", "1")
+    assert (first_two["num_requests"], first_two["rejected"]) == (2, 1)
+
+
+def test_report_text_mentions_rejections(capsys, tmp_path):
+    path = tmp_path / "small.csv"
+    path.write_text(TRACE)
+    code, out, err = run(capsys, "report", "--trace", str(path), "--max-model-len", "64",
+                         "--kv-budget", "1")
+    assert code == 0
+    assert "5 requests, 3 served, 2 rejected" in out
+    assert "31.8%" in out  # 1 - 873/1280 = 31.797 %
+
+
+def test_report_malformed_trace_exits_2(capsys, tmp_path):
+    path = tmp_path / "small.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nt,5,6\nt,7,8\nt,12,lots\n")
+    code, out, err = run(capsys, "report", "--trace", str(path))
+    assert code == 2 and out == ""
+    assert "small.csv:4" in err and "'lots'" in err and "GeneratedTokens" in err
+
+
+def test_report_missing_trace_and_all_rejected_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "report", "--trace", str(tmp_path / "absent.csv"))
+    assert code == 2 and "absent.csv" in err
+    path = tmp_path / "long.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nt,100,100\n")
+    code, _, err = run(capsys, "report", "--trace", str(path), "--max-model-len", "64")
+    assert code == 2 and "max_model_len=64" in err
+
+
+def test_report_custom_model_config(capsys, tmp_path, write_config):
+    path = write_config(tmp_path)  # 3 layers, 2 KV heads, head_dim 8
+    path_csv = tmp_path / "t.csv"
+    path_csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nt,4,4\n")
+    data = run_json(capsys, "report", "--model", str(path), "--dtype", "fp32", "--trace",
+                    str(path_csv), "--max-model-len", "16", "--kv-budget", "0.5")
+    row = contiguous_row(data)
+    assert row["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4 == 384
+    assert row["kv_reserved_bytes"] == 16 * 384
+    # P=4, G=4: holds 5, 6, 7, 8 over 4 steps = 26 token-steps of 64 reserved.
+    assert row["waste"] == pytest.approx(1 - 26 / 64)
+    assert row["requests_held"] == (GiB // 2) // (16 * 384)

@@ -127,7 +127,9 @@ class LlamaConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            # An absent (or null) num_key_value_heads means MHA; an explicit 0 is an error below.
+            num_key_value_heads=heads if raw.get("num_key_value_heads") is None
+            else raw["num_key_value_heads"],
             head_dim=head_dim,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),

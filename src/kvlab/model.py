@@ -95,12 +95,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope_theta: float):
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / (rope_theta ** exponents), persistent=False)
+        self.head_dim, self.rope_theta = head_dim, rope_theta
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """theta^(-2i / head_dim) for i < head_dim / 2, float32 [head_dim / 2].
+
+        Recomputed on every call (head_dim / 2 numbers) rather than stored as a buffer, so that
+        `model.to(torch.bfloat16)` can never round the frequencies: in bf16 the angle at position
+        4,000 would be off by up to ~0.7 rad.
+        """
+        exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        return 1.0 / (self.rope_theta ** exponents)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, num_heads, head_dim], positions [num_tokens] -> rotated x, same shape."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        angles = positions.float()[:, None] * self.inv_freq(x.device)[None, :]  # [T, D/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]      # [T, 1, D]
         cos, sin = angles.cos(), angles.sin()
         x32 = x.float()

@@ -16,6 +16,7 @@ split further, so each GPU keeps one whole KV head, replicated (vLLM does the sa
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .config import LlamaConfig
 
@@ -58,11 +59,16 @@ def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
     tp > num_key_value_heads: one head per GPU, each head replicated tp / num_key_value_heads times.
 
     Raises:
-        SizingError: tp < 1, or tp and num_key_value_heads do not divide one another.
+        SizingError: tp < 1, tp does not divide num_attention_heads, or tp and
+            num_key_value_heads do not divide one another.
     """
     kv = config.num_key_value_heads
     if not isinstance(tp, int) or tp < 1:
         raise SizingError(f"tensor parallel size must be a positive integer, got {tp!r}")
+    if config.num_attention_heads % tp:
+        # vLLM refuses this too: every GPU must get the same number of query heads.
+        raise SizingError(f"num_attention_heads={config.num_attention_heads} cannot be split "
+                          f"evenly over tp={tp} GPUs")
     if tp <= kv:
         if kv % tp:
             raise SizingError(f"num_key_value_heads={kv} cannot be split evenly over tp={tp} GPUs")
@@ -88,7 +94,7 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) ->
 def _parameter_counts(config: LlamaConfig, tp: int = 1) -> int:
     """Parameters one of `tp` GPUs holds (tp = 1: the whole model)."""
     hidden, head_dim = config.hidden_size, config.head_dim
-    q_heads = config.num_attention_heads // tp if tp <= config.num_attention_heads else 1
+    q_heads = config.num_attention_heads // tp
     kv_heads = kv_heads_per_gpu(config, tp)
     attention = hidden * head_dim * (2 * q_heads + 2 * kv_heads)  # q, o, k, v projections
     if config.attention_bias:
@@ -181,7 +187,7 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096, dty
                               f"(or give --gpu-mem GIB)")
         gpu, gpu_bytes = key, GPU_MEMORY_GIB[key] * 2**30
     elif gpu_mem_gib is not None:
-        if gpu_mem_gib <= 0:
+        if not (gpu_mem_gib > 0 and math.isfinite(gpu_mem_gib)):
             raise SizingError(f"GPU memory must be positive, got {gpu_mem_gib} GiB")
         gpu, gpu_bytes = f"{gpu_mem_gib:g} GiB GPU", int(gpu_mem_gib * 2**30)
 

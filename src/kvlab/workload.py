@@ -14,7 +14,7 @@ We fit a log-normal to each: for a log-normal, median = e^mu and mean = e^(mu + 
 mu = ln(median) and sigma = sqrt(2 ln(mean / median)). That gives prompt ~ LogNormal(6.928, 0.499)
 and output ~ LogNormal(4.860, 0.992). Draws are rounded to whole tokens, at least 1, and outputs
 are capped at 1,000 tokens as the service capped them (the trace's maximum). The cap trims the
-output mean slightly (to about 205 tokens); medians are unchanged.
+output mean to about 201 tokens (the log-normal's tail above 1,000 is cut); medians are unchanged.
 
 ShareGPT statistics from the vLLM paper (input mean 161, output mean 338) are given as a second
 preset; the paper reports means only, so its fit assumes the same spreads as the Azure fit.
@@ -111,19 +111,22 @@ def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request
 
     Args:
         path: CSV with header `TIMESTAMP,ContextTokens,GeneratedTokens`, one request a row.
-        limit: read at most this many requests.
+        limit: read at most this many requests (>= 1).
 
     Returns:
         Requests in file order; arrival_s is seconds after the first row's timestamp when the
         timestamps parse, else 0.
 
     Raises:
+        ValueError: limit < 1.
         FileNotFoundError: no such file.
         TraceFormatError: missing columns, or a row whose token counts are not integers
             (ContextTokens >= 1, GeneratedTokens >= 0); the message names the line and the value.
     """
     from datetime import datetime
 
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive number of requests, got {limit}")
     path = Path(path)
     requests: list[Request] = []
     with path.open(newline="") as handle:

@@ -1,0 +1,189 @@
+# Stage 4 exercise, GENERATED from solutions/stage4_paged_allocator.py by `kvlab exercises --write`.
+# Your work goes here: replace each `raise NotImplementedError("TODO(stage 4): ...")` with
+# your code, then run `kvlab check 4`. Re-generating keeps a file you have edited (unless --force).
+# kvlab-exercise-checksum: 76c038039c6d703c
+
+"""Stage 4 exercise: a paged KV cache allocator, the memory manager of vLLM's PagedAttention.
+
+vLLM (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP 2023) cuts the KV cache into fixed-size blocks of `block_size` token slots
+and gives each sequence a block table, its list of physical blocks in logical order, instead of one
+max_model_len slab (stage 2). A sequence takes a new block only when its tokens cross a block
+boundary, so it wastes less than one block; blocks come back the moment it finishes; and sampling
+several continuations of one prompt shares the prompt's blocks, copying a block only when a
+sequence is about to write into a shared one.
+
+You write, with no tensors (the scheduler's side: it only decides which block ids a sequence gets):
+
+* `slot_mapping`: where each token's K/V go, slot = block_id * block_size + offset.
+* `TinyBlockAllocator`: allocate, append, fork, free, with ref counts and copy-on-write.
+
+`kvlab check 4` compares yours with the course's allocator, `kvlab.paged.KVCacheManager`, on the
+same operations. Read `src/kvlab/paged/` afterwards and compare (`block_table.py`,
+`block_pool.py`, `kv_cache_manager.py`; `free_queue.py` shows why vLLM v1 keeps its free list as a
+doubly linked list rather than the deque used here).
+
+Units: `block_size` and token counts are numbers of tokens; block ids are ints 0 .. num_blocks-1;
+a slot is a row of the flattened pool [num_blocks * block_size, num_key_value_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable, Sequence
+
+
+def slot_mapping(block_table: Sequence[int], positions: Sequence[int],
+                 block_size: int) -> list[int]:
+    """The slot of each token: where its key and value are written in the flattened pool.
+
+    Token at position p lives in logical block p // block_size, at offset p % block_size; the
+    block table says which physical block that logical block is (paper section 4.2, figure 6):
+
+        slot = block_table[p // block_size] * block_size + p % block_size
+
+    Example: block_size 4, block_table [7, 2]: positions 0, 3, 4, 5 -> slots 28, 31, 8, 9.
+
+    Args:
+        block_table: physical block ids of one sequence, in logical order.
+        positions: token positions (ints, any order).
+        block_size: tokens per block.
+
+    Returns:
+        One slot (int) per position, in the order of `positions`.
+
+    Raises:
+        IndexError: a position < 0 or past the last block of the table (no block holds it yet).
+            The message names the position and the table's capacity in tokens.
+    """
+    raise NotImplementedError("TODO(stage 4): for each p: refuse p < 0 or p >= len(block_table) * block_size (IndexError), else block_table[p // block_size] * block_size + p % block_size")
+
+
+class NoFreeBlocksError(MemoryError):
+    """Fewer free blocks than an operation needs right now; no state was changed.
+
+    A scheduler reacts by preempting a sequence or waiting (paper section 4.5), then retries.
+    """
+
+
+class TinyBlockAllocator:
+    """Block tables of many sequences over one pool of `num_blocks` blocks of `block_size` tokens.
+
+    The state, set up here, that your methods keep consistent:
+
+    Attributes:
+        num_blocks: blocks in the pool (block ids 0 .. num_blocks - 1).
+        block_size: token slots per block.
+        free_blocks: the free list, ids of the blocks no sequence holds. Take blocks from its left
+            end (`popleft`: block 0 first on a fresh pool) and give freed blocks back at its right
+            end (`append`), so the block freed longest ago is reused first (vLLM v1's LRU free
+            block queue).
+        ref_counts: ref_counts[b] = how many block tables hold block b: 0 exactly when b is in
+            free_blocks, > 1 when sequences share it after a fork (paper section 4.4).
+        block_tables: seq_id -> its block ids, in logical order (entry i holds positions
+            i * block_size .. (i + 1) * block_size - 1).
+        num_tokens: seq_id -> tokens the sequence holds (positions 0 .. num_tokens - 1); only its
+            last block can be partly filled.
+
+    Every method checks first and changes state after: a call that raises leaves all four
+    attributes exactly as they were (the scheduler retries it later).
+
+    Args:
+        num_blocks: blocks in the pool, >= 1.
+        block_size: tokens per block, >= 1 (vLLM's default is 16).
+
+    Raises:
+        ValueError: num_blocks or block_size < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got num_blocks="
+                             f"{num_blocks}, block_size={block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: collections.deque[int] = collections.deque(range(num_blocks))
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.num_tokens: dict[Hashable, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+        return len(self.free_blocks)
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Start a sequence holding `num_tokens` tokens (its prompt, written by prefill).
+
+        Takes ceil(num_tokens / block_size) blocks from the left of the free list, each with ref
+        count 1 (paper section 4.3: the prompt's blocks are allocated at once, the rest on demand).
+
+        Args:
+            seq_id: a new sequence id (any hashable).
+            num_tokens: prompt tokens, >= 1.
+
+        Returns:
+            The sequence's block table (a new list of block ids).
+
+        Raises:
+            ValueError: seq_id already has a block table, or num_tokens < 1.
+            NoFreeBlocksError: fewer free blocks than needed; the message names how many blocks
+                the sequence needs and how many are free, e.g.
+                "sequence 'b' needs 3 blocks for 10 tokens, 2 of 8 are free".
+        """
+        raise NotImplementedError("TODO(stage 4): validate; needed = ceil(num_tokens / block_size) (-(-a // b)); refuse (NoFreeBlocksError) before taking anything; popleft `needed` blocks, ref 1")
+
+    def append(self, seq_id: Hashable) -> tuple[int, int] | None:
+        """Reserve the slot of one more token of a running sequence (one decode step).
+
+        Three cases, by where the new token lands (position num_tokens[seq_id]):
+
+        * the last block is full (num_tokens is a multiple of block_size): take a new block from
+          the free list and add it to the table (paper section 4.3, figure 7);
+        * the last block has room and only this sequence holds it: nothing to do;
+        * the last block has room but is shared (ref count > 1, after a fork): writing into it
+          would change the other sequences' tokens. Copy-on-write (section 4.4, figure 8): take a
+          new block, put it in place of the shared one in this table, and drop the shared
+          block's ref count by 1 (the others keep it). The block's K/V must be copied from the
+          shared block into the new one before the write: return that (src, dst) pair.
+
+        Then the sequence holds one more token.
+
+        Args:
+            seq_id: a sequence that has a block table.
+
+        Returns:
+            (src_block_id, dst_block_id) when a copy-on-write happened, else None.
+
+        Raises:
+            KeyError: unknown seq_id.
+            NoFreeBlocksError: a new block is needed and none is free (nothing changed); the
+                message names the sequence and the pool size.
+        """
+        raise NotImplementedError("TODO(stage 4): offset = num_tokens % block_size; offset 0 -> new block; else if ref_counts[last] > 1 -> new block replaces it, ref - 1, return (last, new); check a block is free before changing anything; finally num_tokens += 1")
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start `child_id` as a copy of `parent_id` that shares all its blocks.
+
+        The child gets its own block table listing the parent's blocks, and the same token count;
+        each block's ref count goes up by 1. No block is taken and no data is copied: that is the
+        saving of parallel sampling and beam search (paper section 4.4).
+
+        Raises:
+            KeyError: unknown parent_id.
+            ValueError: child_id already has a block table.
+        """
+        raise NotImplementedError("TODO(stage 4): child's table = a copy of the parent's list (not the same list!); ref_counts[b] += 1 for each of its blocks; copy num_tokens too")
+
+    def free(self, seq_id: Hashable) -> None:
+        """A sequence finished (or is preempted): it lets go of its blocks.
+
+        Remove its block table and token count; drop each of its blocks' ref count by 1, and a
+        block whose count reaches 0 goes back to the right end of the free list. Go through the
+        table last block first (as vLLM v1 does: a sequence's tail is the part least likely to be
+        shared later, so it should be reused first). A block another sequence still holds stays.
+
+        Raises:
+            KeyError: unknown seq_id.
+        """
+        raise NotImplementedError("TODO(stage 4): pop the table and the count; for b in reversed(table): ref - 1, append b to free_blocks when its ref count reaches 0")

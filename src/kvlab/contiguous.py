@@ -4,7 +4,7 @@ This is how early serving stacks (FasterTransformer, Orca as described in the vL
 cache: at start-up, reserve `max_num_seqs` slabs, each big enough for a request of `max_model_len`
 tokens, whatever the request will really use. A request that stops after 200 tokens leaves the rest
 of its 4,096-token slab empty, and no other request may use it. The vLLM paper (Kwon et al., SOSP
-2023, section 2.3 and figure 2) measured only 20.4-38.2 % of such reservations holding token states.
+2023, section 3 and figure 2) measured only 20.4-38.2 % of such reservations holding token states.
 
 Layout per layer: `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
 head_dim]; slab `s` is row `s`, token at position p lives at `[s, p]`.
@@ -90,6 +90,11 @@ class ContiguousKVCache:
     def reserved_bytes(self) -> int:
         """Exact bytes of the K and V slabs (all of them, in use or not)."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @property
+    def num_tensors(self) -> int:
+        """Tensors the cache allocated (the K slab and the V slab)."""
+        return 2
 
     @property
     def used_bytes(self) -> int:

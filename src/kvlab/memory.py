@@ -20,8 +20,10 @@ from .sizing import format_bytes
 
 __all__ = ["MemoryReport", "measure", "tensor_bytes", "device_name", "AccountedCache"]
 
-# torch's caching allocator rounds every block up to a multiple of this (c10 kMinBlockSize).
-_CUDA_ROUNDING_BYTES = 512
+# torch's caching allocator rounds every request up to 512 B (c10 kMinBlockSize), and gives a large
+# request a 2 MiB-rounded segment that it splits only when more than 1 MiB (kSmallSize) is left
+# over, so memory_allocated can exceed a tensor's bytes by up to 1 MiB per tensor.
+_CUDA_SLACK_PER_TENSOR = 2**20 + 512
 
 
 class AccountedCache(Protocol):
@@ -120,8 +122,7 @@ def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None =
             # What the cache allocated: a paged cache allocates its whole pool up front
             # (`pool_bytes`) and reserves blocks of it; a contiguous cache allocates what it reserves.
             allocated = getattr(cache, "pool_bytes", reserved)
-            # Each tensor is rounded up separately; a cache owns a few tensors per layer.
-            slack = 4 * 1024 * _CUDA_ROUNDING_BYTES
+            slack = getattr(cache, "num_tensors", 2) * _CUDA_SLACK_PER_TENSOR
             if not 0 <= delta - allocated <= slack:
                 raise RuntimeError(f"CUDA allocator saw {delta:,} B for the KV cache but its "
                                    f"tensors hold {allocated:,} B")

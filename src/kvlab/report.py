@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from .workload import Request
 
 __all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow", "Report", "replay",
-           "held_token_steps", "decode_steps"]
+           "format_report", "held_token_steps", "decode_steps"]
 
 
 def decode_steps(request: Request) -> int:
@@ -56,7 +56,7 @@ class CacheStrategy(Protocol):
 
 @dataclasses.dataclass
 class ContiguousStrategy:
-    """Naive reservation: a max_model_len slab for the request's whole life (vLLM paper, 2.3)."""
+    """Naive reservation: a max_model_len slab for the request's whole life (vLLM paper, section 3)."""
 
     max_model_len: int
     bytes_per_token: int

@@ -2,7 +2,7 @@
 
 The KV cache stores, for every token a request holds, one key and one value vector per KV head per
 layer (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
-PagedAttention", SOSP 2023, section 2):
+PagedAttention", SOSP 2023, section 3):
 
     KV bytes per token = 2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
 

@@ -182,6 +182,11 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
 
     @property
+    def num_tensors(self) -> int:
+        """Tensors the pool allocated: one K and one V tensor per layer."""
+        return len(self.k_caches) + len(self.v_caches)
+
+    @property
     def reserved_bytes(self) -> int:
         """Bytes of the blocks held by sequences (a shared block once): blocks used x block_bytes."""
         return self.manager.num_used_blocks * self.block_bytes

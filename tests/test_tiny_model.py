@@ -64,8 +64,14 @@ def test_held_out_topics_are_never_trained_on():
     held = held_out_topics()
     assert held and set(held) < set(topic_names())
     train, evaluation = corpus_texts("train"), corpus_texts("eval")
-    assert len(train) + len(evaluation) == len(topic_names())
-    assert not set(train) & set(evaluation)
+    assert len(train) + len(held) == len(topic_names())
+    assert evaluation and not set(train) & set(evaluation)
+    # Uncontaminated, by an independent criterion: no 200-character piece of an evaluation text
+    # occurs anywhere in the training text.
+    training_text = "\n".join(train)
+    for text in evaluation:
+        for start in range(0, max(1, len(text) - 200), 50):
+            assert text[start:start + 200] not in training_text, text[start:start + 200]
     with pytest.raises(ValueError, match="split"):
         corpus_texts("test")
 

@@ -59,10 +59,14 @@ def _generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_model, load_tokenizer
     from .generate import generate
 
+    from .device import default_dtype
+
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
-    model = load_model(args.model, dtype=dtypes[args.dtype], device=args.device)
+    # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
+    dtype = dtypes[args.dtype] if args.dtype else default_dtype(args.device)
+    model = load_model(args.model, dtype=dtype, device=args.device)
     tokenizer = None
     try:
         tokenizer = load_tokenizer(args.model)
@@ -221,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
                      help="tokens per request (prompt + output); default: the model's limit")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                     help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=_generate)
 

@@ -76,7 +76,7 @@ def test_size_70b_json_exact(capsys):
 def test_size_text_output(capsys):
     code, out, err = run(capsys, "size", "llama-3.1-70b", "--batch", "128", "--seq-len", "4096")
     assert code == 0 and err == ""
-    assert "70,553,706,496 parameters (70.55 B)" in out
+    assert "70,553,706,496 parameters (70.55 billion)" in out
     assert "2 x 80 layers x 8 KV heads x 128 head_dim x 2 B = 327,680 B (320 KiB)" in out
     assert "171,798,691,840 B (160 GiB)" in out
 
@@ -311,3 +311,24 @@ def test_report_custom_model_config(capsys, tmp_path, write_config):
     # P=4, G=4: holds 5, 6, 7, 8 over 4 steps = 26 token-steps of 64 reserved.
     assert row["waste"] == pytest.approx(1 - 26 / 64)
     assert row["requests_held"] == (GiB // 2) // (16 * 384)
+
+
+def test_generate_paged_n_with_temperature_gives_distinct_completions_and_stats(
+        hf_checkpoint, capsys):
+    code = main(["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3,4,5",
+                 "--max-new-tokens", "8", "--cache", "paged", "--block-size", "2", "--n", "3",
+                 "--temperature", "1.0", "--seed", "1", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    completions = [c["token_ids"] for c in out["completions"]]
+    assert len(completions) == 3 and all(len(c) == 8 for c in completions)
+    assert len({tuple(c) for c in completions}) > 1  # sampling made the siblings diverge
+    assert out["stats"]["blocks_saved_by_sharing"] > 0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_generate_rejects_bad_temperatures(hf_checkpoint, capsys, value):
+    code = main(["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2",
+                 "--max-new-tokens", "2", "--cache", "paged", "--temperature", value])
+    assert code == 2
+    assert "temperature" in capsys.readouterr().err

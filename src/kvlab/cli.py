@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import signal
 import sys
 
 from .config import ConfigError, load_config
@@ -33,15 +34,17 @@ def _size(args: argparse.Namespace) -> int:
         return 0
     per_gpu = f" per GPU (tp={report.tp}, {report.kv_heads_per_gpu} KV heads each)" \
         if report.tp > 1 else ""
-    print(f"{config.name}: {report.num_parameters:,} parameters ({report.num_parameters / 1e9:.2f} B), "
-          f"{args.dtype}")
+    weights_per_gpu = f" per GPU (tp={report.tp})" if report.tp > 1 else ""
+    requests = "request" if args.batch == 1 else "requests"
+    print(f"{config.name}: {report.num_parameters:,} parameters "
+          f"({_count_words(report.num_parameters)}), {args.dtype}")
     print(f"KV bytes per token{per_gpu}: 2 x {config.num_hidden_layers} layers x "
           f"{report.kv_heads_per_gpu} KV heads x {config.head_dim} head_dim x "
           f"{report.kv_bytes_per_token // (2 * config.num_hidden_layers * report.kv_heads_per_gpu * config.head_dim)} B"
           f" = {report.kv_bytes_per_token:,} B ({format_bytes(report.kv_bytes_per_token)})")
-    print(f"KV cache for {args.batch} requests x {args.seq_len:,} tokens{per_gpu}: "
+    print(f"KV cache for {args.batch} {requests} x {args.seq_len:,} tokens{per_gpu}: "
           f"{report.kv_cache_bytes:,} B ({format_bytes(report.kv_cache_bytes)})")
-    print(f"weights{per_gpu}: {report.weights_bytes:,} B ({format_bytes(report.weights_bytes)}, "
+    print(f"weights{weights_per_gpu}: {report.weights_bytes:,} B ({format_bytes(report.weights_bytes)}, "
           f"{report.weights_bytes / 1e9:.1f} GB)")
     if report.gpu is not None:
         print(f"on {report.gpu} ({format_bytes(report.gpu_memory_bytes)}): weights "
@@ -51,6 +54,14 @@ def _size(args: argparse.Namespace) -> int:
               f"(gpu_memory_utilization={report.gpu_memory_utilization}): "
               f"{report.max_concurrent_requests:,}")
     return 0
+
+
+def _count_words(count: int) -> str:
+    """70553706496 -> '70.55 billion'; 3541248 -> '3.54 million' (never 'B', which reads as bytes)."""
+    for scale, word in ((1e9, "billion"), (1e6, "million"), (1e3, "thousand")):
+        if count >= scale:
+            return f"{count / scale:.2f} {word}"
+    return str(count)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -86,13 +97,14 @@ def _generate(args: argparse.Namespace) -> int:
 
         paged = generate_paged(model, [prompt_ids], args.max_new_tokens,
                                block_size=args.block_size, n=args.n,
-                               max_model_len=args.max_model_len)
+                               max_model_len=args.max_model_len,
+                               temperature=args.temperature, seed=args.seed)
         if paged.errors[0]:
             raise ValueError(paged.errors[0])
         completions, stats = paged.completions[0], dataclasses.asdict(paged.stats)
     else:
-        if args.n != 1:
-            raise ValueError(f"--n {args.n} needs --cache paged (siblings share prompt blocks)")
+        if args.n != 1 or args.temperature:
+            raise ValueError("--n and --temperature need --cache paged (siblings share blocks)")
         completions = [generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
                                 max_model_len=args.max_model_len).token_ids]
         stats = None
@@ -112,6 +124,13 @@ def _generate(args: argparse.Namespace) -> int:
             print(prefix + (args.prompt or tokenizer.decode(prompt_ids)) + texts[i])
         else:
             print(prefix + " ".join(map(str, ids)))
+    if stats is not None:
+        block_bytes = paged.cache.block_bytes
+        print(f"-- paged cache: block_size {args.block_size}, peak {stats['peak_blocks_in_use']} "
+              f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
+              f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
+              f"{stats['num_cow_copies']} copy-on-write copies, "
+              f"{stats['num_preemptions']} preemptions")
     return 0
 
 
@@ -163,9 +182,12 @@ def _exercises(args: argparse.Namespace) -> int:
             print(exercises.write_exercises(force=args.force).summary())
             return 0
         stale = exercises.exercises_up_to_date()
+        edited = exercises.edited_exercises()
     except exercises.ExerciseError as error:
         print(f"kvlab exercises: error: {error}", file=sys.stderr)
         return 2
+    for path in edited:
+        print(f"your work: {path} (edited by you; kept as it is)")
     for path in stale:
         print(f"out of date: {path} (run `kvlab exercises --write`)")
     if not stale:
@@ -222,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per block (--cache paged)")
     gen.add_argument("--n", type=_positive_int, default=1,
                      help="completions of the prompt, sharing its blocks (--cache paged)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy (default); > 0 samples, so --n completions differ "
+                          "(--cache paged)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (--cache paged)")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
                      help="tokens per request (prompt + output); default: the model's limit")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -261,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and hasattr(signal, "SIGPIPE"):  # `kvlab ... | head` ends quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

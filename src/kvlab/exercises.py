@@ -293,10 +293,21 @@ def write_exercises(root: str | Path | None = None, force: bool = False) -> Writ
     return report
 
 
-def exercises_up_to_date(root: str | Path | None = None) -> list[Path]:
+def edited_exercises(root: str | Path | None = None) -> list[Path]:
+    """Exercise files the learner has edited (their text no longer matches its checksum)."""
+    root = _root(root)
+    return [path for path in sorted((root / "exercises").glob("stage*_*.py"))
+            if _STAGE_FILE.match(path.name)
+            and not _is_untouched(path.read_text(encoding="utf-8"))]
+
+
+def exercises_up_to_date(root: str | Path | None = None,
+                         include_edited: bool = False) -> list[Path]:
     """The exercise files that do not match their answer files (an empty list: all up to date).
 
     Lists missing and out-of-date `exercises/stageN_*.py`, and exercise files with no answer file.
+    A file the learner has edited is their work, not staleness: it is left out unless
+    `include_edited` (the course's own CI sets it: the committed files must be pristine).
 
     Raises:
         ExerciseError: no course folder, or bad markers in an answer file.
@@ -304,9 +315,12 @@ def exercises_up_to_date(root: str | Path | None = None) -> list[Path]:
     root = _root(root)
     stale = []
     expected = set()
+    edited = set() if include_edited else set(edited_exercises(root))
     for stage, source in solution_files(root).items():
         target = root / "exercises" / source.name
         expected.add(target)
+        if target in edited:
+            continue
         text = make_exercise(source.read_text(encoding="utf-8"), stage, source.name)
         if not target.exists() or target.read_text(encoding="utf-8") != text:
             stale.append(target)

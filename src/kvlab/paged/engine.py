@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Sequence as Seq
 
 import torch
@@ -94,6 +95,9 @@ class PagedEngine:
                  eos_token_id: int | None = None, temperature: float = 0.0, seed: int = 0):
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                             f"got {temperature!r}")
         self.model = model
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len)

@@ -7,8 +7,8 @@ num_key_value_heads` query heads share one key/value head. Query head `h` reads 
 
 `grouped_attention` computes it with a reshape: the G query heads of one KV head are laid side by
 side as extra rows, so one batched matmul per KV head serves the whole group and the K/V tensors
-are never copied G times. `repeat_kv` does the copy instead; it exists only as the reference the
-tests compare against.
+are never copied G times. `repeat_kv` does the copy instead; it exists as the reference the tests
+compare against (and for the training script, which hands whole sequences to PyTorch's SDPA).
 """
 
 from __future__ import annotations

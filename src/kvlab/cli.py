@@ -19,7 +19,7 @@ import signal
 import sys
 
 from .config import ConfigError, load_config
-from .sizing import GPU_MEMORY_GIB, SizingError, format_bytes, size_report
+from .sizing import GPU_MEMORY_GIB, SizingError, dtype_bytes, format_bytes, size_report
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -40,7 +40,7 @@ def _size(args: argparse.Namespace) -> int:
           f"({_count_words(report.num_parameters)}), {args.dtype}")
     print(f"KV bytes per token{per_gpu}: 2 x {config.num_hidden_layers} layers x "
           f"{report.kv_heads_per_gpu} KV heads x {config.head_dim} head_dim x "
-          f"{report.kv_bytes_per_token // (2 * config.num_hidden_layers * report.kv_heads_per_gpu * config.head_dim)} B"
+          f"{dtype_bytes(args.dtype)} B"
           f" = {report.kv_bytes_per_token:,} B ({format_bytes(report.kv_bytes_per_token)})")
     print(f"KV cache for {args.batch} {requests} x {args.seq_len:,} tokens{per_gpu}: "
           f"{report.kv_cache_bytes:,} B ({format_bytes(report.kv_cache_bytes)})")

@@ -16,7 +16,7 @@ import torch
 
 from .attention import grouped_attention
 from .config import LlamaConfig
-from .sizing import format_bytes
+from .sizing import format_bytes, kv_elements_per_token
 
 __all__ = ["ContiguousKVCache", "KVCacheOutOfMemory", "reservation_bytes"]
 
@@ -28,8 +28,7 @@ class KVCacheOutOfMemory(MemoryError):
 def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int,
                       element_bytes: int) -> int:
     """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return max_num_seqs * max_model_len * per_token * element_bytes
+    return max_num_seqs * max_model_len * kv_elements_per_token(config) * element_bytes
 
 
 class ContiguousKVCache:

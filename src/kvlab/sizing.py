@@ -21,7 +21,7 @@ import math
 from .config import LlamaConfig
 
 __all__ = ["DTYPE_BYTES", "GPU_MEMORY_GIB", "dtype_bytes", "kv_heads_per_gpu",
-           "kv_bytes_per_token", "num_parameters", "weights_bytes", "SizeReport", "size_report",
+           "kv_elements_per_token", "kv_bytes_per_token", "num_parameters", "weights_bytes", "SizeReport", "size_report",
            "SizingError", "format_bytes"]
 
 # Bytes per element of each storage dtype the course sizes for.
@@ -79,6 +79,15 @@ def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
     return 1
 
 
+def kv_elements_per_token(config: LlamaConfig, tp: int = 1) -> int:
+    """KV-cache numbers one token occupies on one GPU: 2 (K and V) x layers x KV heads x head_dim.
+
+    Raises:
+        SizingError: an impossible tp.
+    """
+    return 2 * config.num_hidden_layers * kv_heads_per_gpu(config, tp) * config.head_dim
+
+
 def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
     """KV-cache bytes one token occupies on one GPU: 2 x layers x KV heads per GPU x head_dim x bytes.
 
@@ -87,8 +96,7 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) ->
     Raises:
         SizingError: unknown dtype or an impossible tp.
     """
-    return (2 * config.num_hidden_layers * kv_heads_per_gpu(config, tp) * config.head_dim
-            * dtype_bytes(dtype))
+    return kv_elements_per_token(config, tp) * dtype_bytes(dtype)
 
 
 def _parameter_counts(config: LlamaConfig, tp: int = 1) -> int:

@@ -12,7 +12,7 @@ import torch
 from kvlab import gqa, sizing
 from kvlab.attention import reference_attention, repeat_kv
 from kvlab.config import PRESETS
-from kvlab.exercises import assert_close, assert_equal, expect_raises
+from kvlab.grading import assert_close, assert_equal, expect_raises
 
 
 @pytest.fixture(scope="module")

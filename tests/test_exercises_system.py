@@ -55,7 +55,7 @@ def test_checker_passes_the_solutions_and_fails_untouched_exercises_cleanly(tmp_
 
 def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):
     mistakes = {  # stage: [(answer text, the learner's version)]; stage 4: no file at all
-        0: [("max(0, free_bytes // per_request)", "max(0, free_bytes / per_request)")],
+        0: [("max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)")],
         1: [("return weight * normed.to(x.dtype)", "return weight.double() * normed.double()"),
             ("return torch.cat([out_first, out_second], dim=-1).to(x.dtype)",
              "return torch.full_like(x, float('nan'))")],
@@ -73,7 +73,7 @@ def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):
     assert code == 1, output
     for line in [
         r"FAIL  test_max_concurrent_requests_rounds_down: max_concurrent_requests\(gpu_bytes="
-        r"12000.*: expected int 3, got float 3\.33",
+        r"12000.*: expected int 3, got float 3\.0$",
         r"FAIL  test_rms_norm_matches_kvlab \(3 of 3 cases\): rms_norm\(x \[5, 16\] float32.*"
         r"expected dtype torch.float32, got torch.float64",
         r"FAIL  test_apply_rope_any_positions: apply_rope\(.*: 64 non-finite values",

@@ -29,7 +29,8 @@ class Reporter:
 
     def pytest_collectreport(self, report):
         if report.failed:
-            self.broken.append(f"{report.nodeid}: {report.longreprtext.strip().splitlines()[-1]}")
+            last = report.longreprtext.strip().splitlines()[-1].removeprefix("E").strip()
+            self.broken.append(f"{report.nodeid}: {last}")
 
     def pytest_runtest_logreport(self, report):
         if report.failed or report.skipped or report.when == "call":

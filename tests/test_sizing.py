@@ -321,3 +321,18 @@ def test_kv_cache_dtype_is_apart_from_the_weights_dtype():
 def test_plural():
     assert [plural(n, "request") for n in (0, 1, 2, 10_000)] == [
         "0 requests", "1 request", "2 requests", "10,000 requests"]
+
+
+def test_sizing_speaks_the_one_dtype_vocabulary():
+    """Names, long names and torch dtypes are all accepted (kvlab.dtypes), reports hold short names."""
+    config = PRESETS["llama-3.1-8b"]
+    assert kv_bytes_per_token(config, torch.bfloat16) == kv_bytes_per_token(config, "bfloat16") \
+        == kv_bytes_per_token(config, "bf16") == 131_072
+    assert weights_bytes(config, torch.float8_e4m3fn) == 8_030_261_248
+    report = size_report(config, dtype=torch.float16, kv_cache_dtype="float8")
+    assert (report.dtype, report.kv_cache_dtype) == ("fp16", "fp8")
+    assert default_kv_budget(config, dtype=torch.bfloat16) == default_kv_budget(config)
+    with pytest.raises(SizingError, match="fp4"):
+        kv_bytes_per_token(config, "fp4")
+    with pytest.raises(SizingError, match="torch.int8|int8"):
+        size_report(config, kv_cache_dtype=torch.int8)

@@ -19,10 +19,11 @@ import signal
 import sys
 
 from .config import ConfigError, load_config
+from .dtypes import DTYPES as DTYPE_LIST
 from .sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, SizingError, dtype_bytes,
                      format_bytes, plural, size_report)
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8")
+DTYPES = tuple(dtype.name for dtype in DTYPE_LIST)  # bf16, fp16, fp32, fp8 (kvlab.dtypes)
 
 
 def _size(args: argparse.Namespace) -> int:

@@ -18,17 +18,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from . import dtypes
 from .config import LlamaConfig
+from .dtypes import DTypeLike
 
-__all__ = ["DTYPE_BYTES", "GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
+__all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
            "local_gpu_memory", "default_kv_budget", "dtype_bytes", "kv_heads_per_gpu",
            "kv_elements_per_token", "kv_bytes_per_token", "num_parameters", "weights_bytes",
            "SizeReport", "size_report", "SizingError", "format_bytes", "plural", "MAX_SEQ_LEN",
            "MAX_BATCH"]
-
-# Bytes per element of each storage dtype the course sizes for.
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-               "fp8": 1, "float8": 1}
 
 # NOMINAL memory of common cards: the capacity on the vendor's datasheet (NVIDIA, AMD), read as GiB
 # (2**30 bytes). A card reports less to torch.cuda: the driver, ECC and the CUDA context keep some,
@@ -108,7 +106,7 @@ def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuM
     return None
 
 
-def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: str = "bf16",
+def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: DTypeLike = "bf16",
                       gpu_memory_utilization: float = 0.9, tp: int = 1,
                       gpu_memory_bytes: int | None = None) -> int:
     """Bytes left for the KV cache on one GPU: int(gpu_memory_utilization x GPU bytes) - weights.
@@ -120,7 +118,7 @@ def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: str
         config: the model (weights per GPU under tensor parallelism `tp`).
         gpu: a card of GPU_MEMORY_GIB (nominal size) or "local" (torch.cuda's figure). Ignored
             when gpu_memory_bytes is given.
-        dtype: the weights' dtype ("bf16", "fp16", "fp32", "fp8").
+        dtype: the weights' dtype: a name ("bf16", "fp16", "fp32", "fp8") or a torch dtype.
         gpu_memory_utilization: share of the card the server may use, in (0, 1].
         gpu_memory_bytes: the card's memory in bytes, instead of `gpu`.
 
@@ -142,16 +140,26 @@ def plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name ('bf16', 'fp16', 'fp32', 'fp8').
+def dtype_bytes(dtype: DTypeLike) -> int:
+    """Bytes per element of a dtype: a name ('bf16', 'float16', ...), a torch dtype, or a size.
+
+    Any spelling `kvlab.dtypes.resolve_dtype` accepts works here (one vocabulary everywhere).
 
     Raises:
-        SizingError: an unknown dtype name.
+        SizingError: an unknown dtype.
     """
     try:
-        return DTYPE_BYTES[dtype.lower()]
-    except KeyError:
-        raise SizingError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp8") from None
+        return dtypes.dtype_bytes(dtype)
+    except ValueError as error:
+        raise SizingError(str(error)) from None
+
+
+def _dtype_name(dtype: DTypeLike) -> str:
+    """The short name of a dtype for a report ('bf16'), as SizingError when unknown."""
+    try:
+        return dtypes.dtype_name(dtype)
+    except ValueError as error:
+        raise SizingError(str(error)) from None
 
 
 def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
@@ -190,7 +198,7 @@ def kv_elements_per_token(config: LlamaConfig, tp: int = 1) -> int:
     return 2 * config.num_hidden_layers * kv_heads_per_gpu(config, tp) * config.head_dim
 
 
-def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
+def kv_bytes_per_token(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -> int:
     """KV-cache bytes one token occupies on one GPU: 2 x layers x KV heads per GPU x head_dim x bytes.
 
     At tp = 1 this is the whole model's figure (Llama-3.1-8B bf16: 131,072 B = 128 KiB).
@@ -227,7 +235,7 @@ def num_parameters(config: LlamaConfig) -> int:
     return _parameter_counts(config, tp=1)
 
 
-def weights_bytes(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
+def weights_bytes(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -> int:
     """Bytes of the weights one of `tp` GPUs holds, stored in `dtype` (norms replicated).
 
     Raises:
@@ -274,8 +282,9 @@ class SizeReport:
         return dataclasses.asdict(self)
 
 
-def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096, dtype: str = "bf16",
-                kv_cache_dtype: str | None = None, tp: int = 1, gpu: str | None = None,
+def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
+                dtype: DTypeLike = "bf16", kv_cache_dtype: DTypeLike | None = None, tp: int = 1,
+                gpu: str | None = None,
                 gpu_mem_gib: float | None = None,
                 gpu_memory_utilization: float = 0.9) -> SizeReport:
     """Weights and KV cache of `batch` requests of `seq_len` tokens, and how many fit on a GPU.
@@ -287,7 +296,7 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096, dty
 
     Args:
         dtype: the weights' dtype; kv_cache_dtype: the cache's (default: the same), e.g. an fp8
-            cache beside bf16 weights.
+            cache beside bf16 weights. Names or torch dtypes; the report holds short names.
         gpu: a card of GPU_MEMORY_GIB (nominal size) or "local" (torch.cuda's figure);
             gpu_mem_gib: the card's memory in GiB instead.
 
@@ -301,7 +310,8 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096, dty
                               f"in [1, {top:,}], got {value!r}")
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    kv_cache_dtype = kv_cache_dtype or dtype
+    dtype = _dtype_name(dtype)
+    kv_cache_dtype = dtype if kv_cache_dtype is None else _dtype_name(kv_cache_dtype)
     per_token = kv_bytes_per_token(config, kv_cache_dtype, tp)
     weights = weights_bytes(config, dtype, tp)
     kv_cache = batch * seq_len * per_token

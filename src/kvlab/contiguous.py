@@ -16,6 +16,7 @@ import torch
 
 from .attention import grouped_attention
 from .config import LlamaConfig
+from .dtypes import DTypeLike, dtype_bytes, torch_dtype
 from .sizing import format_bytes, kv_elements_per_token
 
 __all__ = ["ContiguousKVCache", "KVCacheOutOfMemory", "reservation_bytes"]
@@ -26,9 +27,13 @@ class KVCacheOutOfMemory(MemoryError):
 
 
 def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int,
-                      element_bytes: int) -> int:
-    """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token."""
-    return max_num_seqs * max_model_len * kv_elements_per_token(config) * element_bytes
+                      element_bytes: DTypeLike) -> int:
+    """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token.
+
+    `element_bytes` is the cache dtype: an element size (2), a name ("bf16") or a torch dtype
+    (see `kvlab.dtypes`).
+    """
+    return max_num_seqs * max_model_len * kv_elements_per_token(config) * dtype_bytes(element_bytes)
 
 
 class ContiguousKVCache:
@@ -38,7 +43,8 @@ class ContiguousKVCache:
         config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
         max_num_seqs: slabs, i.e. requests that can be in flight at once.
         max_model_len: tokens per slab (prompt + generated).
-        dtype, device: where the slabs live.
+        dtype, device: where the slabs live; dtype is a torch dtype or a name ("bf16", see
+            `kvlab.dtypes`).
         budget_bytes: refuse a reservation above this many bytes (a stand-in for a GPU's free
             memory on CPU). On CUDA, with no budget, the allocator itself decides and its
             `torch.cuda.OutOfMemoryError` is re-raised with the same arithmetic.
@@ -50,14 +56,14 @@ class ContiguousKVCache:
     """
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
                  budget_bytes: int | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.config, self.max_num_seqs, self.max_model_len = config, max_num_seqs, max_model_len
-        self.dtype, self.device = dtype, torch.device(device)
-        element_bytes = torch.empty((), dtype=dtype).element_size()
+        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
+        dtype, element_bytes = self.dtype, dtype_bytes(dtype)
         self.bytes_per_token = reservation_bytes(config, 1, 1, element_bytes)
         wanted = reservation_bytes(config, max_num_seqs, max_model_len, element_bytes)
         formula = (f"{max_num_seqs} seqs x {max_model_len} tokens x "

@@ -21,6 +21,7 @@ from typing import Hashable, Sequence
 import torch
 
 from ..config import LlamaConfig
+from ..dtypes import DTypeLike, torch_dtype
 from ..sizing import format_bytes
 from .budget import check_pool_fits, kv_block_bytes
 from .errors import KVCacheOutOfMemory
@@ -38,7 +39,8 @@ class PagedKVCache:
         config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
         num_blocks: blocks in the pool (see `num_blocks_for_budget` to derive it from memory).
         block_size: tokens per block.
-        dtype, device: of the pool tensors (use the model's).
+        dtype, device: of the pool tensors (use the model's); dtype is a torch dtype or a name
+            ("bf16", see `kvlab.dtypes`).
         max_model_len: if given, check at start-up that one request this long fits in the pool.
 
     Attributes:
@@ -57,11 +59,12 @@ class PagedKVCache:
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
                  max_model_len: int | None = None):
         self.manager = KVCacheManager(num_blocks, block_size)  # validates the two sizes
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
+        dtype = self.dtype
         self.block_bytes = kv_block_bytes(config, block_size, dtype)
         self.bytes_per_token = self.block_bytes // block_size
         if max_model_len is not None:

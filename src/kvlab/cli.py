@@ -81,18 +81,21 @@ def _count_words(count: int) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
     import torch
 
     from .checkpoint import load_model, load_tokenizer
+    from .device import default_dtype
+    from .dtypes import torch_dtype
     from .generate import generate
 
-    from .device import default_dtype
-
-    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if args.n > 1 and args.temperature == 0:
+        raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
+                         f"greedy completions; add e.g. --temperature 0.8 to sample them")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
-    dtype = dtypes[args.dtype] if args.dtype else default_dtype(args.device)
+    dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
     tokenizer = None
     try:
@@ -108,23 +111,17 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got "
                              f"{args.prompt_ids!r}") from None
-    if args.cache == "paged":
-        from .paged import generate_paged
+    result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
+                      max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
+                      seed=args.seed, block_size=args.block_size)
+    _print_generation(args, result, prompt_ids, tokenizer)
+    return 0
 
-        paged = generate_paged(model, [prompt_ids], args.max_new_tokens,
-                               block_size=args.block_size, n=args.n,
-                               max_model_len=args.max_model_len,
-                               temperature=args.temperature, seed=args.seed)
-        if paged.errors[0]:
-            raise ValueError(paged.errors[0])
-        completions, stats = paged.completions[0], dataclasses.asdict(paged.stats)
-    else:
-        if args.n != 1 or args.temperature:
-            raise ValueError("--n and --temperature need --cache paged (siblings share blocks)")
-        completions = [generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
-                                max_model_len=args.max_model_len).token_ids]
-        stats = None
+
+def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
+    completions = result.completions
     texts = [tokenizer.decode(ids) for ids in completions] if tokenizer is not None else None
+    stats = dataclasses.asdict(result.stats) if result.stats is not None else None
     if args.json:
         out = {"token_ids": completions[0], "text": texts[0] if texts else None}
         if args.n > 1:
@@ -133,7 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
         if stats is not None:
             out["stats"] = stats
         print(json.dumps(out))
-        return 0
+        return
     for i, ids in enumerate(completions):
         prefix = f"[{i}] " if args.n > 1 else ""
         if texts is not None:
@@ -141,13 +138,12 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
-        block_bytes = paged.cache.block_bytes
+        block_bytes = result.cache.block_bytes
         print(f"-- paged cache: block_size {args.block_size}, peak {stats['peak_blocks_in_use']} "
               f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
               f"{stats['num_preemptions']} preemptions")
-    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -302,11 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=_positive_int, default=16,
                      help="tokens per block (--cache paged)")
     gen.add_argument("--n", type=_positive_int, default=1,
-                     help="completions of the prompt, sharing its blocks (--cache paged)")
+                     help="completions of the prompt, sharing its blocks (--cache paged; needs "
+                          "--temperature, or all n would be the same greedy text)")
     gen.add_argument("--temperature", type=float, default=0.0,
-                     help="0 = greedy (default); > 0 samples, so --n completions differ "
-                          "(--cache paged)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (--cache paged)")
+                     help="0 = greedy (default); > 0 samples, so --n completions differ")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
                      help="tokens per request (prompt + output); default: the model's limit")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -22,7 +22,7 @@ from ..config import LlamaConfig
 from ..dtypes import DTypeLike, dtype_bytes
 from ..sizing import format_bytes, kv_elements_per_token
 from .block_table import cdiv
-from .errors import KVCacheOutOfMemory
+from ..errors import KVCacheOutOfMemory
 
 __all__ = ["kv_block_bytes", "num_blocks_for_budget", "check_pool_fits"]
 

@@ -37,7 +37,7 @@ import dataclasses
 from typing import Hashable, Sequence
 
 from ..paged.block_table import BlockTable, cdiv
-from ..paged.errors import NoFreeBlocksError, RequestTooLongError
+from ..errors import NoFreeBlocksError, RequestTooLongError
 from ..paged.kv_cache_manager import KVCacheManager, SlotReservation
 from .block_hash import HashFunction, extra_keys_for, hash_block, sha256, short
 from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache

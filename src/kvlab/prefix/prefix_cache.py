@@ -34,7 +34,7 @@ import dataclasses
 from typing import Hashable, Iterable
 
 from ..paged.block_pool import BlockPool
-from ..paged.errors import NoFreeBlocksError
+from ..errors import NoFreeBlocksError
 
 __all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
 

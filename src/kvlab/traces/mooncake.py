@@ -29,7 +29,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..workload import Request, TraceFormatError
+from ..workload import Request
+from .azure import TraceFormatError
 
 __all__ = ["TRACE_BLOCK_SIZE", "MOONCAKE_TRACES", "MooncakeRequest", "MooncakeTrace",
            "load_mooncake_trace", "expand_hash_ids", "mooncake_trace_path", "TraceFormatError"]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvlab.grading import assert_equal, expect_raises
 from kvlab.paged import BlockTable, KVCacheManager
-from kvlab.paged.errors import NoFreeBlocksError, RequestTooLongError
+from kvlab.errors import NoFreeBlocksError, RequestTooLongError
 
 
 @pytest.fixture(scope="module")

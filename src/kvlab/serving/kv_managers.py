@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 
 from ..paged.block_table import cdiv
-from ..paged.errors import NoFreeBlocksError
+from ..errors import NoFreeBlocksError
 from ..paged.kv_cache_manager import KVCacheManager
 from .request import Request
 

@@ -1,30 +1,38 @@
-"""Read a request trace for `kvlab serve`, whichever of the two real formats it is in.
+"""Read a request trace for `kvlab serve`, by shipped name or by file, in either real format.
 
-* `.csv`: the Azure LLM inference trace 2023 (`TIMESTAMP,ContextTokens,GeneratedTokens`; Patel et
-  al., Splitwise, ISCA 2024; CC BY 4.0), read by `kvlab.workload.load_azure_trace`.
-* `.jsonl`: the Mooncake traces (Qin et al., FAST 2025; Apache-2.0): one JSON object a line,
-  `{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}`, where
-  hash_ids name the prompt's consecutive 512-token blocks.
+* Azure LLM inference trace 2023 (`.csv`, `TIMESTAMP,ContextTokens,GeneratedTokens`; Patel et al.,
+  Splitwise, ISCA 2024; CC BY 4.0): read by `kvlab.traces.load_azure_trace`.
+* Mooncake traces (`.jsonl`, arrival, lengths and the ids of 512-token prompt blocks; Qin et al.,
+  FAST 2025; Apache-2.0): read by `kvlab.traces.load_mooncake_trace`. The block ids travel with
+  each request, so a prefix cache sees the trace's real sharing.
 
-Every malformed line is rejected with `file:line` and the bad value.
+Both readers reject a malformed line with `file:line` and the bad value. Requests longer than
+max_model_len are *kept* here: the server rejects them on arrival and counts them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from ..workload import TraceFormatError, load_azure_trace
+from ..traces.azure import TraceFormatError, azure_trace_path, load_azure_trace
+from ..traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace, mooncake_trace_path
 
-__all__ = ["TraceRow", "load_trace", "MOONCAKE_BLOCK_TOKENS"]
+__all__ = ["TraceRow", "load_trace", "SHIPPED_TRACES"]
 
-MOONCAKE_BLOCK_TOKENS = 512  # tokens per entry of a Mooncake `hash_ids` list (its README)
+# Names of the traces that ship with kvlab -> their files.
+SHIPPED_TRACES = {
+    "azure-conv": lambda: azure_trace_path("conv"),
+    "azure-code": lambda: azure_trace_path("code"),
+    "mooncake-conversation": lambda: mooncake_trace_path("conversation"),
+    "mooncake-synthetic": lambda: mooncake_trace_path("synthetic"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class TraceRow:
-    """One request of a trace: sizes in tokens, arrival in seconds from the trace's start."""
+    """One request of a trace: sizes in tokens, arrival in seconds from the trace's start, and
+    the ids of its prompt blocks of `hash_block_size` tokens (none for the Azure trace)."""
 
     prompt_len: int
     output_len: int
@@ -33,59 +41,29 @@ class TraceRow:
     hash_block_size: int = 0
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
-    """Requests of a trace file, in file order (at most `limit`).
+def load_trace(trace: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """Requests of a trace, in file order (at most `limit`).
+
+    Args:
+        trace: a shipped name (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic)
+            or a path to a `.csv` (Azure format) or `.jsonl` (Mooncake format) file.
+        limit: read at most this many requests (>= 1).
 
     Raises:
         FileNotFoundError: no such file.
         TraceFormatError: an unknown extension, or a malformed line (message: file:line: what).
         ValueError: limit < 1.
     """
-    path = Path(path)
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive number of requests, got {limit}")
+    path = SHIPPED_TRACES[str(trace)]() if str(trace) in SHIPPED_TRACES else Path(trace)
+    if not path.exists():
+        raise FileNotFoundError(f"no trace file {path} (shipped traces: "
+                                f"{', '.join(SHIPPED_TRACES)})")
     if path.suffix == ".csv":
         return [TraceRow(r.prompt_len, r.output_len, r.arrival_s)
                 for r in load_azure_trace(path, limit)]
     if path.suffix == ".jsonl":
-        return _load_mooncake(path, limit)
+        return [TraceRow(r.input_length, r.output_length, r.arrival_s, r.hash_ids,
+                         TRACE_BLOCK_SIZE)
+                for r in load_mooncake_trace(path, limit=limit).requests]
     raise TraceFormatError(f"{path}: unknown trace format {path.suffix!r}; expected .csv (Azure "
                            f"LLM inference trace) or .jsonl (Mooncake)")
-
-
-def _load_mooncake(path: Path, limit: int | None) -> list[TraceRow]:
-    rows: list[TraceRow] = []
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TraceFormatError(f"{where}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got {line.strip()[:60]}")
-            prompt = _field(record, "input_length", 1, where)
-            output = _field(record, "output_length", 0, where)
-            stamp = record.get("timestamp")
-            if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or stamp < 0:
-                raise TraceFormatError(f"{where}: timestamp={stamp!r} must be milliseconds >= 0")
-            hashes = record.get("hash_ids", [])
-            if not isinstance(hashes, list) or not all(
-                    isinstance(h, int) and not isinstance(h, bool) for h in hashes):
-                raise TraceFormatError(f"{where}: hash_ids must be a list of integers")
-            rows.append(TraceRow(prompt, output, stamp / 1000.0, tuple(hashes),
-                                 MOONCAKE_BLOCK_TOKENS))
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
-
-
-def _field(record: dict, name: str, minimum: int, where: str) -> int:
-    value = record.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"{where}: {name}={value!r} is not an integer")
-    if value < minimum:
-        raise TraceFormatError(f"{where}: {name}={value} must be >= {minimum}")
-    return value

@@ -198,30 +198,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .exercises import check_stage
+    from .checker import run_check
 
-    return check_stage(args.stage, target=args.target)
-
-
-def _exercises(args: argparse.Namespace) -> int:
-    from . import exercises
-
-    try:
-        if args.write:
-            print(exercises.write_exercises(force=args.force).summary())
-            return 0
-        stale = exercises.exercises_up_to_date()
-        edited = exercises.edited_exercises()
-    except exercises.ExerciseError as error:
-        print(f"kvlab exercises: error: {error}", file=sys.stderr)
-        return 2
-    for path in edited:
-        print(f"your work: {path} (edited by you; kept as it is)")
-    for path in stale:
-        print(f"out of date: {path} (run `kvlab exercises --write`)")
-    if not stale:
-        print("exercises/ is up to date with solutions/")
-    return 1 if stale else 0
+    return run_check(args.stage, target=args.target)
 
 
 def _positive_int(text: str) -> int:
@@ -350,11 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="'exercises' (your work), 'solutions', or a folder")
     chk.set_defaults(func=_check)
 
-    exe = commands.add_parser("exercises", help="regenerate exercises/ from solutions/")
-    exe.add_argument("--write", action="store_true", help="write the files (default: check)")
-    exe.add_argument("--force", action="store_true",
-                     help="with --write: also overwrite exercise files you have edited")
-    exe.set_defaults(func=_exercises)
     return parser
 
 

@@ -109,13 +109,21 @@ def _generate(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             raise
     if args.prompt is not None:
-        prompt_ids = tokenizer.encode(args.prompt).ids
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]
     else:
         try:
-            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            prompts = [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got "
                              f"{args.prompt_ids!r}") from None
+    if args.cache == "prefix":  # several prompts, so later ones can hit earlier ones' blocks
+        from .prefix.cli import generate_command
+
+        return generate_command(args, model, tokenizer, prompts, _attention_backend(args))
+    if len(prompts) > 1:
+        raise ValueError(f"{len(prompts)} prompts given: several prompts in one call need "
+                         f"--cache prefix")
+    prompt_ids = prompts[0]
     result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
                       max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
                       seed=args.seed, block_size=args.block_size,
@@ -128,7 +136,7 @@ def _attention_backend(args: argparse.Namespace):
     """The paged cache's attention backend from --attention and --kv-layout (None: the default)."""
     if (args.attention, args.kv_layout) == ("torch", "token-major"):
         return None
-    if args.cache != "paged":
+    if args.cache not in ("paged", "prefix"):
         raise ValueError(f"--attention {args.attention} --kv-layout {args.kv_layout} choose how the "
                          f"paged cache stores and reads K/V: add --cache paged")
     from .paged.backends import resolve_backend
@@ -152,7 +160,8 @@ def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], t
     for i, ids in enumerate(completions):
         prefix = f"[{i}] " if args.n > 1 else ""
         if texts is not None:
-            print(prefix + (args.prompt or tokenizer.decode(prompt_ids)) + texts[i])
+            print(prefix + (args.prompt[0] if args.prompt else tokenizer.decode(prompt_ids))
+                  + texts[i])
         else:
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
@@ -288,12 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="greedy generation with a chosen KV cache")
     gen.add_argument("--model", default="tiny", help="'tiny' or a HF Llama checkpoint folder")
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt", action="append",
+                        help="prompt text; repeat it for several prompts (--cache prefix)")
+    prompt.add_argument("--prompt-ids", action="append",
+                        help="prompt token ids, e.g. 1,2,3; repeatable like --prompt")
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True)
-    gen.add_argument("--cache", choices=("none", "contiguous", "paged"), default="contiguous")
+    gen.add_argument("--cache", choices=("none", "contiguous", "paged", "prefix"),
+                     default="contiguous", help="prefix: paged + prefix caching (stage 6)")
     gen.add_argument("--block-size", type=_positive_int, default=16,
-                     help="tokens per block (--cache paged)")
+                     help="tokens per block (--cache paged / prefix)")
     gen.add_argument("--n", type=_positive_int, default=1,
                      help="completions of the prompt, sharing its blocks (--cache paged; needs "
                           "--temperature, or all n would be the same greedy text)")

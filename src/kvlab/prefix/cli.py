@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 
+from ..sizing import plural
 from .engine import generate_with_prefix_cache
 
 __all__ = ["generate_command", "format_prefix_line"]
@@ -25,9 +26,9 @@ def format_prefix_line(result) -> str:
     prefix, paged = result.prefix_stats, result.stats
     return (f"-- prefix cache: block_size {result.cache.block_size}, hit rate "
             f"{prefix.hit_rate:.1%} ({prefix.num_hit_tokens} of {prefix.num_query_tokens} prompt "
-            f"tokens), {prefix.num_hit_blocks} blocks not computed, prefill ran "
-            f"{paged.num_prefill_tokens} tokens, {prefix.num_evictions} evictions, "
-            f"{paged.num_preemptions} preemptions")
+            f"tokens), {plural(prefix.num_hit_blocks, 'block')} not computed, prefill ran "
+            f"{plural(paged.num_prefill_tokens, 'token')}, {plural(prefix.num_evictions, 'eviction')}, "
+            f"{plural(paged.num_preemptions, 'preemption')}")
 
 
 def generate_command(args: argparse.Namespace, model, tokenizer, prompts: list[list[int]],

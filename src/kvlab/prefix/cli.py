@@ -27,7 +27,8 @@ def format_prefix_line(result) -> str:
     return (f"-- prefix cache: block_size {result.cache.block_size}, hit rate "
             f"{prefix.hit_rate:.1%} ({prefix.num_hit_tokens} of {prefix.num_query_tokens} prompt "
             f"tokens), {plural(prefix.num_hit_blocks, 'block')} not computed, prefill ran "
-            f"{plural(paged.num_prefill_tokens, 'token')}, {plural(prefix.num_evictions, 'eviction')}, "
+            f"{plural(paged.num_prefill_tokens, 'token')}, "
+            f"{plural(prefix.num_evictions, 'eviction')}, "
             f"{plural(paged.num_preemptions, 'preemption')}")
 
 

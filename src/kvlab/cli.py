@@ -186,16 +186,6 @@ def _report(args: argparse.Namespace) -> int:
     if args.block_size > args.max_model_len:
         raise ValueError(f"--block-size {args.block_size:,} > --max-model-len "
                          f"{args.max_model_len:,}: one block would be longer than any request")
-    if args.synthetic:
-        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
-        workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
-    elif args.trace in (f"azure-{service}" for service in AZURE_TRACES):
-        service = args.trace.removeprefix("azure-")
-        requests = azure_trace(service, limit=args.num_requests)
-        workload = f"Azure LLM inference trace 2023, {service} (shipped)"
-    else:
-        requests = load_azure_trace(args.trace, limit=args.num_requests)
-        workload = f"trace {args.trace}"
     kv_dtype = args.kv_cache_dtype or args.dtype
     if args.kv_budget is not None:
         budget, source = int(args.kv_budget * 2**30), "--kv-budget"
@@ -206,6 +196,22 @@ def _report(args: argparse.Namespace) -> int:
         source = (f"{args.gpu_memory_utilization} x {format_bytes(card.total_bytes)} "
                   f"({card.name}, {card.source}) - {args.dtype} weights")
     per_token = kv_bytes_per_token(config, kv_dtype)
+    prefix_hits = None
+    if args.synthetic:
+        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
+        workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
+    elif args.trace.startswith("mooncake-"):  # carries prefix hashes: adds paged+prefix
+        from .prefix import report_row as prefix_row
+
+        requests, workload, prefix_hits = prefix_row.mooncake_report_workload(
+            args.trace, budget, per_token, args.max_model_len, limit=args.num_requests)
+    elif args.trace in (f"azure-{service}" for service in AZURE_TRACES):
+        service = args.trace.removeprefix("azure-")
+        requests = azure_trace(service, limit=args.num_requests)
+        workload = f"Azure LLM inference trace 2023, {service} (shipped)"
+    else:
+        requests = load_azure_trace(args.trace, limit=args.num_requests)
+        workload = f"trace {args.trace}"
     strategies = []
     if config.num_key_value_heads < config.num_attention_heads:
         # The same model had it kept one KV head per query head (MHA): what GQA saves.
@@ -214,13 +220,16 @@ def _report(args: argparse.Namespace) -> int:
                                              name="contiguous-mha"))
     strategies += [ContiguousStrategy(args.max_model_len, per_token),
                    PagedStrategy(args.block_size, per_token)]
+    if prefix_hits is not None:
+        strategies.append(prefix_row.PrefixPagedStrategy(args.block_size, per_token))
     dtypes = args.dtype if kv_dtype == args.dtype else f"weights {args.dtype}, KV cache {kv_dtype}"
     report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
                     model=f"{config.name} ({dtypes})", kv_budget_source=source)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
-        print(format_report(report))
+        print("\n".join([format_report(report)]
+                        + (prefix_row.prefix_note(prefix_hits) if prefix_hits else [])))
     return 0
 
 
@@ -334,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     workload = rep.add_mutually_exclusive_group()
     workload.add_argument("--trace", default="azure-conv",
                           help="azure-conv (default: the shipped Azure LLM conversation trace "
-                               "2023), azure-code, or a CSV file TIMESTAMP,ContextTokens,"
-                               "GeneratedTokens")
+                               "2023), azure-code, mooncake-conversation / mooncake-synthetic "
+                               "(prefix hashes: adds a paged+prefix row), or a CSV file "
+                               "TIMESTAMP,ContextTokens,GeneratedTokens")
     workload.add_argument("--synthetic", action="store_true",
                           help="draw from the log-normal fit to the conversation trace instead "
                                "(matches mean and median; its tail is far thinner)")

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 
@@ -81,6 +82,10 @@ def _count_words(count: int) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.attention == "triton" and args.device == "cpu":
+        # No GPU: Triton's CPU interpreter. It must be chosen before Triton is first imported, and
+        # torch imports Triton itself (loading a model does), so it is chosen first of all.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
     import torch
 
@@ -113,9 +118,22 @@ def _generate(args: argparse.Namespace) -> int:
                              f"{args.prompt_ids!r}") from None
     result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
                       max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
-                      seed=args.seed, block_size=args.block_size)
+                      seed=args.seed, block_size=args.block_size,
+                      attention_backend=_attention_backend(args))
     _print_generation(args, result, prompt_ids, tokenizer)
     return 0
+
+
+def _attention_backend(args: argparse.Namespace):
+    """The paged cache's attention backend from --attention and --kv-layout (None: the default)."""
+    if (args.attention, args.kv_layout) == ("torch", "token-major"):
+        return None
+    if args.cache != "paged":
+        raise ValueError(f"--attention {args.attention} --kv-layout {args.kv_layout} choose how the "
+                         f"paged cache stores and reads K/V: add --cache paged")
+    from .paged.backends import resolve_backend
+
+    return resolve_backend(args.attention, args.kv_layout)
 
 
 def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
@@ -281,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "--temperature, or all n would be the same greedy text)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (default); > 0 samples, so --n completions differ")
+    gen.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                     help="paged attention: PyTorch gather + attend (default), or stage 5's Triton "
+                          "kernels (on CPU in Triton's interpreter: slow) (--cache paged)")
+    gen.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
+                     help="the block pool's layout (--cache paged)")
     gen.add_argument("--seed", type=int, default=0,
                      help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,

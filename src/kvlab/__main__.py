@@ -1,7 +1,8 @@
-"""`python -m kvlab ...` runs the `kvlab` command (for environments where its script is not on PATH)."""
+"""`python -m kvlab ...` runs the `kvlab` command (the same as the console script)."""
 
 import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

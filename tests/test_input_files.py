@@ -203,3 +203,13 @@ def test_python_dash_m_kvlab_runs_the_cli(tmp_path):
     assert bad.stderr.strip() == (f"kvlab report: error: {tmp_path}: is a folder, not a file; "
                                   f"expected a CSV trace with header TIMESTAMP,ContextTokens,"
                                   f"GeneratedTokens and one request per row")
+
+
+def test_huge_file_is_refused_before_reading(tmp_path, monkeypatch):
+    from kvlab import input_files
+
+    path = tmp_path / "trace.csv"
+    path.write_text(HEADER + "t,5,6\n")
+    monkeypatch.setattr(input_files, "MAX_TEXT_BYTES", 10)
+    with pytest.raises(InputFileError, match=r"too large.*at most 10 B"):
+        read_text(path, "a trace")

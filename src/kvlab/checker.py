@@ -72,10 +72,10 @@ class Reporter:
                     said = f"same as {first_with[why]}" if why in first_with else why
                     print(f"  {kind:5} {name}{count}: {said}")
                     first_with.setdefault(why, name)
-            passed = sum(kind == "PASS" for kind, _ in results)
-            ok = bool(results) and all(kind in ("PASS", "SKIP") for kind, _ in results)
+            passed, skipped = (sum(kind == k for kind, _ in results) for k in ("PASS", "SKIP"))
+            ok = passed > 0 and passed + skipped == len(results)  # all skipped: nothing checked
             print(f"Stage {stage}: {'PASS' if ok else 'NOT YET'} ({passed} of {len(results)} "
-                  f"tests pass)")
+                  f"tests pass{f', {skipped} skipped' if skipped else ''})")
             all_pass &= ok
         return all_pass
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["InputFileError", "MissingInputFileError", "read_text", "input_file_error"]
+__all__ = ["InputFileError", "MissingInputFileError", "read_text", "input_file_error",
+           "MAX_TEXT_BYTES"]
+
+# The largest text file the course reads whole. The traces are about 1 MB; a file of gigabytes is a
+# wrong path (a model's weights, a disk image), and reading it would only exhaust memory.
+MAX_TEXT_BYTES = 2**30
 
 
 class InputFileError(ValueError):
@@ -44,15 +49,19 @@ def read_text(path: str | Path, expected: str) -> str:
 
     Raises:
         MissingInputFileError: no such file.
-        InputFileError: a folder, an unreadable file (permissions, I/O error), an empty or
-            whitespace-only file, a binary file (it holds NUL bytes), or text that is not UTF-8.
-            The message names the path and `expected`.
+        InputFileError: a folder, a file over MAX_TEXT_BYTES, an unreadable file (permissions,
+            I/O error), an empty or whitespace-only file, a binary file (it holds NUL bytes), or
+            text that is not UTF-8. The message names the path and `expected`.
     """
     path = Path(path)
     if not path.exists():
         raise MissingInputFileError(f"{path}: no such file; expected {expected}")
     if path.is_dir():
         raise input_file_error(path, "is a folder, not a file", expected)
+    size = path.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise input_file_error(path, f"is {size:,} B, too large for a text file the course reads "
+                                     f"(at most {MAX_TEXT_BYTES:,} B)", expected)
     try:
         data = path.read_bytes()
     except PermissionError:

@@ -91,12 +91,12 @@ def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuM
             found = local_gpu_memory()
             if found is None:
                 raise SizingError("--gpu local: torch.cuda sees no GPU on this machine; name a "
-                                  f"card ({', '.join(GPU_MEMORY_GIB)}) or give --gpu-mem GIB")
+                                  f"card ({', '.join(GPU_MEMORY_GIB)}) or give its memory size")
             return found
         key = {name.lower(): name for name in GPU_MEMORY_GIB}.get(gpu.lower())
         if key is None:
             raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)}, or "
-                              f"'local' (this machine's GPU), or give --gpu-mem GIB")
+                              f"'local' (this machine's GPU), or give its memory size")
         return GpuMemory(key, GPU_MEMORY_GIB[key] * 2**30, GPU_MEMORY_SOURCE)
     if gpu_mem_gib is not None:
         if not (isinstance(gpu_mem_gib, (int, float)) and 0 < gpu_mem_gib <= MAX_GPU_MEM_GIB):
@@ -333,8 +333,10 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
         kv_bytes_per_token=per_token, kv_cache_bytes=kv_cache, weights_bytes=weights,
         kv_bytes_per_token_total=per_token * tp, kv_cache_bytes_total=kv_cache * tp,
         weights_bytes_total=weights * tp,
-        gpu=card and card.name, gpu_memory_bytes=card and card.total_bytes,
-        gpu_memory_source=card and card.source, gpu_memory_utilization=gpu_memory_utilization,
+        gpu=None if card is None else card.name,
+        gpu_memory_bytes=None if card is None else card.total_bytes,
+        gpu_memory_source=None if card is None else card.source,
+        gpu_memory_utilization=gpu_memory_utilization,
         usable_bytes=usable, kv_share_of_gpu=kv_share, weights_share_of_gpu=weights_share,
         max_concurrent_requests=fit)
 

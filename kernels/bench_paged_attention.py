@@ -37,7 +37,7 @@ import torch
 from .bench_report import format_markdown, plot_roofline, stage4_waste
 from .pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
 
-__all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "main"]
+__all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "results_dir", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +238,11 @@ def card_name(device: torch.device) -> str:
     return name or "cpu"
 
 
+def results_dir(device: torch.device) -> Path:
+    """results/<card>, relative to the working folder: where a run's files are committed."""
+    return Path("results") / "".join(c if c.isalnum() else "-" for c in card_name(device)).strip("-")
+
+
 def environment(device: torch.device, dtype: torch.dtype, toy: bool) -> dict:
     import triton
     return dict(card=card_name(device), device=str(device), dtype=str(dtype).replace("torch.", ""),
@@ -296,8 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.toy:  # must precede the first import of the kernel module (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if not args.toy else "cpu")
-    card = card_name(device)
-    out = args.out or Path("results") / "".join(c if c.isalnum() else "-" for c in card).strip("-")
+    out = args.out or results_dir(device)
     out.mkdir(parents=True, exist_ok=True)
 
     def save_partial(partial: dict) -> None:

@@ -1,7 +1,6 @@
-# Stage 3 exercise, GENERATED from solutions/stage3_grouped_query_attention.py by `kvlab exercises --write`.
-# Your work goes here: replace each `raise NotImplementedError("TODO(stage 3): ...")` with
-# your code, then run `kvlab check 3`. Re-generating keeps a file you have edited (unless --force).
-# kvlab-exercise-checksum: 2dbb64ff07921060
+# Stage 3 exercise, generated from solutions/stage3_grouped_query_attention.py by scripts/make_exercises.py.
+# Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 3`.
+# hash of the generated text: 2dbb64ff07921060
 
 """Stage 3 exercise: grouped-query attention (GQA), and what it saves in the KV cache.
 

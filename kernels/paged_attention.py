@@ -43,12 +43,15 @@ import triton.language as tl
 
 from .pool_layout import TOKEN_MAJOR, pool_strides
 from .split_kv import choose_num_splits, tokens_per_split
-from .validate import check_decode_inputs
+from .validate import check_decode_inputs, check_interpreter
 
 __all__ = ["paged_attention_decode", "INTERPRETED", "MIN_DOT_ROWS"]
 
 # triton.jit reads TRITON_INTERPRET when a kernel is defined, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's own helpers (tl.zeros, ...) were defined when Triton was first imported; if that was
+# before TRITON_INTERPRET=1 was set, interpreted kernels cannot call them (see `validate`).
+LANGUAGE_INTERPRETED = not isinstance(tl.zeros, triton.runtime.jit.JITFunction)
 # The smallest M, N and K that tl.dot accepts on a GPU.
 MIN_DOT_ROWS = 16
 
@@ -215,6 +218,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ValueError: shapes, dtypes, devices, layout or lengths that do not fit (message has the
             numbers); bfloat16 on a GPU of compute capability below 8.0.
     """
+    check_interpreter(INTERPRETED, LANGUAGE_INTERPRETED)
     geometry = check_decode_inputs(query, k_cache, v_cache, block_tables, seq_lens, layout,
                                    interpreted=INTERPRETED, validate=validate)
     num_seqs, num_heads, head_dim = query.shape

@@ -23,6 +23,7 @@ class RecordingBackend(TorchBackend):
     name = "recording"
 
     def __init__(self):
+        super().__init__()
         self.calls = collections.Counter()
 
     def write_kv(self, *args):

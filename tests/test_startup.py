@@ -19,11 +19,13 @@ def modules_after(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
-def test_size_and_report_parsing_do_not_import_torch():
-    loaded = modules_after("from kvlab.cli import main\n"
+def test_the_cli_and_kvlab_size_with_a_named_gpu_do_not_import_torch():
+    # Without --gpu/--gpu-mem, `kvlab size` asks torch.cuda for a local GPU: that one needs torch.
+    loaded = modules_after("from kvlab.cli import build_parser, main\n"
+                           "build_parser().parse_args(['report'])\n"
                            "import contextlib, io\n"
                            "with contextlib.redirect_stdout(io.StringIO()):\n"
-                           "    main(['size', 'llama-3.1-8b', '--json'])")
+                           "    main(['size', 'llama-3.1-8b', '--gpu', 'H100-80GB', '--json'])")
     assert "torch" not in loaded
 
 

@@ -111,9 +111,10 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
     if not files:
         raise MissingInputFileError(f"{folder}: no *.safetensors files in this folder; expected "
                                     f"{_CHECKPOINT}")
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    expected = set(skeleton.state_dict())
+    # The model is built once, for real: a meta-device skeleton to learn the names first would
+    # pull in torch._dynamo (meta init goes through torch._refs), ~2 s of every CLI start-up.
+    model_ = LlamaForCausalLM(config)
+    expected = set(model_.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
 
@@ -132,7 +133,7 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
         raise KeyError(f"{folder}: checkpoint does not match the config; missing "
                        f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
-    model_ = LlamaForCausalLM(config).to(dtype)
+    model_ = model_.to(dtype)
     model_.load_state_dict(tensors, strict=False)
     if config.tie_word_embeddings:
         model_.lm_head.weight = model_.model.embed_tokens.weight

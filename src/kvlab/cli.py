@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 
@@ -83,6 +84,10 @@ def _count_words(count: int) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.attention == "triton" and args.device == "cpu":
+        # No GPU: Triton's CPU interpreter. It must be chosen before Triton is first imported, and
+        # torch imports Triton itself (loading a model does), so it is chosen first of all.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
     import torch
 
@@ -99,6 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
     dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads or _default_threads(model, torch.get_num_threads()))
     tokenizer = None
     try:
         tokenizer = load_tokenizer(args.model)
@@ -115,9 +122,34 @@ def _generate(args: argparse.Namespace) -> int:
                              f"{args.prompt_ids!r}") from None
     result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
                       max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
-                      seed=args.seed, block_size=args.block_size)
+                      seed=args.seed, block_size=args.block_size,
+                      attention_backend=_attention_backend(args))
     _print_generation(args, result, prompt_ids, tokenizer)
     return 0
+
+
+# Below this many parameters every matmul is too small to split across CPU threads: the pool's
+# hand-offs cost more than they save, and on a busy machine far more (the tiny model decoding 20
+# tokens measured 4.2 s on 2 threads and 0.27 s on 1, on a shared 2-core CPU).
+_SMALL_MODEL_PARAMETERS = 50_000_000
+
+
+def _default_threads(model, available: int) -> int:
+    """1 thread for a small model, all of torch's default otherwise."""
+    small = sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMETERS
+    return 1 if small else available
+
+
+def _attention_backend(args: argparse.Namespace):
+    """The paged cache's attention backend from --attention and --kv-layout (None: the default)."""
+    if (args.attention, args.kv_layout) == ("torch", "token-major"):
+        return None
+    if args.cache != "paged":
+        raise ValueError(f"--attention {args.attention} --kv-layout {args.kv_layout} choose how the "
+                         f"paged cache stores and reads K/V: add --cache paged")
+    from .paged.backends import resolve_backend
+
+    return resolve_backend(args.attention, args.kv_layout)
 
 
 def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
@@ -308,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "--temperature, or all n would be the same greedy text)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (default); > 0 samples, so --n completions differ")
+    gen.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                     help="paged attention: PyTorch gather + attend (default), or stage 5's Triton "
+                          "kernels (on CPU in Triton's interpreter: slow) (--cache paged)")
+    gen.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
+                     help="the block pool's layout (--cache paged)")
     gen.add_argument("--seed", type=int, default=0,
                      help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
@@ -315,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
+    gen.add_argument("--threads", type=_positive_int, default=None,
+                     help="CPU threads for torch; default 1 for models under 50 million "
+                          "parameters (such as tiny), torch's default otherwise")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=_generate)
 

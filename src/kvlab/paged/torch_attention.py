@@ -19,6 +19,10 @@ block_id * block_size + offset. Three operations cover a forward pass:
 This implementation copies the blocks into a contiguous tensor before attending; a real kernel
 reads them in place, block by block. Same numbers, less memory traffic: that is stage 5.
 
+Every function takes the pool's `layout` (`kvlab.kernels.pool_layout`): "token-major" (above, the
+default) or "head-major", [num_blocks, num_key_value_heads, block_size, head_dim]. A head-major
+pool is read through its token-major view (`token_major_view`, a transpose: no copy).
+
 Slots a sequence does not own (past its seq_len in its last block, or in the padding of its block
 table) may hold anything another request left there, NaN included; they are masked out of both the
 scores and the values (see `grouped_attention`), so they can never reach the output.
@@ -29,43 +33,64 @@ from __future__ import annotations
 import torch
 
 from ..attention import grouped_attention
+from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
 
-__all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention"]
+__all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention",
+           "token_major_view"]
+
+
+def token_major_view(pool: torch.Tensor, layout: str = TOKEN_MAJOR) -> torch.Tensor:
+    """The pool as [num_blocks, block_size, num_key_value_heads, head_dim]: itself, or (for a
+    head-major pool) a transposed view of the same memory. Raises ValueError for an unknown layout."""
+    return pool if check_layout(layout) == TOKEN_MAJOR else pool.transpose(1, 2)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, layout: str = TOKEN_MAJOR) -> None:
     """Store token i's key and value at slot `slot_mapping[i]` of one layer's pool (in place).
 
     Args:
-        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
+        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer
+            (or head-major, see `layout`).
         key, value: [num_tokens, num_key_value_heads, head_dim], same dtype as the cache.
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
+        layout: "token-major" or "head-major".
     """
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    # A view, not a copy: writing into the flat view writes into the pool.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    if check_layout(layout) == TOKEN_MAJOR:
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        # A view, not a copy: writing into the flat view writes into the pool.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        return
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, offsets] = key      # [num_tokens, H_kv, D] lands in [block, :, offset]
+    v_cache[blocks, :, offsets] = value
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """One sequence's keys (or values) in position order, copied out of its blocks.
 
     Args:
-        cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer of the pool.
+        cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer of the pool
+            (or head-major, see `layout`).
         block_table: [num_blocks_of_sequence] int64 block ids in logical order.
         seq_len: tokens the sequence holds (<= len(block_table) * block_size).
+        layout: "token-major" or "head-major".
 
     Returns:
         [seq_len, num_key_value_heads, head_dim], a new contiguous tensor.
     """
+    cache = token_major_view(cache, layout)
     blocks = cache[block_table]  # [n, block_size, H_kv, D]: advanced indexing copies
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_len: int,
-                            query_positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                            query_positions: torch.Tensor, scale: float | None = None,
+                            layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """Causal attention of many query tokens of one sequence over its blocks (prefill).
 
     The query tokens' own K/V must already be written (`write_kv`). Query tokens may be the whole
@@ -78,18 +103,19 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         seq_len: tokens of the sequence in the cache, keys at positions 0 .. seq_len - 1.
         query_positions: [num_tokens] int64, all < seq_len.
         scale: score scale; default 1 / sqrt(head_dim).
+        layout: the pool's layout, "token-major" or "head-major".
 
     Returns:
         [num_tokens, num_attention_heads, head_dim], dtype of query.
     """
-    keys = gather_kv(k_cache, block_table, seq_len)
-    values = gather_kv(v_cache, block_table, seq_len)
+    keys = gather_kv(k_cache, block_table, seq_len, layout)
+    values = gather_kv(v_cache, block_table, seq_len, layout)
     return grouped_attention(query, keys, values, query_positions=query_positions, scale=scale)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """One query token per sequence, each attending over its own blocks (a batched decode step).
 
     Block tables of different lengths are padded to one width. Padding entries are ordinary block
@@ -105,10 +131,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables: [num_seqs, max_blocks_per_seq] int64, padded.
         seq_lens: [num_seqs] int64, tokens of each sequence in the cache (>= 1).
         scale: score scale; default 1 / sqrt(head_dim).
+        layout: the pool's layout, "token-major" or "head-major".
 
     Returns:
         [num_seqs, num_attention_heads, head_dim], dtype of query.
     """
+    k_cache, v_cache = token_major_view(k_cache, layout), token_major_view(v_cache, layout)
     num_seqs, width = block_tables.shape
     block_size = k_cache.shape[1]
     # Gather the whole padded batch at once: [num_seqs, width * block_size, H_kv, D].

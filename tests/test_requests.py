@@ -1,0 +1,186 @@
+"""Every limit checked against the model and against each other; every count and index range-checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from kvlab.config import LlamaConfig
+from kvlab.contiguous import ContiguousKVCache
+from kvlab.errors import RequestTooLongError
+from kvlab.generate import generate
+from kvlab.model import LlamaForCausalLM
+from kvlab.paged import PagedEngine, PagedKVCache, generate_paged
+from kvlab.requests import check_index, check_int, check_model_len, check_request
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     max_position_embeddings=128, name="tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG).eval()
+
+
+# ---- B. max_model_len never above max_position_embeddings ---------------------------------------
+
+def test_check_model_len_defaults_to_the_model_and_refuses_more():
+    assert check_model_len(CONFIG, None) == 128
+    assert check_model_len(CONFIG, 128) == 128
+    with pytest.raises(ValueError, match="max_model_len=100,000 > max_position_embeddings=128"):
+        check_model_len(CONFIG, 100_000)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1, got 0"):
+        check_model_len(CONFIG, 0)
+
+
+@pytest.mark.parametrize("cache", ["none", "contiguous", "paged"])
+def test_generate_refuses_a_max_model_len_past_the_model(model, cache, monkeypatch):
+    import kvlab.generate as generate_module
+
+    def explode(*args, **kwargs):
+        raise AssertionError("a cache was built for a refused max_model_len")
+
+    monkeypatch.setattr(generate_module, "ContiguousKVCache", explode)
+    monkeypatch.setattr(generate_module, "generate_paged", explode)
+    with pytest.raises(ValueError, match="max_model_len=129 > max_position_embeddings=128"):
+        generate(model, [1, 2], 2, cache=cache, max_model_len=129)
+
+
+def test_paged_engine_and_generate_paged_refuse_it_too(model):
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):
+        PagedEngine(model, num_blocks=64, block_size=4, max_model_len=256)
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):
+        generate_paged(model, [[1, 2]], 2, max_model_len=256)
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):
+        PagedKVCache.for_model(model, num_blocks=64, block_size=4, max_model_len=256)
+
+
+def test_other_limits_of_the_engine(model):
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1, got 0"):
+        PagedEngine(model, num_blocks=8, block_size=4, max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"eos_token_id must be an integer in \[0, 63\], got 64"):
+        PagedEngine(model, num_blocks=8, block_size=4, eos_token_id=64)
+    with pytest.raises(ValueError, match=r"eos_token_id must be an integer in \[0, 63\], got -1"):
+        generate(model, [1], 2, eos_token_id=-1)
+    engine = PagedEngine(model, num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"n \(at most max_num_seqs\) must be an integer in \[1, 2\], got 3"):
+        engine.add_request([1, 2], 2, n=3)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got -3"):
+        engine.add_request([1, 2], -3)
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
+        PagedEngine(model, num_blocks=8, block_size=0)
+    assert not engine.has_unfinished()
+
+
+def test_one_bad_prompt_does_not_take_down_the_batch(model):
+    good = [3, 4, 5]
+    result = generate_paged(model, [good, [], [1, 99], list(range(40))], 3, max_model_len=32)
+    assert result.token_ids[0] == generate(model, good, 3).token_ids
+    assert result.errors[0] is None
+    assert "empty" in result.errors[1]
+    assert "[99]" in result.errors[2]
+    assert "max_model_len=32" in result.errors[3]
+    assert result.token_ids[1:] == [[], [], []]
+
+
+def test_an_overlong_request_is_a_request_too_long_error():
+    with pytest.raises(RequestTooLongError, match="= 11 tokens > max_model_len=10"):
+        check_request([1] * 8, 3, 10, 100)
+
+
+# ---- C. the range checks themselves -------------------------------------------------------------
+
+@given(st.integers(-1000, 1000))
+def test_check_index_accepts_exactly_0_to_size_minus_1(value):
+    if 0 <= value < 7:
+        assert check_index("slot", value, 7) == value
+    else:
+        with pytest.raises(ValueError, match=rf"slot must be an integer in \[0, 6\], got {value}"):
+            check_index("slot", value, 7)
+
+
+@pytest.mark.parametrize("value", [1.0, True, "1", None, [1]])
+def test_check_int_refuses_non_integers(value):
+    with pytest.raises(ValueError, match="must be an integer"):
+        check_int("count", value)
+
+
+def test_check_int_accepts_numpy_and_torch_integers():
+    assert check_int("count", np.int64(3)) == 3
+    assert check_int("count", torch.tensor(4)) == 4
+
+
+# ---- C. the contiguous cache: positions, slabs, layers ----------------------------------------
+
+def contiguous_state(cache):
+    return cache.k.clone(), cache.v.clone(), list(cache.seq_lens), list(cache.in_use)
+
+
+def same_state(a, b):
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+@given(first=st.integers(-8, 12), count=st.integers(1, 4), gap=st.integers(0, 3))
+def test_contiguous_refuses_negative_positions_and_gaps_and_changes_nothing(first, count, gap):
+    cache = ContiguousKVCache(CONFIG, max_num_seqs=2, max_model_len=12)
+    slab = cache.add_sequence()
+    cache.seq_lens[slab] = 3  # as if a 3-token prompt had been written
+    positions = torch.tensor([first] + [first + gap + i for i in range(1, count)])
+    shape = (count, CONFIG.num_key_value_heads, CONFIG.head_dim)
+    query = torch.zeros(count, CONFIG.num_attention_heads, CONFIG.head_dim)
+    valid = 0 <= first <= 3 and (gap == 0 or count == 1) and first + count <= 12
+    before = contiguous_state(cache)
+    store = cache.view(slab)
+    if valid:
+        store.attend(0, query, torch.ones(shape), torch.ones(shape), positions)
+        return
+    with pytest.raises((ValueError, MemoryError), match="position"):
+        store.attend(0, query, torch.ones(shape), torch.ones(shape), positions)
+    assert same_state(contiguous_state(cache), before)
+
+
+@pytest.mark.parametrize("slab", [-1, 2, 1.0])
+def test_contiguous_slab_ids_are_range_checked(slab):
+    cache = ContiguousKVCache(CONFIG, max_num_seqs=2, max_model_len=4)
+    cache.add_sequence()
+    cache.add_sequence()
+    before = contiguous_state(cache)
+    for call in (cache.view, cache.free_sequence):
+        with pytest.raises(ValueError, match=rf"slab must be an integer in \[0, 1\], got {slab}"):
+            call(slab)
+    assert same_state(contiguous_state(cache), before)
+
+
+def test_contiguous_double_free_and_bad_layer_are_refused():
+    cache = ContiguousKVCache(CONFIG, max_num_seqs=1, max_model_len=4)
+    slab = cache.add_sequence()
+    store = cache.view(slab)
+    shape = (1, CONFIG.num_key_value_heads, CONFIG.head_dim)
+    with pytest.raises(ValueError, match=r"layer_index must be an integer in \[0, 1\], got -1"):
+        store.attend(-1, torch.zeros(1, 4, 8), torch.ones(shape), torch.ones(shape),
+                     torch.tensor([0]))
+    cache.free_sequence(slab)
+    with pytest.raises(ValueError, match="slab 0 is not in use"):
+        cache.free_sequence(slab)
+
+
+# ---- C. the paged cache's own public calls ------------------------------------------------------
+
+def test_paged_cache_checks_block_ids_layers_and_batches():
+    cache = PagedKVCache(CONFIG, num_blocks=4, block_size=4)
+    cache.allocate("a", 3)
+    with pytest.raises(ValueError, match=r"dst block_id must be an integer in \[0, 3\], got -1"):
+        cache.copy_block(0, -1)
+    with pytest.raises(ValueError, match=r"layer_index must be an integer in \[0, 1\], got 2"):
+        cache.gather("a", 2)
+    with pytest.raises(KeyError, match="unknown sequence 'b'"):
+        cache.gather("b", 0)
+    with pytest.raises(ValueError, match="at least one seq_id"):
+        cache.block_tables_tensor([])
+    with pytest.raises(ValueError, match="num_new_tokens must be an integer >= 0, got -10"):
+        cache.append_slots("a", -10)
+    assert cache.manager.num_tokens("a") == 3 and cache.manager.num_free_blocks == 3

@@ -184,3 +184,27 @@ def test_paged_cache_checks_block_ids_layers_and_batches():
     with pytest.raises(ValueError, match="num_new_tokens must be an integer >= 0, got -10"):
         cache.append_slots("a", -10)
     assert cache.manager.num_tokens("a") == 3 and cache.manager.num_free_blocks == 3
+
+
+# ---- C. the torch attention path refuses ids and lengths a kernel would trust ------------------
+
+def test_torch_attention_range_checks():
+    from kvlab.paged import gather_kv, paged_decode_attention, paged_prefill_attention, write_kv
+
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    kv = torch.ones(1, 2, 8)
+    for slot in (-1, 12):
+        with pytest.raises(ValueError, match=rf"slot_mapping must be in \[0, 11\], got {slot}"):
+            write_kv(k_cache, v_cache, kv, kv, torch.tensor([slot]))
+    assert k_cache.abs().sum() == 0  # nothing written
+    with pytest.raises(ValueError, match=r"block_table must be in \[0, 2\], got -1"):
+        gather_kv(k_cache, torch.tensor([0, -1]), 5)
+    with pytest.raises(ValueError, match=r"seq_len must be in \[0, 8\], got 9"):
+        gather_kv(k_cache, torch.tensor([0, 1]), 9)
+    query = torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\], got 0"):
+        paged_decode_attention(query, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\], got 9"):
+        paged_decode_attention(query, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([9]))
+    with pytest.raises(ValueError, match=r"query_positions must be in \[0, 4\], got 5"):
+        paged_prefill_attention(query, k_cache, v_cache, torch.tensor([0, 1]), 5, torch.tensor([5]))

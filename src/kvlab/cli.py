@@ -94,6 +94,9 @@ def _generate(args: argparse.Namespace) -> int:
     from .dtypes import torch_dtype
     from .generate import generate
 
+    if args.block_size is not None and args.cache != "paged":
+        raise ValueError(f"--block-size {args.block_size} sizes the blocks of the paged cache; "
+                         f"add --cache paged (--cache {args.cache} has no blocks)")
     if args.n > 1 and args.temperature == 0:
         raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
                          f"greedy completions; add e.g. --temperature 0.8 to sample them")
@@ -120,7 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
                              f"{args.prompt_ids!r}") from None
     result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
                       max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
-                      seed=args.seed, block_size=args.block_size,
+                      seed=args.seed, block_size=args.block_size or 16,
                       attention_backend=_attention_backend(args))
     _print_generation(args, result, prompt_ids, tokenizer)
     return 0
@@ -171,7 +174,7 @@ def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], t
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
         block_bytes = result.cache.block_bytes
-        print(f"-- paged cache: block_size {args.block_size}, peak {stats['peak_blocks_in_use']} "
+        print(f"-- paged cache: block_size {result.cache.block_size}, peak {stats['peak_blocks_in_use']} "
               f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
@@ -306,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True)
     gen.add_argument("--cache", choices=("none", "contiguous", "paged"), default="contiguous")
-    gen.add_argument("--block-size", type=_positive_int, default=16,
-                     help="tokens per block (--cache paged)")
+    gen.add_argument("--block-size", type=_positive_int, default=None,
+                     help="tokens per block (--cache paged only; default 16)")
     gen.add_argument("--n", type=_positive_int, default=1,
                      help="completions of the prompt, sharing its blocks (--cache paged; needs "
                           "--temperature, or all n would be the same greedy text)")

@@ -174,7 +174,8 @@ def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], t
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
         block_bytes = result.cache.block_bytes
-        print(f"-- paged cache: block_size {result.cache.block_size}, peak {stats['peak_blocks_in_use']} "
+        print(f"-- paged cache: block_size {result.cache.block_size}, "
+              f"peak {stats['peak_blocks_in_use']} "
               f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "

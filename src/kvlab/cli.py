@@ -105,8 +105,10 @@ def _generate(args: argparse.Namespace) -> int:
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
     dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads or _default_threads(model, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        torch.set_num_threads(_default_threads(model, torch.get_num_threads()))
     tokenizer = None
     try:
         tokenizer = load_tokenizer(args.model)
@@ -330,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
     gen.add_argument("--threads", type=_positive_int, default=None,
-                     help="CPU threads for torch; default 1 for models under 50 million "
-                          "parameters (such as tiny), torch's default otherwise")
+                     help="CPU threads for torch; default $OMP_NUM_THREADS if set, else 1 for "
+                          "models under 50 million parameters (such as tiny), torch's default "
+                          "otherwise")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=_generate)
 

@@ -179,10 +179,12 @@ def _reduce_splits_kernel(out_ptr, partial_ptr, lse_ptr, num_splits,
              result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _tile_for(head_dim_pad: int, max_seq_len: int) -> int:
-    """Tokens per tile: 64 (32 for head_dim 256, to bound registers), no more than the longest
-    sequence needs, never below the 16 rows tl.dot requires."""
-    largest = 64 if head_dim_pad <= 128 else 32
+def _tile_for(head_dim_pad: int, element_bytes: int, max_seq_len: int, small_smem: bool) -> int:
+    """Tokens per tile: one K tile of at most 16 KiB (8 KiB on GPUs before sm_80, whose shared
+    memory is smaller), no more than the longest sequence needs, never below the 16 rows tl.dot
+    requires. fp16, head_dim 128: 64 tokens; head_dim 256 or fp32: 32."""
+    budget = (8 if small_smem else 16) * 1024
+    largest = max(MIN_DOT_ROWS, budget // (head_dim_pad * element_bytes))
     return max(MIN_DOT_ROWS, min(largest, triton.next_power_of_2(max_seq_len)))
 
 
@@ -230,8 +232,9 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         max_seq_len = int(seq_lens.max())
     head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
     group_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+    old_gpu = query.is_cuda and torch.cuda.get_device_capability(query.device)[0] < 8
     if tile is None:
-        tile = _tile_for(head_dim_pad, max_seq_len)
+        tile = _tile_for(head_dim_pad, query.element_size(), max_seq_len, small_smem=old_gpu)
     elif tile < MIN_DOT_ROWS or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= {MIN_DOT_ROWS}, got {tile}")
     if num_splits is None:
@@ -244,11 +247,13 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_splits = -(-max_seq_len // split_len)  # rounding to tiles may leave fewer splits
 
     upcast = INTERPRETED and query.dtype == torch.bfloat16
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
+    precision = "ieee" if query.dtype == torch.float32 else None  # fp32 stays exact fp32
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else scale) * math.log2(math.e)
     constants = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
                      HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile,
                      UPCAST=upcast, DOT_PRECISION=precision)
+    if old_gpu:  # fewer tiles in flight: shared memory of sm_7x is 64 KiB
+        constants["num_stages"] = 2
     k_strides, v_strides = pool_strides(k_cache, layout), pool_strides(v_cache, layout)
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:

@@ -69,7 +69,7 @@ class PrefixCache:
 
     Args:
         verify: True (default) confirms every hit against token ids, extra keys and the parent
-            entry. False trusts the hash alone, as vLLM does; only for showing what a collision does.
+            entry. False trusts the hash alone, as vLLM does (only to show what a collision does).
 
     """
 
@@ -196,7 +196,8 @@ class CachingBlockPool(BlockPool):
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (evictable, and hittable)."""
-        return sum(1 for entry in self.cache.entries() if self.blocks[entry.block_id].ref_count == 0)
+        blocks = self.blocks
+        return sum(1 for entry in self.cache.entries() if blocks[entry.block_id].ref_count == 0)
 
     def block_counts(self) -> dict[str, int]:
         """{'free': free and not cached, 'cached': free and cached, 'in_use': held}; they add up to

@@ -96,6 +96,11 @@ def _generate(args: argparse.Namespace) -> int:
     from .dtypes import torch_dtype
     from .generate import generate
 
+    if args.block_size is None:
+        args.block_size = 16
+    elif args.cache not in ("paged", "prefix"):
+        raise ValueError(f"--block-size {args.block_size} sizes the blocks of the paged cache; "
+                         f"add --cache paged (--cache {args.cache} has no blocks)")
     if args.n > 1 and args.temperature == 0:
         raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
                          f"greedy completions; add e.g. --temperature 0.8 to sample them")
@@ -104,8 +109,10 @@ def _generate(args: argparse.Namespace) -> int:
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
     dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads or _default_threads(model, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        torch.set_num_threads(_default_threads(model, torch.get_num_threads()))
     tokenizer = None
     try:
         tokenizer = load_tokenizer(args.model)
@@ -182,7 +189,8 @@ def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], t
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
         block_bytes = result.cache.block_bytes
-        print(f"-- paged cache: block_size {args.block_size}, peak {stats['peak_blocks_in_use']} "
+        print(f"-- paged cache: block_size {args.block_size}, "
+              f"peak {stats['peak_blocks_in_use']} "
               f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
@@ -354,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True)
     gen.add_argument("--cache", choices=("none", "contiguous", "paged", "prefix"),
                      default="contiguous", help="prefix: paged + prefix caching (stage 6)")
-    gen.add_argument("--block-size", type=_positive_int, default=16,
-                     help="tokens per block (--cache paged / prefix)")
+    gen.add_argument("--block-size", type=_positive_int, default=None,
+                     help="tokens per block (--cache paged / prefix only; default 16)")
     gen.add_argument("--n", type=_positive_int, default=1,
                      help="completions of the prompt, sharing its blocks (--cache paged; needs "
                           "--temperature, or all n would be the same greedy text)")
@@ -374,8 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
     gen.add_argument("--threads", type=_positive_int, default=None,
-                     help="CPU threads for torch; default 1 for models under 50 million "
-                          "parameters (such as tiny), torch's default otherwise")
+                     help="CPU threads for torch; default $OMP_NUM_THREADS if set, else 1 for "
+                          "models under 50 million parameters (such as tiny), torch's default "
+                          "otherwise")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=_generate)
 

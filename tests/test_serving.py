@@ -34,14 +34,19 @@ def model():
     return LlamaForCausalLM(CONFIG).eval()
 
 
-def workload(num=12, seed=3, max_prompt=40, max_output=12, with_ids=True, spread_s=0.02):
+def workload(num=12, seed=3, max_prompt=40, max_output=12, with_ids=True, spread_s=0.02,
+             shared_prefix=0):
+    """Random requests; the first `shared_prefix` prompt tokens of every other one are common."""
     rng = random.Random(seed)
+    common = [rng.randrange(CONFIG.vocab_size) for _ in range(shared_prefix)]
     requests = []
     for i in range(num):
         prompt = rng.randint(1, max_prompt)
-        ids = [rng.randrange(CONFIG.vocab_size) for _ in range(prompt)] if with_ids else None
-        requests.append(Request(i, rng.uniform(0, spread_s), prompt, rng.randint(1, max_output),
-                                ids))
+        ids = [rng.randrange(CONFIG.vocab_size) for _ in range(prompt)]
+        if i % 2 == 0 and shared_prefix:
+            ids = common + ids
+        requests.append(Request(i, rng.uniform(0, spread_s), len(ids), rng.randint(1, max_output),
+                                ids if with_ids else None))
     return requests
 
 
@@ -52,7 +57,7 @@ def decisions(result_requests):
 
 # ---- scheduler invariants, driven step by step ----------------------------------------------------
 
-@pytest.mark.parametrize("strategy", ["contiguous", "paged"])
+@pytest.mark.parametrize("strategy", ["contiguous", "paged", "prefix"])
 def test_budgets_held_every_step_and_memory_all_free_at_the_end(strategy):
     config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24)
     kv = simulated_manager(strategy, 6 * 64 * 100, 100, max_model_len=64, block_size=4)
@@ -72,7 +77,7 @@ def test_budgets_held_every_step_and_memory_all_free_at_the_end(strategy):
         steps += 1
         assert steps < 10_000
     assert kv.num_reserved_tokens == 0
-    if strategy == "paged":
+    if strategy != "contiguous":
         assert kv.manager.num_free_blocks == kv.manager.pool.num_blocks
         assert kv.manager.tables == {}
     else:
@@ -102,7 +107,7 @@ def test_preemption_takes_the_newest_and_admits_nothing_in_that_step():
 def test_a_request_that_can_never_fit_is_rejected_and_never_stalls_the_others():
     requests = workload(10, with_ids=False)
     requests.insert(3, Request(99, 0.0, 60, 10))  # 70 tokens > max_model_len 64
-    for strategy in ("contiguous", "paged"):
+    for strategy in ("contiguous", "paged", "prefix"):
         kv = simulated_manager(strategy, 2 * 64 * 100, 100, max_model_len=64, block_size=4)
         result = serve(requests, kv, SimulatedExecutor(COST))
         assert (result.finished, result.rejected) == (10, 1)
@@ -121,16 +126,19 @@ def test_contiguous_holds_fewer_requests_than_paged_on_the_same_budget():
 
 # ---- model mode ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("strategy,budget_tokens", [("contiguous", 3 * 64), ("paged", 30 * 4)])
+@pytest.mark.parametrize("strategy,budget_tokens",
+                         [("contiguous", 3 * 64), ("paged", 30 * 4), ("prefix", 18 * 4)])
 def test_model_mode_tokens_equal_solo_generation(model, strategy, budget_tokens):
-    requests = workload(12)
+    requests = workload(12, max_prompt=28, max_output=24, shared_prefix=12)
     kv, executor = model_strategy(strategy, model, budget_tokens * BYTES_PER_TOKEN, 64,
                                   block_size=4)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)  # forces chunked prefill
     result = serve(requests, kv, executor, config)
     assert result.finished == len(requests)
-    if strategy == "paged":
+    if strategy != "contiguous":
         assert result.preemptions > 0  # the pool of 30 blocks is too small for the traffic
+    if strategy == "prefix":
+        assert result.prefix_hit_rate > 0.05
     served = {r.request_id: r for r in result.served_requests}
     for request in requests:
         solo = generate(model, request.prompt_token_ids, request.max_output_tokens,
@@ -139,9 +147,10 @@ def test_model_mode_tokens_equal_solo_generation(model, strategy, budget_tokens)
 
 
 def test_simulation_and_model_mode_make_the_same_decisions(model):
-    requests = workload(12)
+    requests = workload(12)  # no shared prefix: simulation's stand-in ids then hit alike
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20)
-    for strategy, budget_tokens in (("contiguous", 3 * 64), ("paged", 30 * 4)):
+    for strategy, budget_tokens in (("contiguous", 3 * 64), ("paged", 30 * 4),
+                                    ("prefix", 30 * 4)):
         budget = budget_tokens * BYTES_PER_TOKEN
         kv, executor = model_strategy(strategy, model, budget, 64, block_size=4, cost_model=COST)
         real = serve(requests, kv, executor, config)
@@ -197,6 +206,19 @@ def test_percentile_matches_numpy():
 
 # ---- traces and the command ----------------------------------------------------------------------
 
+def test_simulation_stand_in_ids_share_exactly_the_blocks_the_trace_shares():
+    from kvlab.serving.prefix_manager import token_ids
+
+    a = Request(0, 0.0, 1100, 5, block_hashes=(7, 8, 9), hash_block_size=512)
+    b = Request(1, 0.0, 1030, 5, block_hashes=(7, 8, 4), hash_block_size=512)
+    ids_a, ids_b = token_ids(a, 0, 1100), token_ids(b, 0, 1030)
+    assert len(ids_a) == 1100 and len(ids_b) == 1030
+    assert ids_a[:1024] == ids_b[:1024] and ids_a[1024:1030] != ids_b[1024:1030]
+    assert token_ids(a, 1000, 1105) == ids_a[1000:] + [-1] * 5  # outputs: the request's own id
+    plain = Request(2, 0.0, 40, 3)
+    assert token_ids(plain, 0, 43) == [-3] * 43
+
+
 def test_malformed_traces_are_rejected_with_file_and_line(tmp_path):
     csv = tmp_path / "t.csv"
     csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,5\n"
@@ -227,14 +249,17 @@ def test_cli_serve_simulate_json(tmp_path, capsys):
     assert main(["serve", "--trace", str(trace), "--simulate", "--model", "llama-3.1-8b",
                  "--gpu", "L4", "--kv-budget", "1", "--max-model-len", "2048", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [row["strategy"] for row in out["rows"]] == ["contiguous", "paged"]
+    assert [row["strategy"] for row in out["rows"]] == ["contiguous", "paged", "paged+prefix"]
     for row in out["rows"]:
         assert row["finished"] == 200 and row["rejected"] == 0
         for key in ("peak_running", "mean_running", "preemptions", "kv_usage_mean",
                     "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                     "tpot_p99_s", "prefix_hit_rate"):
             assert key in row
-    contiguous, paged = out["rows"]
+    contiguous, paged, prefix = out["rows"]
+    # The Azure format carries no prefix information: hits only re-find a preempted request's own
+    # blocks.
+    assert prefix["prefix_hit_rate"] == 0.0 or prefix["preemptions"] > 0
     assert contiguous["peak_running"] == (2**30 // (2048 * 131072))  # 4 slabs of 2,048 tokens
     assert paged["peak_running"] > contiguous["peak_running"]
 

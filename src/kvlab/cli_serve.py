@@ -24,7 +24,7 @@ def add_serve_parser(commands, positive_int, positive_float) -> None:
     p.add_argument("--trace", required=True,
                    help="Azure trace .csv (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake "
                         ".jsonl")
-    p.add_argument("--strategy", choices=("contiguous", "paged", "all"), default="all")
+    p.add_argument("--strategy", choices=("contiguous", "paged", "prefix", "all"), default="all")
     p.add_argument("--simulate", action="store_true",
                    help="no tensors: step times from the card's roofline (default: run the model)")
     p.add_argument("--model", default=None,

@@ -5,9 +5,9 @@ model runner that executes. The scheduler never sees a block or a byte: it asks 
 questions and acts on the answers. Every strategy of the course answers the same questions:
 
 * `reject_reason(request)`: can this request *never* fit (max_model_len, the whole memory)?
-* `lookup(request)`: how many of its prompt tokens are already cached (prefix caching; else 0)?
-* `allocate(request, num_cached_tokens, num_new_tokens)`: admit it, holding memory for its first
-  tokens; False if there is no room now (nothing changes).
+* `allocate(request, token_budget)`: admit it, holding memory for the tokens it computes first (at
+  most `token_budget`); returns how many of its tokens were found already cached (prefix caching;
+  else 0), or None if there is no room now (nothing changes).
 * `append(request, num_new_tokens)`: room for more tokens of a running request; False if none now.
 * `free(request)`: it finished; `preempt(request)`: evict it to recompute later (returns tokens lost).
 * `num_reserved_tokens`, `capacity_tokens`, `usage()`: what is held, out of what.
@@ -36,13 +36,13 @@ class KVManager(abc.ABC):
         name: the strategy's name in tables ('contiguous', 'paged', ...).
         max_model_len: longest request (prompt + max_output_tokens) the server accepts.
         capacity_tokens: token slots in the whole KV budget.
-        has_prefix_cache: whether `lookup` can find cached tokens.
+        has_prefix_cache: whether `allocate` can find cached tokens.
     """
 
     name: str
     max_model_len: int
     capacity_tokens: int
-    has_prefix_cache = False  # True when `lookup` can return hits
+    has_prefix_cache = False  # True when `allocate` can find cached tokens
 
     def reject_reason(self, request: Request) -> str | None:
         """Why this request can never be served, or None. Checked once, on arrival."""
@@ -51,13 +51,11 @@ class KVManager(abc.ABC):
                     f"{request.total_len} tokens > max_model_len={self.max_model_len}")
         return None
 
-    def lookup(self, request: Request) -> int:
-        """Prompt tokens whose K/V are already cached (prefix caching). None here: 0."""
-        return 0
-
     @abc.abstractmethod
-    def allocate(self, request: Request, num_cached_tokens: int, num_new_tokens: int) -> bool:
-        """Admit a request: hold its cached tokens and room for `num_new_tokens` more."""
+    def allocate(self, request: Request, token_budget: int) -> int | None:
+        """Admit a request (nothing computed yet): hold room for its first
+        min(num_tokens - cached, token_budget) tokens, where cached (returned) counts its leading
+        tokens found in a prefix cache, at most num_tokens - 1. None: no room now."""
 
     @abc.abstractmethod
     def append(self, request: Request, num_new_tokens: int) -> bool:
@@ -108,11 +106,11 @@ class ContiguousManager(KVManager):
         self.capacity_tokens = num_slabs * max_model_len
         self.holders: set[int] = set()  # request ids holding a slab
 
-    def allocate(self, request: Request, num_cached_tokens: int, num_new_tokens: int) -> bool:
+    def allocate(self, request: Request, token_budget: int) -> int | None:
         if len(self.holders) >= self.num_slabs:
-            return False
+            return None
         self.holders.add(request.request_id)
-        return True
+        return 0
 
     def append(self, request: Request, num_new_tokens: int) -> bool:
         return True  # the slab was sized for max_model_len at admission
@@ -155,12 +153,12 @@ class PagedManager(KVManager):
                              f" tokens, the pool has {manager.pool.num_blocks}; lower "
                              f"max_model_len or give the cache more memory")
 
-    def allocate(self, request: Request, num_cached_tokens: int, num_new_tokens: int) -> bool:
+    def allocate(self, request: Request, token_budget: int) -> int | None:
         try:
-            self.manager.allocate(request.request_id, num_new_tokens)
+            self.manager.allocate(request.request_id, min(request.num_tokens, token_budget))
         except NoFreeBlocksError:
-            return False
-        return True
+            return None
+        return 0
 
     def append(self, request: Request, num_new_tokens: int) -> bool:
         # Most decode tokens land in a free slot of the last block and need no new block: count

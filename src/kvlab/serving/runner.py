@@ -33,15 +33,17 @@ from ..contiguous import ContiguousKVCache
 from ..paged.block_table import cdiv
 from ..paged.paged_cache import DecodeStore, PagedKVCache, PrefillStore
 from .cost_model import CostModel
+from ..prefix.manager import PrefixCachingKVCacheManager
 from .kv_managers import ContiguousManager, KVManager, PagedManager, SlotlessKVCacheManager
 from .metrics import ServeResult, StepSeries, summarize
+from .prefix_manager import PrefixManager
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["Executor", "SimulatedExecutor", "ModelExecutor", "serve", "STRATEGIES",
            "simulated_manager", "model_strategy"]
 
-STRATEGIES = ("contiguous", "paged")
+STRATEGIES = ("contiguous", "paged", "prefix")
 
 
 class Executor(Protocol):
@@ -250,13 +252,21 @@ def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
     if strategy == "contiguous":
         return ContiguousManager(kv_budget_bytes // (max_model_len * bytes_per_token),
                                  max_model_len)
+    num_blocks = kv_budget_bytes // (block_size * bytes_per_token)
+    if num_blocks < 1:
+        raise ValueError(f"the KV budget of {kv_budget_bytes:,} B holds no block of "
+                         f"{block_size} tokens x {bytes_per_token:,} B")
     if strategy == "paged":
-        num_blocks = kv_budget_bytes // (block_size * bytes_per_token)
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget of {kv_budget_bytes:,} B holds no block of "
-                             f"{block_size} tokens x {bytes_per_token:,} B")
         return PagedManager(SlotlessKVCacheManager(num_blocks, block_size), max_model_len)
+    if strategy == "prefix":
+        return PrefixManager(SlotlessPrefixCachingManager(num_blocks, block_size), max_model_len)
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
+class SlotlessPrefixCachingManager(PrefixCachingKVCacheManager):
+    """`PrefixCachingKVCacheManager` for simulation: same blocks and hits, no slot lists built."""
+
+    _reserve = SlotlessKVCacheManager._reserve
 
 
 def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: int,
@@ -278,7 +288,11 @@ def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: in
     else:
         cache = PagedKVCache(config, manager.manager.pool.num_blocks, block_size,
                              dtype=model.dtype, device=model.device)
-        manager = PagedManager(cache.manager, max_model_len)
+        if strategy == "paged":
+            manager = PagedManager(cache.manager, max_model_len)
+        else:  # the same pool tensors, bookkept by the prefix-caching manager
+            cache.manager = PrefixCachingKVCacheManager(cache.num_blocks, block_size)
+            manager = PrefixManager(cache.manager, max_model_len)
     executor = ModelExecutor(model, cache, cost_model)
     executor.bytes_per_token = bytes_per_token
     return manager, executor

@@ -152,11 +152,11 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            # At least one token is computed: its logits give the next token.
-            cached = min(self.kv.lookup(request), request.num_tokens - 1)
-            num_new = min(request.num_tokens - cached, budget)
-            if not self.kv.allocate(request, cached, num_new):
+            cached = self.kv.allocate(request, budget)
+            if cached is None:
                 break  # the head waits for memory; no overtaking
+            num_new = request.num_tokens - cached  # >= 1: a hit never covers the last token
+            num_new = min(num_new, budget)
             self.waiting.popleft()
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += cached

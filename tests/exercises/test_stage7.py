@@ -60,7 +60,7 @@ SCENARIOS = {
     "room for everyone": ("paged", 20, [(5, 1), (3, 2)], [6, 2], 8, 64),
     "pool dry: preempt the newest": ("paged", 4, [(4, 1), (4, 1), (4, 1), (4, 1)], [3], 8, 64),
     "the newest preempts itself": ("paged", 4, [(3, 1), (4, 1)], [2], 8, 64),
-    "no admission right after a preemption": ("paged", 3, [(4, 1), (8, 1)], [], 8, 4),
+    "no admission right after a preemption": ("paged", 4, [(4, 1), (8, 1)], [], 8, 4),
     "head of line waits, nobody overtakes": ("paged", 6, [(7, 1), (7, 1)], [9, 1], 8, 64),
     "max_num_seqs": ("paged", 40, [(3, 1)], [2, 2, 2, 2], 3, 64),
     "token budget chunks a prompt": ("paged", 40, [(3, 1), (2, 1)], [12, 5], 8, 8),

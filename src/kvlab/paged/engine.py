@@ -220,7 +220,12 @@ class PagedEngine:
         return slots
 
     def _reserve_next_slot(self, seq: Sequence) -> int:
-        """The slot of the token this step feeds back (stage 6 also names the token, to cache it)."""
+        """The slot of the token `seq` feeds back this step (copy-on-write included). Stage 6's
+        prefix cache overrides this to name the token, so a block it fills is cached at once.
+
+        Raises:
+            NoFreeBlocksError: the pool is dry (nothing changed).
+        """
         return int(self.cache.append_slots(seq.seq_id, 1))
 
     def _preempt(self, seq: Sequence) -> None:

@@ -7,9 +7,9 @@ itself is inherited:
 
 * `_allocate_prompt` (admission) calls `allocate_with_prefix`, which shares the cached prefix
   blocks and reserves slots only for the rest, and returns `num_cached_tokens` as the position
-  where prefill starts: the engine then runs only positions num_cached_tokens .. len(tokens) - 1, at their
-  absolute positions (RoPE needs them), attending over the cached blocks as if it had computed
-  them itself (vLLM's num_computed_tokens);
+  where prefill starts: the engine then runs only positions num_cached_tokens .. len(tokens) - 1,
+  at their absolute positions (RoPE needs them), attending over the cached blocks as if it had
+  computed them itself (vLLM's num_computed_tokens);
 * `_reserve_next_slot` names the token it appends, so a block filled during decode is hashed
   and cached the moment it is full.
 

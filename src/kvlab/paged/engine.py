@@ -212,12 +212,30 @@ class PagedEngine:
         while index < len(self.running):
             seq = self.running[index]
             try:
-                slots.append(int(self.cache.append_slots(seq.seq_id, 1)))
+                slots.append(self._reserve_next_slot(seq))
                 index += 1
             except NoFreeBlocksError:
                 # May be `seq` itself when it is the newest: then the loop ends.
                 self._preempt(self.running[-1])
         return slots
+
+    def _reserve_next_slot(self, seq: Sequence) -> int:
+        """The slot of `seq`'s next token (copy-on-write included). A subclass that keeps more
+        per block (stage 6's prefix cache names the token) overrides this, not the loop above.
+
+        Raises:
+            NoFreeBlocksError: the pool is dry (nothing changed).
+        """
+        return int(self.cache.append_slots(seq.seq_id, 1))
+
+    def _allocate_prompt(self, seq: Sequence) -> torch.Tensor:
+        """Reserve the slots of all of `seq`'s tokens for its prefill; returns them, [n] int64.
+        Stage 6 overrides this to reuse cached prefix blocks.
+
+        Raises:
+            NoFreeBlocksError: not enough free blocks now (nothing changed).
+        """
+        return self.cache.allocate(seq.seq_id, len(seq.tokens))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's blocks, queue it first to prefill again."""
@@ -237,7 +255,7 @@ class PagedEngine:
             if num_seqs + family_size > self.max_num_seqs:
                 break
             try:
-                slots = self.cache.allocate(seq.seq_id, len(seq.tokens))
+                slots = self._allocate_prompt(seq)
             except NoFreeBlocksError:
                 break  # the head waits for blocks; no overtaking, so it cannot starve
             self.waiting.popleft()

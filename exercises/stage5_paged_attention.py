@@ -1,6 +1,5 @@
 # Stage 5 exercise, generated from solutions/stage5_paged_attention.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 5`.
-# hash of the generated text: bf117e0ea048299c
 
 """Stage 5 exercise: the inner loop of a paged decode-attention kernel, in Triton.
 

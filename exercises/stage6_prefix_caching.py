@@ -1,6 +1,5 @@
 # Stage 6 exercise, generated from solutions/stage6_prefix_caching.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 6`.
-# hash of the generated text: efd913db25ba3248
 
 """Stage 6 exercise: the block hash chain and the prefix lookup with the n - 1 cap.
 

@@ -68,7 +68,8 @@ def test_setup_says_when_triton_came_first():
         assert "restart the kernel and call setup() first" in got["text"]
 
 
-@pytest.mark.parametrize("kwargs, fragment", [({"seed": -1}, "seed"), ({"num_threads": 0}, "num_threads")])
+@pytest.mark.parametrize("kwargs, fragment", [({"seed": -1}, "seed"),
+                                              ({"num_threads": 0}, "num_threads")])
 def test_setup_refuses_bad_arguments(kwargs, fragment):
     from kvlab.notebook import setup
 

@@ -39,6 +39,21 @@ __all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_att
            "token_major_view"]
 
 
+def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
+    """Refuse any entry outside [low, high] (ValueError naming the first one and the range).
+
+    These are the public entry points of the teaching path, so they check what a kernel would
+    trust: a negative slot or block id would index from the end of the pool, and a seq_len past a
+    block table would silently read fewer tokens. (One host sync per call; the Triton kernel of
+    stage 5 skips it.)
+    """
+    if values.numel() == 0:
+        return
+    bad = (values < low) | (values > high)
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {int(values[bad][0])}")
+
+
 def token_major_view(pool: torch.Tensor, layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """The pool as [num_blocks, block_size, num_key_value_heads, head_dim]: itself, or (for a
     head-major pool) a transposed view of the same memory. Raises ValueError for an unknown layout."""
@@ -55,7 +70,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         key, value: [num_tokens, num_key_value_heads, head_dim], same dtype as the cache.
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
         layout: "token-major" or "head-major".
+
+    Raises:
+        ValueError: a slot outside [0, num_blocks * block_size).
     """
+    num_blocks, block_size = token_major_view(k_cache, layout).shape[:2]
+    _check_range("slot_mapping", slot_mapping, 0, num_blocks * block_size - 1)
     if check_layout(layout) == TOKEN_MAJOR:
         num_kv_heads, head_dim = k_cache.shape[2:]
         # A view, not a copy: writing into the flat view writes into the pool.
@@ -81,8 +101,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 
     Returns:
         [seq_len, num_key_value_heads, head_dim], a new contiguous tensor.
+
+    Raises:
+        ValueError: a block id outside the pool, or seq_len outside [0, len(block_table) *
+            block_size].
     """
     cache = token_major_view(cache, layout)
+    _check_range("block_table", block_table, 0, cache.shape[0] - 1)
+    _check_range("seq_len", torch.tensor([seq_len]), 0, block_table.numel() * cache.shape[1])
     blocks = cache[block_table]  # [n, block_size, H_kv, D]: advanced indexing copies
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
@@ -107,7 +133,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     Returns:
         [num_tokens, num_attention_heads, head_dim], dtype of query.
+
+    Raises:
+        ValueError: as `gather_kv`, or a query position outside [0, seq_len).
     """
+    _check_range("query_positions", query_positions, 0, seq_len - 1)
     keys = gather_kv(k_cache, block_table, seq_len, layout)
     values = gather_kv(v_cache, block_table, seq_len, layout)
     return grouped_attention(query, keys, values, query_positions=query_positions, scale=scale)
@@ -135,10 +165,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     Returns:
         [num_seqs, num_attention_heads, head_dim], dtype of query.
+
+    Raises:
+        ValueError: a block id outside the pool, or a seq_len outside [1, max_blocks_per_seq *
+            block_size] (a sequence with no token has nothing to attend to).
     """
     k_cache, v_cache = token_major_view(k_cache, layout), token_major_view(v_cache, layout)
     num_seqs, width = block_tables.shape
     block_size = k_cache.shape[1]
+    _check_range("block_tables", block_tables, 0, k_cache.shape[0] - 1)
+    _check_range("seq_lens", seq_lens, 1, width * block_size)
     # Gather the whole padded batch at once: [num_seqs, width * block_size, H_kv, D].
     keys = k_cache[block_tables].reshape(num_seqs, width * block_size, *k_cache.shape[2:])
     values = v_cache[block_tables].reshape(num_seqs, width * block_size, *v_cache.shape[2:])

@@ -276,7 +276,7 @@ class PrefixManagerMachine(RuleBasedStateMachine):
 
 
 TestPrefixManagerMachine = PrefixManagerMachine.TestCase
-TestPrefixManagerMachine.settings = settings(max_examples=100, stateful_step_count=40,
+TestPrefixManagerMachine.settings = settings(max_examples=200, stateful_step_count=50,
                                              deadline=None)
 
 

@@ -91,3 +91,16 @@ def test_salts_isolate_tenants_in_the_engine(model):
     assert result.token_ids[0] == result.token_ids[1] == result.token_ids[2]
     bad = generate_with_prefix_cache(model, [prompt], 3, block_size=4, cache_salts=[5])
     assert bad.errors[0] and "cache_salt must be a string" in bad.errors[0]
+
+
+@pytest.mark.parametrize("layout", ["token-major", "head-major"])
+def test_prefix_hits_with_the_triton_backend(model, layout):
+    pytest.importorskip("triton")
+    from kvlab.paged import resolve_backend
+
+    prompts = shared_prompts(9, [2, 5, 0])
+    runs = {name: generate_with_prefix_cache(model, prompts, 5, block_size=4,
+                                             attention_backend=resolve_backend(name, layout))
+            for name in ("torch", "triton")}
+    assert runs["triton"].token_ids == runs["torch"].token_ids == no_cache(model, prompts, 5)
+    assert runs["triton"].prefix_stats.num_hit_tokens == 8 + 8  # 9 shared tokens: 2 blocks

@@ -201,8 +201,8 @@ class PagedEngine:
         self._record_memory()
         if decode_batch:
             self._decode(decode_batch, decode_slots)
-        for seq, slots in admitted:
-            self._prefill(seq, slots)
+        for seq, slots, start in admitted:
+            self._prefill(seq, slots, start)
         self.stats.num_cow_copies = self.cache.manager.num_cow_copies
 
     def _reserve_decode_slots(self) -> list[int]:
@@ -212,12 +212,16 @@ class PagedEngine:
         while index < len(self.running):
             seq = self.running[index]
             try:
-                slots.append(int(self.cache.append_slots(seq.seq_id, 1)))
+                slots.append(self._reserve_decode_slot(seq))
                 index += 1
             except NoFreeBlocksError:
                 # May be `seq` itself when it is the newest: then the loop ends.
                 self._preempt(self.running[-1])
         return slots
+
+    def _reserve_decode_slot(self, seq: Sequence) -> int:
+        """The slot of the token this step feeds back (stage 6 also names the token, to cache it)."""
+        return int(self.cache.append_slots(seq.seq_id, 1))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's blocks, queue it first to prefill again."""
@@ -227,8 +231,10 @@ class PagedEngine:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)  # several preempted in one step keep their relative order
 
-    def _admit(self) -> list[tuple[Sequence, torch.Tensor]]:
-        """Take waiting sequences (first come, first served) while blocks and max_num_seqs allow."""
+    def _admit(self) -> list[tuple[Sequence, torch.Tensor, int]]:
+        """Take waiting sequences (first come, first served) while blocks and max_num_seqs allow.
+
+        Returns (sequence, slots to prefill, position where prefill starts) per admitted one."""
         admitted = []
         num_seqs = len(self.running)
         while self.waiting:
@@ -237,13 +243,20 @@ class PagedEngine:
             if num_seqs + family_size > self.max_num_seqs:
                 break
             try:
-                slots = self.cache.allocate(seq.seq_id, len(seq.tokens))
+                slots, start = self._allocate(seq)
             except NoFreeBlocksError:
                 break  # the head waits for blocks; no overtaking, so it cannot starve
             self.waiting.popleft()
-            admitted.append((seq, slots))
+            admitted.append((seq, slots, start))
             num_seqs += family_size
         return admitted
+
+    def _allocate(self, seq: Sequence) -> tuple[torch.Tensor, int]:
+        """Blocks for all of a sequence's tokens; (their slots, 0: prefill starts at position 0).
+
+        Stage 6's prefix cache overrides this: tokens found in the cache need no slots, and prefill
+        starts after them (vLLM's num_computed_tokens)."""
+        return self.cache.allocate(seq.seq_id, len(seq.tokens)), 0
 
     def _decode(self, batch: list[Sequence], slots: list[int]) -> None:
         """One forward pass: the newest token of each sequence at its position, flat [num_seqs]."""
@@ -256,14 +269,15 @@ class PagedEngine:
         for seq, row in zip(batch, logits):
             self._append_token(seq, self._next_token(seq, row))
 
-    def _prefill(self, seq: Sequence, slots: torch.Tensor) -> None:
-        """Run all of a sequence's tokens (prompt, + output after a preemption); sample the next."""
+    def _prefill(self, seq: Sequence, slots: torch.Tensor, start: int = 0) -> None:
+        """Run a sequence's tokens from `start` on (prompt, + output after a preemption) at their
+        absolute positions, attending over all of them; sample the next token."""
         tokens = seq.tokens
         device = self.model.device
         store = self.cache.prefill_store(seq.seq_id, slots)
-        logits = self.model(torch.tensor(tokens, device=device),
-                            torch.arange(len(tokens), device=device), store)[-1]
-        self.stats.num_prefill_tokens += len(tokens)
+        logits = self.model(torch.tensor(tokens[start:], device=device),
+                            torch.arange(start, len(tokens), device=device), store)[-1]
+        self.stats.num_prefill_tokens += len(tokens) - start
         family = [seq] + seq.siblings_to_fork
         for sibling in seq.siblings_to_fork:  # share the prompt's blocks, copy nothing
             self.cache.fork(seq.seq_id, sibling.seq_id)

@@ -40,7 +40,7 @@ def generate_command(args: argparse.Namespace, model, tokenizer, prompts: list[l
         ValueError: a prompt the engine rejects (too long, bad token ids); the message names it.
     """
     result = generate_with_prefix_cache(
-        model, prompts, args.max_new_tokens, block_size=args.block_size,
+        model, prompts, args.max_new_tokens, block_size=args.block_size or 16,
         max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
         seed=args.seed, attention_backend=attention_backend)
     for error in result.errors:

@@ -2,14 +2,15 @@
 after the hit.
 
 `PrefixCachingEngine` is stage 4's `PagedEngine` (continuous batching, preemption by recompute,
-forks for n > 1) on a `PrefixCachingKVCacheManager`. Three steps of the scheduler change, each
-marked `# prefix:` below; everything else is inherited:
+forks for n > 1) on a `PrefixCachingKVCacheManager`. It overrides two small methods; the scheduler
+itself is inherited:
 
-* admission calls `allocate_with_prefix`, which shares the cached prefix blocks and reserves slots
-  only for the rest; the sequence remembers `num_cached_tokens`;
-* prefill runs only positions num_cached_tokens .. len(tokens) - 1, at their absolute positions
-  (RoPE needs them), attending over the cached blocks as if it had computed them itself;
-* decode tells the manager which token it appends, so a block filled during decode is hashed
+* `_allocate` (admission) calls `allocate_with_prefix`, which shares the cached prefix blocks and
+  reserves slots only for the rest, and returns `num_cached_tokens` as the position where prefill
+  starts: the engine then runs only positions num_cached_tokens .. len(tokens) - 1, at their
+  absolute positions (RoPE needs them), attending over the cached blocks as if it had computed
+  them itself (vLLM's num_computed_tokens);
+* `_reserve_decode_slot` names the token it appends, so a block filled during decode is hashed
   and cached the moment it is full.
 
 A preempted sequence is admitted again like any other, so it may hit the blocks it held itself
@@ -26,7 +27,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..errors import NoFreeBlocksError, RequestTooLongError
+from ..errors import RequestTooLongError
 from ..model import LlamaForCausalLM
 from ..paged.backends import BackendLike
 from ..paged.block_table import cdiv
@@ -59,7 +60,6 @@ class PrefixCachingEngine(PagedEngine):
         self.manager = PrefixCachingKVCacheManager(num_blocks, block_size, hash_fn)
         self.cache.manager = self.manager
         self._salts: list[str | None] = []         # request_id -> cache_salt
-        self._num_cached: dict[tuple, int] = {}    # seq_id -> tokens hit at its admission
 
     def add_request(self, prompt: Seq[int], max_new_tokens: int, n: int = 1,
                     first_tokens: Seq[int] | None = None, seed: int | None = None,
@@ -78,61 +78,19 @@ class PrefixCachingEngine(PagedEngine):
     def prefix_stats(self) -> PrefixCacheStats:
         return self.manager.prefix_stats
 
-    def _reserve_decode_slots(self) -> list[int]:
-        """As in `PagedEngine`: oldest first, preempt the newest while the pool is dry."""
-        slots: list[int] = []
-        index = 0
-        while index < len(self.running):
-            seq = self.running[index]
-            try:
-                # prefix: name the token, so a block it fills is cached at once.
-                reservation = self.manager.append_slots(seq.seq_id, 1, [seq.output[-1]])
-            except NoFreeBlocksError:
-                self._preempt(self.running[-1])
-                continue
-            for src, dst in reservation.copies:  # copy-on-write of a shared partial block
-                self.cache.copy_block(src, dst)
-            slots.append(reservation.slots[0])
-            index += 1
-        return slots
+    def _reserve_decode_slot(self, seq: Sequence) -> int:
+        """The slot of the token fed back this step, named so a block it fills is cached at once."""
+        reservation = self.manager.append_slots(seq.seq_id, 1, [seq.output[-1]])
+        for src, dst in reservation.copies:  # copy-on-write of a shared partial block
+            self.cache.copy_block(src, dst)
+        return reservation.slots[0]
 
-    def _admit(self) -> list[tuple[Sequence, torch.Tensor]]:
-        """As in `PagedEngine`: first come, first served while blocks and max_num_seqs allow."""
-        admitted = []
-        num_seqs = len(self.running)
-        while self.waiting:
-            seq = self.waiting[0]
-            family_size = 1 + len(seq.siblings_to_fork)
-            if num_seqs + family_size > self.max_num_seqs:
-                break
-            try:
-                # prefix: share the cached prefix, reserve slots for the rest only.
-                allocation = self.manager.allocate_with_prefix(
-                    seq.seq_id, seq.tokens, self._salts[seq.seq_id[0]])
-            except NoFreeBlocksError:
-                break
-            self.waiting.popleft()
-            self._num_cached[seq.seq_id] = allocation.num_cached_tokens
-            admitted.append((seq, torch.tensor(allocation.slots, device=self.cache.device)))
-            num_seqs += family_size
-        return admitted
-
-    def _prefill(self, seq: Sequence, slots: torch.Tensor) -> None:
-        """Run the tokens after the hit at their absolute positions; sample the next token."""
-        tokens, device = seq.tokens, self.model.device
-        start = self._num_cached.pop(seq.seq_id)  # prefix: positions before start are cached
-        store = self.cache.prefill_store(seq.seq_id, slots)
-        logits = self.model(torch.tensor(tokens[start:], device=device),
-                            torch.arange(start, len(tokens), device=device), store)[-1]
-        self.stats.num_prefill_tokens += len(tokens) - start
-        family = [seq] + seq.siblings_to_fork
-        for sibling in seq.siblings_to_fork:  # share the prompt's blocks, copy nothing
-            self.cache.fork(seq.seq_id, sibling.seq_id)
-        seq.siblings_to_fork = []
-        self.running.extend(family)
-        self._record_memory()
-        for member in family:  # every sibling's first token comes from the same logits
-            self._append_token(member, self._next_token(member, logits))
+    def _allocate(self, seq: Sequence) -> tuple[torch.Tensor, int]:
+        """Share the cached prefix, reserve slots for the rest; prefill starts after the hit."""
+        allocation = self.manager.allocate_with_prefix(seq.seq_id, seq.tokens,
+                                                       self._salts[seq.seq_id[0]])
+        slots = torch.tensor(allocation.slots, dtype=torch.long, device=self.cache.device)
+        return slots, allocation.num_cached_tokens
 
 
 @dataclasses.dataclass

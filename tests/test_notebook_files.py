@@ -5,6 +5,7 @@ tests/test_browser.py checks the same in a real JupyterLab (the tab must not tur
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,10 @@ def test_no_stored_widget_state(path):
                     for output in cell.get("outputs", [])
                     if "application/vnd.jupyter.widget-view+json" in output.get("data", {})]
     assert not widget_cells, f"{path.name}: cells {widget_cells} store a widget view"
+
+
+def test_images_in_readme_and_docs_exist():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if "://" not in target:
+                assert (page.parent / target).is_file(), f"{page.name}: missing image {target}"

@@ -1,7 +1,6 @@
-# Stage 2 exercise, GENERATED from solutions/stage2_contiguous_cache.py by `kvlab exercises --write`.
-# Your work goes here: replace each `raise NotImplementedError("TODO(stage 2): ...")` with
-# your code, then run `kvlab check 2`. Re-generating keeps a file you have edited (unless --force).
-# kvlab-exercise-checksum: 3774aea987d3be73
+# Stage 2 exercise, generated from solutions/stage2_contiguous_cache.py by scripts/make_exercises.py.
+# Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 2`.
+# hash of the generated text: 4e3c50d6b94943b6
 
 """Stage 2 exercise: the naive contiguous KV cache, and what it wastes.
 
@@ -52,7 +51,7 @@ def check_reservation(max_num_seqs: int, max_model_len: int, bytes_per_token: in
             `kvlab.sizing.format_bytes` for the byte figures, e.g.
             "KV cache reservation 128 seqs x 4096 tokens x 128 KiB/token = 64 GiB > 40 GiB budget".
     """
-    raise NotImplementedError('TODO(stage 2): seqs x tokens x bytes/token; if above the budget raise MemoryError with f"{max_num_seqs} seqs x {max_model_len} tokens x ... = ... > ... budget"')
+    raise NotImplementedError("TODO(stage 2): seqs x tokens x bytes/token; if above the budget raise MemoryError with f\"{max_num_seqs} seqs x {max_model_len} tokens x ... = ... > ... budget\"")
 
 
 def write_kv(slab: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> None:

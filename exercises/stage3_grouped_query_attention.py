@@ -1,7 +1,6 @@
-# Stage 3 exercise, GENERATED from solutions/stage3_grouped_query_attention.py by `kvlab exercises --write`.
-# Your work goes here: replace each `raise NotImplementedError("TODO(stage 3): ...")` with
-# your code, then run `kvlab check 3`. Re-generating keeps a file you have edited (unless --force).
-# kvlab-exercise-checksum: e801be7e494001db
+# Stage 3 exercise, generated from solutions/stage3_grouped_query_attention.py by scripts/make_exercises.py.
+# Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 3`.
+# hash of the generated text: 2dbb64ff07921060
 
 """Stage 3 exercise: grouped-query attention (GQA), and what it saves in the KV cache.
 
@@ -23,7 +22,7 @@ You write:
 * `kv_cache_saving`: how many times smaller the KV cache gets.
 
 `kvlab check 3` compares yours with PyTorch's `scaled_dot_product_attention` over repeated K/V
-(`kvlab.attention.reference_attention`, in float64), `kvlab.gqa.mean_pool_kv_heads` and
+(`kvlab.oracles.sdpa_attention`, in float64), `kvlab.gqa.mean_pool_kv_heads` and
 `kvlab.sizing`. Read `src/kvlab/attention.py` and `src/kvlab/gqa.py` afterwards and compare.
 
 Layout, as in stage 1: the tokens of one sequence lie flat along dim 0, so per-head tensors are

@@ -1,4 +1,16 @@
-"""Triton kernels of the course, installed as `kvlab.kernels` (stage 5 adds paged attention).
+"""Triton kernels of the course, installed as `kvlab.kernels` (stage 5: paged attention).
 
-Importing this package does not import Triton: stages 0-4 run on machines without it.
+Importing this package does not import Triton: stages 0-4 run on machines without it. Modules, in
+reading order (the first three need no Triton):
+
+* `pool_layout`: the two block-pool layouts (token-major, head-major), their strides, and which
+  addresses one attention program reads under each (the layout picture).
+* `split_kv`: how many splits a split-KV (flash-decoding) launch uses.
+* `validate`: input checks with the numbers in every message.
+* `paged_attention`: the decode kernel (GQA-aware, online softmax, split-KV + reduce).
+* `write_kv`: the kernel that stores new K/V at the slot mapping.
+* `bench_paged_attention`: the GPU benchmark (`python -m kvlab.kernels.bench_paged_attention`).
+
+Without a GPU, set TRITON_INTERPRET=1 before Triton is first imported: the kernels then run in
+Triton's CPU interpreter (slowly, on small sizes).
 """

@@ -18,7 +18,7 @@ You write:
 * `kv_cache_saving`: how many times smaller the KV cache gets.
 
 `kvlab check 3` compares yours with PyTorch's `scaled_dot_product_attention` over repeated K/V
-(`kvlab.attention.reference_attention`, in float64), `kvlab.gqa.mean_pool_kv_heads` and
+(`kvlab.oracles.sdpa_attention`, in float64), `kvlab.gqa.mean_pool_kv_heads` and
 `kvlab.sizing`. Read `src/kvlab/attention.py` and `src/kvlab/gqa.py` afterwards and compare.
 
 Layout, as in stage 1: the tokens of one sequence lie flat along dim 0, so per-head tensors are

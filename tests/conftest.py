@@ -32,6 +32,21 @@ import torch
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
+# Without a GPU, the stage-5 Triton kernels run in Triton's CPU interpreter; triton.jit reads this
+# when a kernel module is imported, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped on machines without a CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
 # A tiny GQA Llama: 8 query heads share 2 KV heads (group of 4), head_dim 64 / 8 = 8.
 TINY_HF_FIELDS: dict[str, Any] = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab.attention import grouped_attention, reference_attention, repeat_kv
+from kvlab.attention import grouped_attention, repeat_kv
+from kvlab.oracles import sdpa_attention
 
 # (query heads, KV heads): MHA, GQA with groups of 2, 3 (not a power of two), 4, 6, MQA.
 HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 2), (12, 4), (8, 2), (12, 2), (5, 1), (8, 1)]
@@ -60,7 +61,7 @@ def test_prefill_equals_float64_sdpa_over_repeated_kv(num_heads, num_kv_heads):
     torch.testing.assert_close(got.double(), explicit_attention(q, k, v, positions),
                                atol=1e-5, rtol=1e-5)
     # kvlab's own reference (used by other tests) agrees with both.
-    torch.testing.assert_close(reference_attention(q.double(), k.double(), v.double(), positions),
+    torch.testing.assert_close(sdpa_attention(q.double(), k.double(), v.double(), positions),
                                sdpa, atol=1e-12, rtol=1e-12)
 
 
@@ -74,7 +75,7 @@ def test_decode_step_with_offset_positions(num_heads, num_kv_heads):
                                atol=1e-5, rtol=1e-5)
     chunk_positions = torch.tensor([7, 8, 9])
     chunk = grouped_attention(q, k, v, chunk_positions)
-    expected = reference_attention(q.double(), k.double(), v.double(), chunk_positions)
+    expected = sdpa_attention(q.double(), k.double(), v.double(), chunk_positions)
     torch.testing.assert_close(chunk.double(), expected, atol=1e-5, rtol=1e-5)
     # Query at position 7 must not see keys 8 and 9: changing them leaves its row unchanged.
     k2, v2 = k.clone(), v.clone()

@@ -11,17 +11,24 @@ from pathlib import Path
 
 import pytest
 
+from kvlab import sizing
 from kvlab.cli import main
 from kvlab.workload import synthetic_requests
 
 GiB = 2**30
 SIZE_KEYS = {
-    "model", "dtype", "tp", "batch", "seq_len", "num_parameters", "kv_heads_per_gpu",
-    "kv_bytes_per_token", "kv_cache_bytes", "weights_bytes", "kv_bytes_per_token_total",
-    "kv_cache_bytes_total", "weights_bytes_total", "gpu", "gpu_memory_bytes",
-    "gpu_memory_utilization", "usable_bytes", "kv_share_of_gpu", "weights_share_of_gpu",
-    "max_concurrent_requests",
+    "model", "dtype", "kv_cache_dtype", "tp", "batch", "seq_len", "num_parameters",
+    "kv_heads_per_gpu", "kv_heads_replicated", "kv_bytes_per_token", "kv_cache_bytes",
+    "weights_bytes", "kv_bytes_per_token_total", "kv_cache_bytes_total", "weights_bytes_total",
+    "gpu", "gpu_memory_bytes", "gpu_memory_source", "gpu_memory_utilization", "usable_bytes",
+    "kv_share_of_gpu", "weights_share_of_gpu", "max_concurrent_requests",
 }
+
+
+@pytest.fixture
+def no_local_gpu(monkeypatch):
+    """`kvlab size` without --gpu sizes against this machine's GPU when there is one: hide it."""
+    monkeypatch.setattr(sizing, "local_gpu_memory", lambda: None)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -57,7 +64,7 @@ def contiguous_row(data: dict) -> dict:
 
 # ---- kvlab size ------------------------------------------------------------------------------
 
-def test_size_70b_json_exact(capsys):
+def test_size_70b_json_exact(capsys, no_local_gpu):
     data = run_json(capsys, "size", "llama-3.1-70b", "--batch", "128", "--seq-len", "4096",
                     "--dtype", "bf16")
     assert set(data) == SIZE_KEYS
@@ -71,6 +78,54 @@ def test_size_70b_json_exact(capsys):
     assert data["kv_cache_bytes_total"] == data["kv_cache_bytes"]
     assert data["max_concurrent_requests"] is None
     assert data["gpu"] is None and data["usable_bytes"] is None
+    assert data["kv_cache_dtype"] == "bf16" and data["kv_heads_replicated"] == 1
+
+
+def test_size_uses_the_local_gpu_when_present(capsys, monkeypatch):
+    """With a GPU present and no --gpu, the figure torch.cuda reports is used, and labelled."""
+    card = sizing.GpuMemory("NVIDIA Test 80GB", 85_000_000_000, "reported by torch.cuda")
+    monkeypatch.setattr(sizing, "local_gpu_memory", lambda: card)
+    data = run_json(capsys, "size", "llama-3.1-8b")
+    assert data["gpu"] == "NVIDIA Test 80GB" and data["gpu_memory_bytes"] == 85_000_000_000
+    assert data["gpu_memory_source"] == "reported by torch.cuda"
+    assert data["max_concurrent_requests"] == (
+        int(0.9 * 85_000_000_000) - 2 * 8_030_261_248) // (4096 * 131_072)
+    code, out, _ = run(capsys, "size", "llama-3.1-8b")
+    assert "(79.16 GiB, reported by torch.cuda)" in out
+    named = run_json(capsys, "size", "llama-3.1-8b", "--gpu", "H100-80GB")
+    assert named["gpu_memory_source"] == "nominal, vendor datasheet"
+    assert named["gpu_memory_bytes"] == 80 * GiB
+
+
+def test_size_gpu_local_without_a_gpu_exits_2(capsys, no_local_gpu):
+    code, out, err = run(capsys, "size", "llama-3.1-8b", "--gpu", "local")
+    assert code == 2 and "torch.cuda sees no GPU" in err
+
+
+def test_size_kv_cache_dtype_apart_from_weights(capsys):
+    """An fp8 cache beside bf16 weights (vLLM's --kv-cache-dtype fp8): the cache halves, the
+    weights do not."""
+    data = run_json(capsys, "size", "llama-3.1-8b", "--kv-cache-dtype", "fp8", "--gpu",
+                    "H100-80GB")
+    assert (data["dtype"], data["kv_cache_dtype"]) == ("bf16", "fp8")
+    assert data["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 1 == 65_536
+    assert data["weights_bytes"] == 2 * 8_030_261_248
+    assert data["max_concurrent_requests"] == (
+        80 * GiB * 9 // 10 - 2 * 8_030_261_248) // (4096 * 65_536) == 228
+    code, out, _ = run(capsys, "size", "llama-3.1-8b", "--kv-cache-dtype", "fp8")
+    assert "weights bf16, KV cache fp8" in out and "x 1 B = 65,536 B" in out
+
+
+def test_size_plurals_and_replicated_heads(capsys, tmp_path, write_config, no_local_gpu):
+    code, out, _ = run(capsys, "size", "llama-3.1-8b", "--batch", "1", "--seq-len", "1")
+    assert "1 request x 1 token:" in out and "1 tokens" not in out and "1 requests" not in out
+    path = write_config(tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+    code, out, _ = run(capsys, "size", str(path), "--tp", "8", "--seq-len", "64")
+    assert code == 0
+    assert "(tp=8, 1 KV head each)" in out
+    assert "tp=8 > num_key_value_heads=2" in out and "replicated on 4 GPUs" in out
+    assert run_json(capsys, "size", str(path), "--tp", "8", "--seq-len", "64")[
+        "kv_heads_replicated"] == 4
 
 
 def test_size_text_output(capsys):
@@ -131,6 +186,15 @@ def test_size_config_json_and_checkpoint_folder(capsys, tmp_path, write_config, 
     (["size", "llama-3.1-70b", "--gpu-mem", "0"], "0"),
     (["size", "llama-3.1-70b", "--gpu-memory-utilization", "1.5"], "1.5"),
     (["size", "llama-3.1-70b", "--gpu-mem", "inf"], "inf"),
+    (["size", "llama-3.1-70b", "--seq-len", "100000000000000000000"], "16,777,216"),
+    (["size", "llama-3.1-70b", "--seq-len", "1e20"], "'1e20'"),
+    (["size", "llama-3.1-70b", "--batch", "10000000"], "1,048,576"),
+    (["size", "llama-3.1-70b", "--gpu-mem", "1e9"], "16384"),
+    (["report", "--max-model-len", "200000"], "max_position_embeddings=131,072"),
+    (["report", "--block-size", "8192"], "--block-size 8,192 > --max-model-len 4,096"),
+    (["report", "--num-requests", "10000000", "--synthetic"], "1,000,000"),
+    (["report", "--gpu", "Z80"], "Z80"),
+    (["report", "--kv-budget", "1", "--gpu", "L4"], "not allowed with"),
 ])
 def test_size_bad_input_exits_2_naming_the_value(capsys, argv, named):
     code, out, err = run(capsys, *argv)
@@ -212,13 +276,13 @@ def test_generate_missing_checkpoint_exits_2(capsys, tmp_path):
 # ---- kvlab report ----------------------------------------------------------------------------
 
 REPORT_KEYS = {"rows", "num_requests", "served", "rejected", "rejected_examples", "max_model_len",
-               "kv_budget_bytes", "workload", "model"}
+               "kv_budget_bytes", "workload", "model", "kv_budget_source"}
 ROW_KEYS = {"strategy", "kv_bytes_per_token", "kv_reserved_bytes", "kv_used_bytes", "waste",
-            "requests_held"}
+            "requests_held", "requests_held_exact"}
 
 
 def test_report_json_synthetic(capsys):
-    data = run_json(capsys, "report", "--num-requests", "2000", "--seed", "3")
+    data = run_json(capsys, "report", "--synthetic", "--num-requests", "2000", "--seed", "3")
     assert set(data) == REPORT_KEYS
     row = contiguous_row(data)
     per_token = 131_072  # llama-3.1-8b, bf16
@@ -232,8 +296,7 @@ def test_report_json_synthetic(capsys):
     requests = synthetic_requests(2000, seed=3)
     served = [r for r in requests if r.total_len <= 4096]
     steps = sum(max(r.output_len, 1) for r in served)
-    held = sum(sum(min(r.prompt_len + i + 1, r.total_len) for i in range(r.output_len))
-               if r.output_len else r.prompt_len for r in served)
+    held = sum(sum(r.prompt_len + i for i in range(max(r.output_len, 1))) for r in served)
     assert (data["num_requests"], data["served"]) == (2000, len(served))
     assert data["rejected"] == 2000 - len(served)
     assert row["waste"] == pytest.approx(1 - held / (steps * 4096), abs=1e-12)
@@ -258,11 +321,12 @@ def test_report_trace_by_hand(capsys, tmp_path):
     assert data["rejected_examples"] == [
         {"prompt_len": 60, "output_len": 10, "total_len": 70},
         {"prompt_len": 5000, "output_len": 20, "total_len": 5020}]
-    # steps 5 + 1 + 14 = 20; held (10x5 + 15) + 3 + (50x14 + 105) = 873; reserved 20 x 64 = 1280.
+    # steps 5 + 1 + 14 = 20; held (10 + ... + 14) + 3 + (50 + ... + 63) = 60 + 3 + 791 = 854;
+    # reserved 20 x 64 = 1280.
     row = contiguous_row(data)
-    assert row["waste"] == pytest.approx(1 - 873 / 1280)
+    assert row["waste"] == pytest.approx(1 - 854 / 1280)
     assert row["kv_reserved_bytes"] == 64 * 131_072 == 8_388_608
-    assert row["kv_used_bytes"] == round(873 * 131_072 / 20) == 5_721_293
+    assert row["kv_used_bytes"] == round(854 * 131_072 / 20) == 5_596_774
     assert row["requests_held"] == GiB // 8_388_608 == 128
     assert data["kv_budget_bytes"] == GiB
     assert str(path) in data["workload"]
@@ -279,7 +343,7 @@ def test_report_text_mentions_rejections(capsys, tmp_path):
                          "--kv-budget", "1")
     assert code == 0
     assert "5 requests, 3 served, 2 rejected" in out
-    assert "31.8%" in out  # 1 - 873/1280 = 31.797 %
+    assert "33.3%" in out  # 1 - 854/1280 = 33.28 %
 
 
 def test_report_malformed_trace_exits_2(capsys, tmp_path):
@@ -308,8 +372,8 @@ def test_report_custom_model_config(capsys, tmp_path, write_config):
     row = contiguous_row(data)
     assert row["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4 == 384
     assert row["kv_reserved_bytes"] == 16 * 384
-    # P=4, G=4: holds 5, 6, 7, 8 over 4 steps = 26 token-steps of 64 reserved.
-    assert row["waste"] == pytest.approx(1 - 26 / 64)
+    # P=4, G=4: holds 4, 5, 6, 7 over 4 steps = 22 token-steps of 64 reserved.
+    assert row["waste"] == pytest.approx(1 - 22 / 64)
     assert row["requests_held"] == (GiB // 2) // (16 * 384)
 
 
@@ -332,3 +396,35 @@ def test_generate_rejects_bad_temperatures(hf_checkpoint, capsys, value):
                  "--max-new-tokens", "2", "--cache", "paged", "--temperature", value])
     assert code == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_report_default_workload_is_the_real_conversation_trace(capsys):
+    """`kvlab report` with no options replays the shipped Azure conversation trace, counted
+    independently here from the same file."""
+    from kvlab.traces import azure_trace
+
+    data = run_json(capsys, "report")
+    requests = azure_trace("conv")
+    served = [r for r in requests if r.total_len <= 4096]
+    assert (data["num_requests"], data["served"]) == (19_366, len(served))
+    assert data["rejected"] == 19_366 - len(served) == 1_612  # 8.3 % longer than 4,096 tokens
+    assert "Azure LLM inference trace 2023, conv" in data["workload"]
+    steps = sum(max(r.output_len, 1) for r in served)
+    held = sum(max(r.output_len, 1) * r.prompt_len
+               + max(r.output_len, 1) * (max(r.output_len, 1) - 1) // 2 for r in served)
+    row = contiguous_row(data)
+    assert row["waste"] == pytest.approx(1 - held / (steps * 4096), abs=1e-12)
+    assert data["kv_budget_source"] == ("0.9 x 80 GiB (H100-80GB, nominal, vendor datasheet) - "
+                                        "bf16 weights")
+    paged = {r["strategy"]: r for r in data["rows"]}["paged"]
+    assert not paged["requests_held_exact"] and row["requests_held_exact"]
+    code_trace = run_json(capsys, "report", "--trace", "azure-code")
+    assert code_trace["num_requests"] == 8_819
+
+
+def test_report_kv_cache_dtype_and_gpu(capsys):
+    data = run_json(capsys, "report", "--kv-cache-dtype", "fp8", "--gpu", "L40S",
+                    "--num-requests", "100")
+    assert data["kv_budget_bytes"] == int(0.9 * 48 * GiB) - 2 * 8_030_261_248
+    assert contiguous_row(data)["kv_bytes_per_token"] == 65_536
+    assert data["model"] == "llama-3.1-8b (weights bf16, KV cache fp8)"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.generate import CACHE_KINDS, check_request, generate
+from kvlab.generate import CACHE_KINDS, generate
+from kvlab.requests import check_request
 
 PROMPT = [11, 22, 33, 44]
 
@@ -55,8 +56,8 @@ def test_default_max_model_len_is_max_position_embeddings(tiny_model):
 
 
 def test_unknown_cache_kind(tiny_model):
-    with pytest.raises(ValueError, match="'paged'"):
-        generate(tiny_model, PROMPT, 2, cache="paged")
+    with pytest.raises(ValueError, match="'slab'.*none, contiguous, paged"):
+        generate(tiny_model, PROMPT, 2, cache="slab")
 
 
 @pytest.mark.parametrize("prompt, new, limit, vocab, fragment", [
@@ -65,6 +66,8 @@ def test_unknown_cache_kind(tiny_model):
     ([1, 2], -4, 10, 100, "got -4"),
     ([1, 100, 2], 3, 10, 100, "[100]"),
     ([1, -1], 3, 10, 100, "[-1]"),
+    ([1, 2.5], 3, 10, 100, "[2.5]"),
+    ([1, True], 3, 10, 100, "[True]"),
     ([1] * 8, 3, 10, 100, "prompt of 8 tokens + max_new_tokens=3 = 11 tokens > max_model_len=10"),
 ])
 def test_check_request_messages(prompt, new, limit, vocab, fragment):

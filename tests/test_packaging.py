@@ -67,3 +67,10 @@ def test_wheel_installs_kernels_under_kvlab_and_ships_the_tiny_model(tmp_path):
     assert not any(name.startswith("kernels/") for name in names)
     for file in ("config.json", "model.safetensors", "tokenizer.json"):
         assert f"kvlab/models/tiny/{file}" in names
+    for file in ("conversation_trace.jsonl", "synthetic_trace.jsonl", "LICENSE-APACHE",
+                 "NOTICE.md"):  # the Mooncake traces ship with their licence and attribution
+        assert f"kvlab/traces/data/mooncake/{file}" in names
+    # The real traces ship with their attribution (CC BY 4.0 asks for it).
+    for file in ("AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv",
+                 "README.md", "NOTICE"):
+        assert f"kvlab/traces/data/azure-llm-2023/{file}" in names, file

@@ -3,6 +3,7 @@ preemption, start-up checks and exact byte accounting."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -190,6 +191,63 @@ class ManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         assert self.manager.preempt(seq_id) == self.tokens.pop(seq_id)
         assert seq_id not in self.manager.tables
+
+    # ---- invalid calls: each is refused with the value named, and changes nothing ----------
+
+    BAD_COUNTS = st.integers(-30, -1) | st.sampled_from([1.5, True, "2", None])
+
+    def _refused(self, call, match):
+        before = snapshot(self.manager)
+        with pytest.raises((ValueError, KeyError)) as info:
+            call()
+        assert re.search(match, str(info.value)), str(info.value)
+        assert snapshot(self.manager) == before, "a refused call changed state"
+
+    @rule(data=st.data(), bad=BAD_COUNTS)
+    def append_a_bad_count(self, data, bad):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens) or [99]))
+        if seq_id in self.tokens:
+            self._refused(lambda: self.manager.append_slots(seq_id, bad), re.escape(repr(bad)))
+        else:
+            self._refused(lambda: self.manager.append_slots(seq_id, 1), "unknown sequence 99")
+
+    @rule(bad=st.integers(-30, 0) | st.sampled_from([2.0, False, "3"]))
+    def allocate_a_bad_count(self, bad):
+        self._refused(lambda: self.manager.allocate(self.next_id + 1000, bad),
+                      "num_tokens must be an integer >= 1")
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def allocate_or_fork_onto_a_live_id(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self._refused(lambda: self.manager.allocate(seq_id, 1), "already has a block table")
+        self._refused(lambda: self.manager.fork(seq_id, seq_id), "already has a block table")
+
+    @rule(seq_id=st.integers(1000, 1010))
+    def free_fork_or_preempt_an_unknown_id(self, seq_id):
+        for call in (self.manager.free, self.manager.preempt, self.manager.num_tokens,
+                     lambda s: self.manager.fork(s, s + 100)):
+            self._refused(lambda: call(seq_id), f"unknown sequence {seq_id}")
+
+    @rule(block_id=st.integers(-10, -1) | st.integers(8, 20))
+    def pool_calls_with_a_block_id_out_of_range(self, block_id):
+        pool = self.manager.pool
+        for call in (pool.share, pool.ref_count, lambda b: pool.release([b])):
+            self._refused(lambda: call(block_id), rf"block_id must be an integer in \[0, 7\], "
+                                                  rf"got {block_id}")
+
+    @rule(data=st.data())
+    def release_more_often_than_held(self, data):
+        pool = self.manager.pool
+        block_id = data.draw(st.integers(0, 7))
+        times = pool.ref_count(block_id) + 1
+        # The valid ids first: a partial release before the bad one would change state.
+        ids = [b for b in range(8) if pool.ref_count(b) > 0 and b != block_id][:2] + [block_id] * times
+        self._refused(lambda: pool.release(ids), f"block {block_id} is released {times}")
+
+    @rule(bad=st.integers(-5, -1))
+    def pool_allocate_a_negative_count(self, bad):
+        self._refused(lambda: self.manager.pool.allocate(bad), f"got {bad}")
 
     @invariant()
     def bookkeeping_is_consistent(self):

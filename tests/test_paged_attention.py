@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.attention import grouped_attention, reference_attention
+from kvlab.attention import grouped_attention
+from kvlab.oracles import sdpa_attention
 from kvlab.paged import gather_kv, paged_decode_attention, paged_prefill_attention, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -70,7 +71,7 @@ def test_decode_attention_matches_contiguous_and_float64_reference(seq_lens, blo
         position = torch.tensor([seq_lens[i] - 1])
         expected = grouped_attention(query[i:i + 1], key, value, query_positions=position)
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-6)
-        exact = reference_attention(query[i:i + 1].double(), key.double(), value.double(), position)
+        exact = sdpa_attention(query[i:i + 1].double(), key.double(), value.double(), position)
         torch.testing.assert_close(out[i:i + 1].double(), exact, rtol=1e-5, atol=1e-6)
 
 
@@ -98,7 +99,7 @@ def test_prefill_attention_matches_contiguous_and_float64_reference(seq_lens, bl
                                           positions)
             expected = grouped_attention(query, key, value, query_positions=positions)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-            exact = reference_attention(query.double(), key.double(), value.double(), positions)
+            exact = sdpa_attention(query.double(), key.double(), value.double(), positions)
             torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
 
 

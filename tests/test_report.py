@@ -9,23 +9,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.report import (ContiguousStrategy, decode_steps, format_report, held_token_steps,
-                          replay)
+from kvlab.report import (ContiguousStrategy, PagedStrategy, decode_steps, format_report,
+                          held_token_steps, replay)
 from kvlab.workload import Request, synthetic_requests
 
 
 def brute_force(requests, max_model_len):
-    """Step through every request: after step i it holds min(P + i + 1, P + G) tokens (P if G=0)
-    and reserves a whole max_model_len slab. Returns (steps, held, reserved) token-steps."""
+    """Step through every request: at step i it holds P + i tokens, i < max(G, 1) (the engine
+    never writes the last generated token's K/V; tests/test_lifetime.py checks that against the
+    paged engine) and reserves a whole max_model_len slab. Returns (steps, held, reserved)."""
     steps = held = reserved = 0
     for r in requests:
         if r.prompt_len + r.output_len > max_model_len:
             continue
-        if r.output_len == 0:
-            lifetime = [r.prompt_len]
-        else:
-            lifetime = [min(r.prompt_len + i + 1, r.prompt_len + r.output_len)
-                        for i in range(r.output_len)]
+        lifetime = [r.prompt_len + i for i in range(max(r.output_len, 1))]
         steps += len(lifetime)
         held += sum(lifetime)
         reserved += len(lifetime) * max_model_len
@@ -35,9 +32,9 @@ def brute_force(requests, max_model_len):
 def test_two_requests_by_hand():
     """max_model_len 8, 100 B per token, budget 2,000 B.
 
-    A: P=3, G=2 -> 2 steps holding 4 and 5 tokens; B: P=2, G=0 -> 1 step holding 2 tokens;
+    A: P=3, G=2 -> 2 steps holding 3 and 4 tokens; B: P=2, G=0 -> 1 step holding 2 tokens;
     C: P=6, G=5 -> 11 > 8 tokens: rejected.
-    steps 3, held 4 + 5 + 2 = 11 token-steps, reserved 3 x 8 = 24 token-steps.
+    steps 3, held 3 + 4 + 2 = 9 token-steps, reserved 3 x 8 = 24 token-steps.
     """
     requests = [Request(3, 2), Request(2, 0), Request(6, 5)]
     report = replay(requests, [ContiguousStrategy(max_model_len=8, bytes_per_token=100)],
@@ -46,10 +43,11 @@ def test_two_requests_by_hand():
     assert report.rejected_examples == [{"prompt_len": 6, "output_len": 5, "total_len": 11}]
     (row,) = report.rows
     assert row.strategy == "contiguous" and row.kv_bytes_per_token == 100
-    assert row.waste == pytest.approx(1 - 11 / 24)  # 54.2 %
+    assert row.waste == pytest.approx(1 - 9 / 24)  # 62.5 %
     assert row.kv_reserved_bytes == 24 * 100 // 3 == 800  # one 8-token slab
-    assert row.kv_used_bytes == round(11 * 100 / 3) == 367
+    assert row.kv_used_bytes == 9 * 100 // 3 == 300
     assert row.requests_held == 2000 // 800 == 2
+    assert row.requests_held_exact  # every request reserves the same slab
     assert (report.max_model_len, report.kv_budget_bytes) == (8, 2000)
     assert report.workload == "hand" and report.model == "toy"
     assert report.as_dict()["rows"][0] == dataclasses.asdict(row)
@@ -59,8 +57,8 @@ def test_request_exactly_max_model_len_is_served():
     report = replay([Request(5, 3)], [ContiguousStrategy(8, 1)], max_model_len=8,
                     kv_budget_bytes=8)
     assert report.served == 1 and report.rejected == 0
-    # Holds 6, 7, 8 of 8 slots: waste = 1 - 21 / 24.
-    assert report.rows[0].waste == pytest.approx(3 / 24)
+    # Holds 5, 6, 7 of 8 slots: waste = 1 - 18 / 24.
+    assert report.rows[0].waste == pytest.approx(6 / 24)
     assert report.rows[0].requests_held == 1
 
 
@@ -73,7 +71,7 @@ def test_several_strategies_each_get_a_row():
     assert [r.strategy for r in report.rows] == ["slab-8", "slab-16", "slab-8-fp8"]
     assert [r.kv_reserved_bytes for r in report.rows] == [800, 1600, 400]
     assert [r.requests_held for r in report.rows] == [12, 6, 25]
-    assert report.rows[1].waste == pytest.approx(1 - 11 / 48)
+    assert report.rows[1].waste == pytest.approx(1 - 9 / 48)
     assert report.rows[0].waste == report.rows[2].waste  # bytes per token do not change waste
 
 
@@ -106,8 +104,12 @@ def test_synthetic_traffic_against_brute_force():
 
 def test_bad_inputs():
     strategy = [ContiguousStrategy(8, 1)]
-    with pytest.raises(ValueError, match="all 1 requests.*max_model_len=8"):
+    with pytest.raises(ValueError, match="the 1 request is longer than max_model_len=8"):
         replay([Request(6, 5)], strategy, max_model_len=8, kv_budget_bytes=100)
+    with pytest.raises(ValueError, match="all 2 requests are longer"):
+        replay([Request(6, 5), Request(9, 0)], strategy, max_model_len=8, kv_budget_bytes=100)
+    with pytest.raises(ValueError, match="no requests"):
+        replay([], strategy, max_model_len=8, kv_budget_bytes=100)
     with pytest.raises(ValueError, match="max_model_len.*0"):
         replay([Request(1, 1)], strategy, max_model_len=0, kv_budget_bytes=100)
     with pytest.raises(ValueError, match="-5"):
@@ -121,7 +123,23 @@ def test_format_report_text():
     text = format_report(report)
     assert "3 requests, 2 served, 1 rejected" in text
     assert "max_model_len=8" in text
-    assert "54.2%" in text  # 1 - 11/24
+    assert "62.5%" in text  # 1 - 9/24
+    assert "(est.)" not in text  # contiguous counts are exact
     assert "8 KiB" in text  # 8 slots x 1 KiB reserved per request
     assert "128" in text    # 1 MiB / 8 KiB requests held
     assert "1,048,576 B" in text
+
+
+def test_paged_requests_held_is_labelled_an_estimate():
+    report = replay([Request(3, 2), Request(1, 0)],
+                    [ContiguousStrategy(8, 1), PagedStrategy(4, 1)], max_model_len=8,
+                    kv_budget_bytes=100, kv_budget_source="given")
+    contiguous, paged = report.rows
+    assert contiguous.requests_held_exact and not paged.requests_held_exact
+    # Paged: steps hold 3, 4 and 1 tokens in 4, 4 and 4 slots: 12 / 3 = 4 slots per request-step.
+    assert paged.kv_reserved_bytes == 4 and paged.requests_held == 25
+    text = format_report(report)
+    assert "25 (est.)" in text and "steady-state estimate" in text
+    assert "= given" in text
+    one = format_report(replay([Request(1, 1)], [ContiguousStrategy(8, 1)], 8, 100))
+    assert "1 request," in one and "1 requests" not in one

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from kvlab.config import PRESETS, LlamaConfig, load_config
-from kvlab.sizing import (GPU_MEMORY_GIB, SizingError, dtype_bytes, format_bytes,
-                          kv_bytes_per_token, kv_heads_per_gpu, num_parameters, size_report,
-                          weights_bytes)
+from kvlab import sizing
+from kvlab.sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, GpuMemory, SizingError,
+                          default_kv_budget, dtype_bytes, format_bytes, gpu_memory,
+                          kv_bytes_per_token, kv_heads_per_gpu, num_parameters, plural,
+                          size_report, weights_bytes)
 
 KiB, GiB = 2**10, 2**30
 
@@ -251,3 +253,86 @@ def test_gpu_table_units():
                                              (5 * 2**50, "5120 TiB")])
 def test_format_bytes(num_bytes, text):
     assert format_bytes(num_bytes) == text
+
+
+# ---- the default KV budget, GPU memory figures, bounds -----------------------------------------
+
+def test_default_kv_budget_by_hand():
+    """int(0.9 x 80 GiB) - bf16 weights of Llama-3.1-8B: what kvlab report and the notebooks use."""
+    config = PRESETS["llama-3.1-8b"]
+    budget = default_kv_budget(config)
+    assert budget == 77_309_411_328 - 16_060_522_496 == 61_248_888_832
+    assert default_kv_budget(config, "L4", gpu_memory_utilization=0.5) == \
+        12 * GiB - 16_060_522_496 < 0  # negative: the weights alone overflow half an L4
+    assert default_kv_budget(config, dtype="fp8", gpu_memory_bytes=10**10) == 9 * 10**9 - 8_030_261_248
+    # Under tp=8, each GPU holds an eighth of the matrices (norms replicated).
+    assert default_kv_budget(PRESETS["llama-3.1-70b"], "H100-80GB", tp=8) == (
+        77_309_411_328 - weights_bytes(PRESETS["llama-3.1-70b"], "bf16", tp=8))
+    with pytest.raises(SizingError, match="1.2"):
+        default_kv_budget(config, gpu_memory_utilization=1.2)
+    with pytest.raises(SizingError, match="'Z80'"):
+        default_kv_budget(config, "Z80")
+
+
+def test_gpu_memory_sources(monkeypatch):
+    named = gpu_memory("h200")
+    assert named == GpuMemory("H200", 141 * GiB, "nominal, vendor datasheet")
+    assert gpu_memory(gpu_mem_gib=1.5) == GpuMemory("1.5 GiB GPU", 3 * 2**29, "given")
+    assert gpu_memory() is None
+    monkeypatch.setattr(sizing, "local_gpu_memory", lambda: None)
+    with pytest.raises(SizingError, match="no GPU"):
+        gpu_memory("local")
+    card = GpuMemory("NVIDIA X", 123, "reported by torch.cuda")
+    monkeypatch.setattr(sizing, "local_gpu_memory", lambda: card)
+    assert gpu_memory("local") is card
+    assert default_kv_budget(PRESETS["smollm2-135m"], "local", gpu_memory_utilization=1.0) == \
+        123 - weights_bytes(PRESETS["smollm2-135m"])
+    with pytest.raises(SizingError, match="16,384"):
+        gpu_memory(gpu_mem_gib=10**6)
+
+
+def test_local_gpu_memory_is_what_torch_cuda_reports():
+    found = sizing.local_gpu_memory()
+    if not torch.cuda.is_available():
+        assert found is None
+        return
+    assert found.total_bytes == torch.cuda.get_device_properties(0).total_memory
+    assert found.source == "reported by torch.cuda"
+
+
+def test_inputs_are_bounded():
+    config = PRESETS["llama-3.1-8b"]
+    assert size_report(config, seq_len=MAX_SEQ_LEN, batch=MAX_BATCH).kv_cache_bytes == \
+        MAX_SEQ_LEN * MAX_BATCH * 131_072  # 2 EiB: the largest figure it will print
+    with pytest.raises(SizingError, match="16,777,216"):
+        size_report(config, seq_len=MAX_SEQ_LEN + 1)
+    with pytest.raises(SizingError, match="1,048,576"):
+        size_report(config, batch=MAX_BATCH + 1)
+
+
+def test_kv_cache_dtype_is_apart_from_the_weights_dtype():
+    config = PRESETS["llama-3.1-70b"]
+    report = size_report(config, dtype="bf16", kv_cache_dtype="fp8", gpu="H200")
+    assert report.kv_bytes_per_token == 163_840 and report.weights_bytes == 2 * 70_553_706_496
+    same = size_report(config, dtype="fp8")
+    assert same.kv_cache_dtype == "fp8" and same.weights_bytes == 70_553_706_496
+
+
+def test_plural():
+    assert [plural(n, "request") for n in (0, 1, 2, 10_000)] == [
+        "0 requests", "1 request", "2 requests", "10,000 requests"]
+
+
+def test_sizing_speaks_the_one_dtype_vocabulary():
+    """Names, long names and torch dtypes are all accepted (kvlab.dtypes), reports hold short names."""
+    config = PRESETS["llama-3.1-8b"]
+    assert kv_bytes_per_token(config, torch.bfloat16) == kv_bytes_per_token(config, "bfloat16") \
+        == kv_bytes_per_token(config, "bf16") == 131_072
+    assert weights_bytes(config, torch.float8_e4m3fn) == 8_030_261_248
+    report = size_report(config, dtype=torch.float16, kv_cache_dtype="float8")
+    assert (report.dtype, report.kv_cache_dtype) == ("fp16", "fp8")
+    assert default_kv_budget(config, dtype=torch.bfloat16) == default_kv_budget(config)
+    with pytest.raises(SizingError, match="fp4"):
+        kv_bytes_per_token(config, "fp4")
+    with pytest.raises(SizingError, match="torch.int8|int8"):
+        size_report(config, kv_cache_dtype=torch.int8)

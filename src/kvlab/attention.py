@@ -17,12 +17,13 @@ import math
 
 import torch
 
-__all__ = ["grouped_attention", "repeat_kv", "reference_attention"]
+__all__ = ["grouped_attention", "repeat_kv"]
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       query_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
-                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      key_mask: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
     """Causal softmax attention of one sequence, GQA by grouping (no repeated K/V).
 
     Args:
@@ -31,9 +32,16 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         query_positions: [num_query_tokens] int64, absolute position of each query token.
         key_positions: [num_key_tokens] int64; default 0, 1, ..., num_key_tokens - 1.
         key_mask: optional [num_key_tokens] bool, False for slots that hold no token (padding).
+        scale: multiplies the scores; default 1 / sqrt(head_dim) (Vaswani et al., 2017).
 
     A query at position p sees the keys at positions <= p (causal mask). Scores and softmax are
     computed in float32 whatever the input dtype (as HF and vLLM do), the result is cast back.
+
+    Slots that no query may see (masked by `key_mask`, or past every query's position) never reach
+    the output, whatever they hold: a masked score becomes -inf, but a softmax weight of 0 times a
+    NaN or Inf value is still NaN, so such slots' values are zeroed before the weighted sum. A
+    reused block or a padding block may hold another request's NaN (an fp16 overflow) or
+    uninitialised memory; it must not poison this sequence.
 
     Returns:
         [num_query_tokens, num_attention_heads, head_dim], dtype of query.
@@ -56,7 +64,9 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     keys = key.transpose(0, 1)      # [Hkv, Tk, D], a view
     values = value.transpose(0, 1)  # [Hkv, Tk, D], a view
 
-    scores = torch.bmm(grouped_q.float(), keys.float().transpose(1, 2)) / math.sqrt(head_dim)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    scores = torch.bmm(grouped_q.float(), keys.float().transpose(1, 2)) * scale
     scores = scores.view(num_kv_heads, group, num_queries, num_keys)
 
     if key_positions is None:
@@ -67,31 +77,17 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     scores = scores.masked_fill(~visible, float("-inf"))
 
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_queries, num_keys)
-    out = torch.bmm(probs, values.float())  # [Hkv, G * Tq, D]
+    seen = visible.any(dim=0)  # [Tk]: slots at least one query may read
+    values = values.float().masked_fill(~seen[None, :, None], 0.0)
+    out = torch.bmm(probs, values)  # [Hkv, G * Tq, D]
     out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)
     return out.reshape(num_queries, num_heads, head_dim).to(query.dtype)
 
 
 def repeat_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
-    """Test reference only: copy each KV head `group` times, [T, Hkv, D] -> [T, Hkv * group, D].
+    """Copy each KV head `group` times, [T, Hkv, D] -> [T, Hkv * group, D].
 
     Head kv * group + g of the result is a copy of KV head kv, which is the mapping
     `h -> h // group` that GQA defines. This costs `group` times the memory: the thing GQA avoids.
     """
     return kv.repeat_interleave(group, dim=1)
-
-
-def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        query_positions: torch.Tensor) -> torch.Tensor:
-    """Test reference only: PyTorch SDPA over repeated K/V with an explicit causal mask.
-
-    Shapes as in `grouped_attention` (keys at positions 0..Tk-1). Computes in the input dtype;
-    pass float64 tensors for a high-precision reference.
-    """
-    group = query.shape[1] // key.shape[1]
-    q = query.transpose(0, 1)
-    k = repeat_kv(key, group).transpose(0, 1)
-    v = repeat_kv(value, group).transpose(0, 1)
-    mask = torch.arange(key.shape[0], device=key.device)[None, :] <= query_positions[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.transpose(0, 1)

@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from .config import ConfigError, LlamaConfig, load_config
+from .config import PRESETS, ConfigError, LlamaConfig, load_config
+from .input_files import MissingInputFileError, input_file_error, read_text
 from .model import LlamaForCausalLM
 
 __all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "load_model",
@@ -31,16 +32,33 @@ _NAMED_MODELS = {"tiny": TINY_MODEL_DIR, "tiny-mha": TINY_MHA_MODEL_DIR}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+_CHECKPOINT = "a checkpoint folder with config.json, *.safetensors and tokenizer.json"
+
+
 def resolve_model_dir(model: str | Path) -> Path:
     """'tiny', 'tiny-mha' or a checkpoint folder path -> the folder.
 
     Raises:
-        FileNotFoundError: the folder or its config.json does not exist.
+        ConfigError: `model` names a size preset such as 'llama-3.1-8b' (shapes without weights:
+            presets are for `kvlab size` and `kvlab report --model`).
+        MissingInputFileError (a FileNotFoundError): the folder or its config.json does not exist.
+        InputFileError: `model` is a file, not a folder.
     """
-    folder = _NAMED_MODELS.get(str(model), Path(model))
+    if str(model) in _NAMED_MODELS:
+        return _NAMED_MODELS[str(model)]
+    folder = Path(model)
+    if not folder.exists() and str(model).lower() in PRESETS:
+        raise ConfigError(f"{model!r} is a size preset (the shape of a model, no weights): presets "
+                          f"are for `kvlab size` and `kvlab report --model`; to generate, use "
+                          f"--model tiny, tiny-mha or {_CHECKPOINT}")
+    if not folder.exists():
+        raise MissingInputFileError(f"{folder}: no such folder; expected {_CHECKPOINT} "
+                                    f"(or --model tiny)")
+    if not folder.is_dir():
+        raise input_file_error(folder, "is a file, not a folder", _CHECKPOINT)
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {folder}: expected config.json, *.safetensors "
-                                f"and tokenizer.json there (or use --model tiny)")
+        raise MissingInputFileError(f"{folder}: no config.json in this folder; expected "
+                                    f"{_CHECKPOINT} (or --model tiny)")
     return folder
 
 
@@ -52,6 +70,7 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
 
     Raises:
         FileNotFoundError: no config.json or no *.safetensors in the folder.
+        InputFileError: a file of the folder cannot be read as what it should be.
         ConfigError: the config is one the decoder does not implement.
         KeyError: weights missing from, or unexpected in, the checkpoint (names listed).
     """
@@ -59,7 +78,8 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
     config = load_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        raise MissingInputFileError(f"{folder}: no *.safetensors files in this folder; expected "
+                                    f"{_CHECKPOINT}")
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
     expected = set(skeleton.state_dict())
@@ -68,10 +88,14 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
 
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    tensors[name] = handle.get_tensor(name).to(dtype)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        tensors[name] = handle.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError) as error:  # truncated, not safetensors, unreadable
+            raise input_file_error(file, f"cannot be read as safetensors ({error})",
+                                   "a safetensors file of the checkpoint's weights") from None
     missing, unexpected = expected - set(tensors), set(tensors) - expected - {"lm_head.weight"}
     if missing or unexpected:
         raise KeyError(f"{folder}: checkpoint does not match the config; missing "
@@ -89,11 +113,18 @@ def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
 
     Raises:
         FileNotFoundError: the folder has no tokenizer.json.
+        InputFileError: tokenizer.json is not a `tokenizers` tokenizer (the message names it).
     """
     path = resolve_model_dir(model) / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {path.parent}; pass --prompt-ids instead")
-    return Tokenizer.from_file(str(path))
+        raise MissingInputFileError(f"no tokenizer.json in {path.parent}; pass --prompt-ids instead")
+    expected = "a Hugging Face `tokenizers` tokenizer.json"
+    text = read_text(path, expected)
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as error:  # tokenizers raises a bare Exception for any malformed file
+        raise input_file_error(path, f"cannot be read as a tokenizer ({str(error)[:120]})",
+                               expected) from None
 
 
 def save_model(model: LlamaForCausalLM, folder: str | Path, dtype: torch.dtype | None = None) -> None:

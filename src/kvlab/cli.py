@@ -5,8 +5,8 @@
     kvlab report                      # the main job: every cache strategy on realistic traffic
     kvlab check 0                     # check your stage-0 exercise
 
-Every subcommand takes --json for machine-readable output. Bad input exits with status 2 and one
-line on stderr that names the bad value.
+`size`, `generate` and `report` take --json for machine-readable output. Bad input exits with
+status 2 and one line on stderr that names the bad value (or the file and what it should hold).
 """
 
 from __future__ import annotations
@@ -19,38 +19,54 @@ import signal
 import sys
 
 from .config import ConfigError, load_config
-from .sizing import GPU_MEMORY_GIB, SizingError, dtype_bytes, format_bytes, size_report
+from .dtypes import DTYPES as DTYPE_LIST
+from .sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, SizingError, dtype_bytes,
+                     format_bytes, plural, size_report)
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8")
+DTYPES = tuple(dtype.name for dtype in DTYPE_LIST)  # bf16, fp16, fp32, fp8 (kvlab.dtypes)
 
 
 def _size(args: argparse.Namespace) -> int:
+    from .sizing import local_gpu_memory
+
     config = load_config(args.model)
+    gpu = args.gpu
+    if gpu is None and args.gpu_mem is None and local_gpu_memory() is not None:
+        gpu = "local"  # a GPU is present: size against what torch.cuda reports for it
     report = size_report(config, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
-                         tp=args.tp, gpu=args.gpu, gpu_mem_gib=args.gpu_mem,
+                         kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, gpu=gpu,
+                         gpu_mem_gib=args.gpu_mem,
                          gpu_memory_utilization=args.gpu_memory_utilization)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return 0
-    per_gpu = f" per GPU (tp={report.tp}, {report.kv_heads_per_gpu} KV heads each)" \
-        if report.tp > 1 else ""
+    per_gpu = (f" per GPU (tp={report.tp}, {plural(report.kv_heads_per_gpu, 'KV head')} each)"
+               if report.tp > 1 else "")
     weights_per_gpu = f" per GPU (tp={report.tp})" if report.tp > 1 else ""
-    requests = "request" if args.batch == 1 else "requests"
+    dtypes = report.dtype if report.kv_cache_dtype == report.dtype else \
+        f"weights {report.dtype}, KV cache {report.kv_cache_dtype}"
     print(f"{config.name}: {report.num_parameters:,} parameters "
-          f"({_count_words(report.num_parameters)}), {args.dtype}")
+          f"({_count_words(report.num_parameters)}), {dtypes}")
     print(f"KV bytes per token{per_gpu}: 2 x {config.num_hidden_layers} layers x "
-          f"{report.kv_heads_per_gpu} KV heads x {config.head_dim} head_dim x "
-          f"{dtype_bytes(args.dtype)} B"
+          f"{plural(report.kv_heads_per_gpu, 'KV head')} x {config.head_dim} head_dim x "
+          f"{dtype_bytes(report.kv_cache_dtype)} B"
           f" = {report.kv_bytes_per_token:,} B ({format_bytes(report.kv_bytes_per_token)})")
-    print(f"KV cache for {args.batch} {requests} x {args.seq_len:,} tokens{per_gpu}: "
-          f"{report.kv_cache_bytes:,} B ({format_bytes(report.kv_cache_bytes)})")
+    if report.kv_heads_replicated > 1:  # vLLM does the same: a KV head cannot be split
+        print(f"tp={report.tp} > num_key_value_heads={config.num_key_value_heads}: each GPU "
+              f"keeps one whole KV head, and each KV head is replicated on "
+              f"{report.kv_heads_replicated} GPUs")
+    print(f"KV cache for {plural(args.batch, 'request')} x {plural(args.seq_len, 'token')}"
+          f"{per_gpu}: {report.kv_cache_bytes:,} B ({format_bytes(report.kv_cache_bytes)})")
+    if args.seq_len > config.max_position_embeddings:
+        print(f"note: {args.seq_len:,} tokens is beyond the model's max_position_embeddings="
+              f"{config.max_position_embeddings:,}; a server would refuse such requests")
     print(f"weights{weights_per_gpu}: {report.weights_bytes:,} B ({format_bytes(report.weights_bytes)}, "
           f"{report.weights_bytes / 1e9:.1f} GB)")
     if report.gpu is not None:
-        print(f"on {report.gpu} ({format_bytes(report.gpu_memory_bytes)}): weights "
-              f"{report.weights_share_of_gpu:.1%}, this KV cache {report.kv_share_of_gpu:.1%} of "
-              f"the card")
-        print(f"requests of {args.seq_len:,} tokens that fit beside the weights "
+        print(f"on {report.gpu} ({format_bytes(report.gpu_memory_bytes)}, "
+              f"{report.gpu_memory_source}): weights {report.weights_share_of_gpu:.1%}, this KV "
+              f"cache {report.kv_share_of_gpu:.1%} of the card")
+        print(f"requests of {plural(args.seq_len, 'token')} that fit beside the weights "
               f"(gpu_memory_utilization={report.gpu_memory_utilization}): "
               f"{report.max_concurrent_requests:,}")
     return 0
@@ -65,18 +81,21 @@ def _count_words(count: int) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
     import torch
 
     from .checkpoint import load_model, load_tokenizer
+    from .device import default_dtype
+    from .dtypes import torch_dtype
     from .generate import generate
 
-    from .device import default_dtype
-
-    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if args.n > 1 and args.temperature == 0:
+        raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
+                         f"greedy completions; add e.g. --temperature 0.8 to sample them")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
-    dtype = dtypes[args.dtype] if args.dtype else default_dtype(args.device)
+    dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
     tokenizer = None
     try:
@@ -92,23 +111,17 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got "
                              f"{args.prompt_ids!r}") from None
-    if args.cache == "paged":
-        from .paged import generate_paged
+    result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
+                      max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
+                      seed=args.seed, block_size=args.block_size)
+    _print_generation(args, result, prompt_ids, tokenizer)
+    return 0
 
-        paged = generate_paged(model, [prompt_ids], args.max_new_tokens,
-                               block_size=args.block_size, n=args.n,
-                               max_model_len=args.max_model_len,
-                               temperature=args.temperature, seed=args.seed)
-        if paged.errors[0]:
-            raise ValueError(paged.errors[0])
-        completions, stats = paged.completions[0], dataclasses.asdict(paged.stats)
-    else:
-        if args.n != 1 or args.temperature:
-            raise ValueError("--n and --temperature need --cache paged (siblings share blocks)")
-        completions = [generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
-                                max_model_len=args.max_model_len).token_ids]
-        stats = None
+
+def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
+    completions = result.completions
     texts = [tokenizer.decode(ids) for ids in completions] if tokenizer is not None else None
+    stats = dataclasses.asdict(result.stats) if result.stats is not None else None
     if args.json:
         out = {"token_ids": completions[0], "text": texts[0] if texts else None}
         if args.n > 1:
@@ -117,7 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
         if stats is not None:
             out["stats"] = stats
         print(json.dumps(out))
-        return 0
+        return
     for i, ids in enumerate(completions):
         prefix = f"[{i}] " if args.n > 1 else ""
         if texts is not None:
@@ -125,42 +138,58 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
-        block_bytes = paged.cache.block_bytes
+        block_bytes = result.cache.block_bytes
         print(f"-- paged cache: block_size {args.block_size}, peak {stats['peak_blocks_in_use']} "
               f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
               f"{stats['num_preemptions']} preemptions")
-    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
     from .report import ContiguousStrategy, PagedStrategy, format_report, replay
-    from .sizing import kv_bytes_per_token, weights_bytes
-    from .workload import load_azure_trace, synthetic_requests
+    from .sizing import default_kv_budget, gpu_memory, kv_bytes_per_token
+    from .traces import AZURE_TRACES, azure_trace, load_azure_trace
+    from .workload import synthetic_requests
 
     config = load_config(args.model)
-    if args.trace:
+    if args.max_model_len > config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {args.max_model_len:,} > the model's "
+                         f"max_position_embeddings={config.max_position_embeddings:,}")
+    if args.block_size > args.max_model_len:
+        raise ValueError(f"--block-size {args.block_size:,} > --max-model-len "
+                         f"{args.max_model_len:,}: one block would be longer than any request")
+    if args.synthetic:
+        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
+        workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
+    elif args.trace in (f"azure-{service}" for service in AZURE_TRACES):
+        service = args.trace.removeprefix("azure-")
+        requests = azure_trace(service, limit=args.num_requests)
+        workload = f"Azure LLM inference trace 2023, {service} (shipped)"
+    else:
         requests = load_azure_trace(args.trace, limit=args.num_requests)
         workload = f"trace {args.trace}"
-    else:
-        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
-        workload = "synthetic fit to Azure LLM conversation trace 2023"
+    kv_dtype = args.kv_cache_dtype or args.dtype
     if args.kv_budget is not None:
-        budget = int(args.kv_budget * 2**30)
-    else:  # vLLM's default: 90 % of the card (gpu_memory_utilization=0.9), minus the weights
-        budget = int(0.9 * GPU_MEMORY_GIB["H100-80GB"] * 2**30) - weights_bytes(config, args.dtype)
-    per_token = kv_bytes_per_token(config, args.dtype)
+        budget, source = int(args.kv_budget * 2**30), "--kv-budget"
+    else:  # vLLM's default: gpu_memory_utilization x the card, minus the weights
+        card = gpu_memory(args.gpu)
+        budget = default_kv_budget(config, dtype=args.dtype, gpu_memory_bytes=card.total_bytes,
+                                   gpu_memory_utilization=args.gpu_memory_utilization)
+        source = (f"{args.gpu_memory_utilization} x {format_bytes(card.total_bytes)} "
+                  f"({card.name}, {card.source}) - {args.dtype} weights")
+    per_token = kv_bytes_per_token(config, kv_dtype)
     strategies = []
     if config.num_key_value_heads < config.num_attention_heads:
         # The same model had it kept one KV head per query head (MHA): what GQA saves.
         mha = config.with_changes(num_key_value_heads=config.num_attention_heads)
-        strategies.append(ContiguousStrategy(args.max_model_len, kv_bytes_per_token(mha, args.dtype),
+        strategies.append(ContiguousStrategy(args.max_model_len, kv_bytes_per_token(mha, kv_dtype),
                                              name="contiguous-mha"))
     strategies += [ContiguousStrategy(args.max_model_len, per_token),
                    PagedStrategy(args.block_size, per_token)]
+    dtypes = args.dtype if kv_dtype == args.dtype else f"weights {args.dtype}, KV cache {kv_dtype}"
     report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
-                    model=f"{config.name} ({args.dtype})")
+                    model=f"{config.name} ({dtypes})", kv_budget_source=source)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
@@ -169,30 +198,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .exercises import check_stage
+    from .checker import run_check
 
-    return check_stage(args.stage, target=args.target)
-
-
-def _exercises(args: argparse.Namespace) -> int:
-    from . import exercises
-
-    try:
-        if args.write:
-            print(exercises.write_exercises(force=args.force).summary())
-            return 0
-        stale = exercises.exercises_up_to_date()
-        edited = exercises.edited_exercises()
-    except exercises.ExerciseError as error:
-        print(f"kvlab exercises: error: {error}", file=sys.stderr)
-        return 2
-    for path in edited:
-        print(f"your work: {path} (edited by you; kept as it is)")
-    for path in stale:
-        print(f"out of date: {path} (run `kvlab exercises --write`)")
-    if not stale:
-        print("exercises/ is up to date with solutions/")
-    return 1 if stale else 0
+    return run_check(args.stage, target=args.target)
 
 
 def _positive_int(text: str) -> int:
@@ -205,6 +213,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_up_to(top: int):
+    """argparse type: a whole number in [1, top] (bounds keep typos from printing 25-digit sizes)."""
+    def parse(text: str) -> int:
+        value = _positive_int(text)
+        if value > top:
+            raise argparse.ArgumentTypeError(f"expected at most {top:,}, got {value:,}")
+        return value
+    return parse
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -215,20 +233,36 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _float_up_to(top: float):
+    """argparse type: a number in (0, top]."""
+    def parse(text: str) -> float:
+        value = _positive_float(text)
+        if value > top:
+            raise argparse.ArgumentTypeError(f"expected at most {top:g}, got {value:g}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     size = commands.add_parser("size", help="KV-cache and weight sizes of a model")
     size.add_argument("model", help="preset name or path to a config.json / checkpoint folder")
-    size.add_argument("--batch", type=_positive_int, default=1, help="concurrent requests")
-    size.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens per request")
-    size.add_argument("--dtype", choices=DTYPES, default="bf16")
-    size.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs")
+    size.add_argument("--batch", type=_int_up_to(MAX_BATCH), default=1, help="concurrent requests")
+    size.add_argument("--seq-len", type=_int_up_to(MAX_SEQ_LEN), default=4096,
+                      help="tokens per request")
+    size.add_argument("--dtype", choices=DTYPES, default="bf16", help="the weights' dtype")
+    size.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
+                      help="the KV cache's dtype (as vLLM's --kv-cache-dtype); default: --dtype")
+    size.add_argument("--tp", type=_int_up_to(1024), default=1, help="tensor-parallel GPUs")
     gpu = size.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu", help=f"one of {', '.join(GPU_MEMORY_GIB)}")
-    gpu.add_argument("--gpu-mem", type=_positive_float, metavar="GIB", help="GPU memory in GiB")
-    size.add_argument("--gpu-memory-utilization", type=_positive_float, default=0.9,
+    gpu.add_argument("--gpu", help=f"one of {', '.join(GPU_MEMORY_GIB)} (nominal memory), or "
+                                   f"'local' (what torch.cuda reports; the default when a GPU "
+                                   f"is present)")
+    gpu.add_argument("--gpu-mem", type=_float_up_to(16384), metavar="GIB",
+                     help="GPU memory in GiB")
+    size.add_argument("--gpu-memory-utilization", type=_float_up_to(1.0), default=0.9,
                       help="share of the GPU the server may use (vLLM's default 0.9)")
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=_size)
@@ -243,11 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=_positive_int, default=16,
                      help="tokens per block (--cache paged)")
     gen.add_argument("--n", type=_positive_int, default=1,
-                     help="completions of the prompt, sharing its blocks (--cache paged)")
+                     help="completions of the prompt, sharing its blocks (--cache paged; needs "
+                          "--temperature, or all n would be the same greedy text)")
     gen.add_argument("--temperature", type=float, default=0.0,
-                     help="0 = greedy (default); > 0 samples, so --n completions differ "
-                          "(--cache paged)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (--cache paged)")
+                     help="0 = greedy (default); > 0 samples, so --n completions differ")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
                      help="tokens per request (prompt + output); default: the model's limit")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -258,17 +293,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = commands.add_parser("report", help="replay traffic through every cache strategy")
     rep.add_argument("--model", default="llama-3.1-8b", help="preset or config.json (KV shape)")
-    rep.add_argument("--dtype", choices=DTYPES, default="bf16")
-    rep.add_argument("--trace", help="CSV in the Azure trace format TIMESTAMP,ContextTokens,"
-                                     "GeneratedTokens")
-    rep.add_argument("--max-model-len", type=_positive_int, default=4096)
-    rep.add_argument("--num-requests", type=_positive_int, default=None,
+    rep.add_argument("--dtype", choices=DTYPES, default="bf16", help="the weights' dtype")
+    rep.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
+                     help="the KV cache's dtype (as vLLM's --kv-cache-dtype); default: --dtype")
+    workload = rep.add_mutually_exclusive_group()
+    workload.add_argument("--trace", default="azure-conv",
+                          help="azure-conv (default: the shipped Azure LLM conversation trace "
+                               "2023), azure-code, or a CSV file TIMESTAMP,ContextTokens,"
+                               "GeneratedTokens")
+    workload.add_argument("--synthetic", action="store_true",
+                          help="draw from the log-normal fit to the conversation trace instead "
+                               "(matches mean and median; its tail is far thinner)")
+    rep.add_argument("--max-model-len", type=_int_up_to(MAX_SEQ_LEN), default=4096)
+    rep.add_argument("--num-requests", type=_int_up_to(1_000_000), default=None,
                      help="requests to draw (synthetic, default 10000) or read (trace, default all)")
-    rep.add_argument("--kv-budget", type=_positive_float, metavar="GIB", default=None,
-                     help="KV memory in GiB (default: 90%% of an 80 GiB GPU minus the weights)")
-    rep.add_argument("--block-size", type=_positive_int, default=16,
+    budget = rep.add_mutually_exclusive_group()
+    budget.add_argument("--kv-budget", type=_float_up_to(16384), metavar="GIB", default=None,
+                        help="KV memory in GiB (default: gpu_memory_utilization x --gpu minus "
+                             "the weights)")
+    budget.add_argument("--gpu", default="H100-80GB",
+                        help=f"the card whose memory sets the budget: one of "
+                             f"{', '.join(GPU_MEMORY_GIB)} (nominal memory), or 'local' (what "
+                             f"torch.cuda reports); default H100-80GB")
+    rep.add_argument("--gpu-memory-utilization", type=_float_up_to(1.0), default=0.9,
+                     help="share of the GPU the server may use (vLLM's default 0.9)")
+    rep.add_argument("--block-size", type=_int_up_to(MAX_SEQ_LEN), default=16,
                      help="tokens per block of the paged strategy (vLLM's default 16)")
-    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--seed", type=int, default=0, help="seed of the synthetic draws")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_report)
 
@@ -278,11 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="'exercises' (your work), 'solutions', or a folder")
     chk.set_defaults(func=_check)
 
-    exe = commands.add_parser("exercises", help="regenerate exercises/ from solutions/")
-    exe.add_argument("--write", action="store_true", help="write the files (default: check)")
-    exe.add_argument("--force", action="store_true",
-                     help="with --write: also overwrite exercise files you have edited")
-    exe.set_defaults(func=_exercises)
     return parser
 
 
@@ -292,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SizingError, ValueError, FileNotFoundError, KeyError, MemoryError) as error:
+    except (ConfigError, SizingError, ValueError, OSError, KeyError, MemoryError) as error:
+        # OSError: a file the user named could not be read; every reader names it in the message.
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"kvlab {args.command}: error: {message}", file=sys.stderr)
         return 2

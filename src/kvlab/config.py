@@ -214,20 +214,38 @@ def load_config(model: str | Path) -> LlamaConfig:
 
     Raises:
         ConfigError: the name is neither a preset nor an existing path (the message lists the
-            presets), or the file is not valid JSON.
+            presets), a folder without config.json, a file that is not a JSON object, or a field
+            with the wrong type or value.
+        InputFileError: the file is unreadable, empty, binary or not UTF-8.
     """
+    from .input_files import read_text
+
     key = str(model).lower()
     if key in PRESETS:
         return PRESETS[key]
     path = Path(model)
+    expected = "a Hugging Face config.json (a JSON object with hidden_size, num_attention_heads, ...)"
     if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{path}: this folder has no config.json; expected {expected}")
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(
             f"unknown model {str(model)!r}: not a preset ({', '.join(sorted(PRESETS))}) and no "
             f"config.json at {path}")
+    text = read_text(path, expected)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: not valid JSON ({error})") from error
-    return LlamaConfig.from_hf_dict(raw, name=path.parent.name or str(path))
+        raise ConfigError(f"{path}: not valid JSON ({error}); expected {expected}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(raw).__name__}; expected {expected}")
+    name = path.parent.name or str(path)
+    try:
+        return LlamaConfig.from_hf_dict(raw, name=name)
+    except (TypeError, ValueError, AttributeError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        # e.g. "hidden_size": "4096" (a string) or "rope_parameters": 5
+        raise ConfigError(f"{path}: a field has the wrong type ({error}); expected {expected}") \
+            from None

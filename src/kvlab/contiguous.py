@@ -16,19 +16,22 @@ import torch
 
 from .attention import grouped_attention
 from .config import LlamaConfig
+from .dtypes import DTypeLike, dtype_bytes, torch_dtype
+from .errors import KVCacheOutOfMemory
+from .requests import check_index, check_int
 from .sizing import format_bytes, kv_elements_per_token
 
-__all__ = ["ContiguousKVCache", "KVCacheOutOfMemory", "reservation_bytes"]
-
-
-class KVCacheOutOfMemory(MemoryError):
-    """The KV cache cannot be reserved or cannot grow; the message gives the arithmetic."""
+__all__ = ["ContiguousKVCache", "ContiguousSequence", "reservation_bytes"]
 
 
 def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int,
-                      element_bytes: int) -> int:
-    """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token."""
-    return max_num_seqs * max_model_len * kv_elements_per_token(config) * element_bytes
+                      element_bytes: DTypeLike) -> int:
+    """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token.
+
+    `element_bytes` is the cache dtype: an element size (2), a name ("bf16") or a torch dtype
+    (see `kvlab.dtypes`).
+    """
+    return max_num_seqs * max_model_len * kv_elements_per_token(config) * dtype_bytes(element_bytes)
 
 
 class ContiguousKVCache:
@@ -38,26 +41,29 @@ class ContiguousKVCache:
         config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
         max_num_seqs: slabs, i.e. requests that can be in flight at once.
         max_model_len: tokens per slab (prompt + generated).
-        dtype, device: where the slabs live.
+        dtype, device: where the slabs live; dtype is a torch dtype or a name ("bf16", see
+            `kvlab.dtypes`).
         budget_bytes: refuse a reservation above this many bytes (a stand-in for a GPU's free
             memory on CPU). On CUDA, with no budget, the allocator itself decides and its
             `torch.cuda.OutOfMemoryError` is re-raised with the same arithmetic.
 
+    `config` is only the KV shape here (notebooks size real models' slabs on CPU); whoever serves
+    a model checks max_model_len against its max_position_embeddings (`kvlab.generate`).
+
     Raises:
-        ValueError: max_num_seqs or max_model_len < 1.
+        ValueError: max_num_seqs or max_model_len not a positive integer.
         KVCacheOutOfMemory: the reservation exceeds the budget or the device's memory. The message
             reads like "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget".
     """
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
                  budget_bytes: int | None = None):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        max_model_len = check_int("max_model_len", max_model_len, 1)
         self.config, self.max_num_seqs, self.max_model_len = config, max_num_seqs, max_model_len
-        self.dtype, self.device = dtype, torch.device(device)
-        element_bytes = torch.empty((), dtype=dtype).element_size()
+        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
+        dtype, element_bytes = self.dtype, dtype_bytes(dtype)
         self.bytes_per_token = reservation_bytes(config, 1, 1, element_bytes)
         wanted = reservation_bytes(config, max_num_seqs, max_model_len, element_bytes)
         formula = (f"{max_num_seqs} seqs x {max_model_len} tokens x "
@@ -91,6 +97,11 @@ class ContiguousKVCache:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     @property
+    def allocated_bytes(self) -> int:
+        """Bytes the cache allocated: here the same as `reserved_bytes` (every slab, up front)."""
+        return self.reserved_bytes
+
+    @property
     def num_tensors(self) -> int:
         """Tensors the cache allocated (the K slab and the V slab)."""
         return 2
@@ -105,6 +116,9 @@ class ContiguousKVCache:
     def add_sequence(self) -> int:
         """Claim a free slab; returns its index.
 
+        The slab still holds whatever its last user left (the bytes are not cleared, as on a
+        server); attention only ever reads positions this sequence wrote.
+
         Raises:
             KVCacheOutOfMemory: all max_num_seqs slabs are in use (nothing changes).
         """
@@ -115,32 +129,64 @@ class ContiguousKVCache:
         raise KVCacheOutOfMemory(f"all {self.max_num_seqs} slabs (max_num_seqs) are in use")
 
     def free_sequence(self, slab: int) -> None:
-        """Give a slab back. Its bytes stay reserved: that is the point of this design."""
+        """Give a slab back. Its bytes stay reserved: that is the point of this design.
+
+        Raises:
+            ValueError: slab outside [0, max_num_seqs), or not in use (a double free).
+        """
+        slab = self._slab_in_use(slab)
         self.in_use[slab], self.seq_lens[slab] = False, 0
 
     def view(self, slab: int) -> "ContiguousSequence":
-        """The KV store (see `kvlab.model.KVStore`) of one sequence, for a forward pass."""
+        """The KV store (see `kvlab.model.KVStore`) of one sequence, for a forward pass.
+
+        Raises:
+            ValueError: slab outside [0, max_num_seqs), or not in use.
+        """
+        return ContiguousSequence(self, self._slab_in_use(slab))
+
+    def _slab_in_use(self, slab: int) -> int:
+        slab = check_index("slab", slab, self.max_num_seqs)
         if not self.in_use[slab]:
             raise ValueError(f"slab {slab} is not in use; call add_sequence() first")
-        return ContiguousSequence(self, slab)
+        return slab
 
 
 class ContiguousSequence:
-    """One request's slab seen as a KV store: writes new K/V at their positions, attends over all."""
+    """One request's slab seen as a KV store: writes new K/V at their positions, attends over all.
+
+    A sequence's tokens sit at positions 0 .. seq_len - 1 of its slab, all written by it (prefill
+    writes 0 .. P - 1, each decode step the next one), so attention reads exactly the slots it owns.
+    """
 
     def __init__(self, cache: ContiguousKVCache, slab: int):
         self.cache, self.slab = cache, slab
 
     def attend(self, layer_index, query, key, value, positions):
+        """Write K/V at `positions` of the slab, attend over positions 0 .. max(positions).
+
+        Raises:
+            ValueError: layer_index outside [0, num_hidden_layers), a negative position, or a
+                position that would leave an unwritten gap after the sequence's tokens.
+            KVCacheOutOfMemory: a position at or past max_model_len (nothing written).
+        """
         cache = self.cache
-        end = int(positions.max()) + 1
+        check_index("layer_index", layer_index, cache.config.num_hidden_layers)
+        first, end = int(positions.min()), int(positions.max()) + 1
         if end > cache.max_model_len:
             raise KVCacheOutOfMemory(f"position {end - 1} is past max_model_len="
                                      f"{cache.max_model_len} of slab {self.slab}")
+        held = cache.seq_lens[self.slab]
+        # Negative positions would wrap to the end of the slab; a gap would let attention read
+        # slots this sequence never wrote (another request's leftovers).
+        if first < 0 or first > held or positions.unique().numel() != end - first:
+            raise ValueError(f"positions {first}..{end - 1} ({positions.numel()} tokens) do not "
+                             f"continue slab {self.slab}'s {held} tokens without a gap; new "
+                             f"tokens must be consecutive positions starting in [0, {held}]")
         cache.k[layer_index, self.slab, positions] = key
         cache.v[layer_index, self.slab, positions] = value
         if layer_index == cache.config.num_hidden_layers - 1:
-            cache.seq_lens[self.slab] = max(cache.seq_lens[self.slab], end)
+            cache.seq_lens[self.slab] = max(held, end)
         keys = cache.k[layer_index, self.slab, :end]
         values = cache.v[layer_index, self.slab, :end]
         return grouped_attention(query, keys, values, query_positions=positions)

@@ -1,10 +1,17 @@
-"""Greedy generation, with and without a KV cache.
+"""Generation of one request, with the KV cache of your choice: the course's one entry point.
+
+    generate(model, prompt_ids, 20, cache="none")        # stage 1: recompute everything each step
+    generate(model, prompt_ids, 20, cache="contiguous")  # stage 2: one max_model_len slab
+    generate(model, prompt_ids, 20, cache="paged")       # stage 4: blocks from a shared pool
 
 Without a cache every step runs the whole sequence through the model again (cost grows with the
 position). With a cache the prompt is run once (prefill) and each later step feeds only the newest
 token at its absolute position (decode), reading every earlier K/V from the cache. Greedy decoding
-picks the arg-max token, so both paths must produce the same tokens: the course's first
-equivalence check.
+picks the arg-max token, so every path must produce the same tokens: the course's first
+equivalence check. Sampling (temperature > 0) draws from the request's own seeded stream
+(`kvlab.sampling`), so the same seed gives the same samples through every cache too.
+
+This function owns the choice of cache; the `kvlab generate` command only parses and prints.
 """
 
 from __future__ import annotations
@@ -16,90 +23,120 @@ import torch
 
 from .contiguous import ContiguousKVCache
 from .model import LlamaForCausalLM
+from .paged import PagedKVCache, PagedStats, generate_paged
+from .paged.backends import BackendLike
+from .requests import check_int, check_model_len, check_request
+from .sampling import check_temperature, make_generator, next_token
 
-__all__ = ["GenerationResult", "generate", "check_request", "CACHE_KINDS"]
+__all__ = ["GenerationResult", "generate", "CACHE_KINDS"]
 
-CACHE_KINDS = ("none", "contiguous")
+CACHE_KINDS = ("none", "contiguous", "paged")
 
 
 @dataclasses.dataclass
 class GenerationResult:
-    """token_ids: generated ids only (prompt excluded); cache: the KV cache used (None without)."""
+    """What `generate` produced.
+
+    Attributes:
+        token_ids: generated ids of the (first) completion, prompt excluded.
+        completions: generated ids of each of the n completions ([token_ids] when n = 1).
+        cache: the KV cache used (None without one).
+        stats: the paged engine's counts (preemptions, peak blocks, blocks saved by sharing,
+            copy-on-write copies) for cache="paged", else None.
+    """
 
     token_ids: list[int]
-    cache: ContiguousKVCache | None = None
+    completions: list[list[int]] = dataclasses.field(default_factory=list)
+    cache: ContiguousKVCache | PagedKVCache | None = None
+    stats: PagedStats | None = None
 
-
-def check_request(prompt_ids: Sequence[int], max_new_tokens: int, max_model_len: int,
-                  vocab_size: int) -> None:
-    """Validate one request before any memory is touched.
-
-    Raises:
-        ValueError: an empty prompt, max_new_tokens < 1, a token id outside [0, vocab_size), or
-            prompt + max_new_tokens > max_model_len (the message gives the numbers).
-    """
-    if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    total = len(prompt_ids) + max_new_tokens
-    if total > max_model_len:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} = "
-                         f"{total} tokens > max_model_len={max_model_len}")
+    def __post_init__(self):
+        if not self.completions:
+            self.completions = [self.token_ids]
 
 
 @torch.inference_mode()
 def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
              cache: str = "none", max_model_len: int | None = None,
-             eos_token_id: int | None = None) -> GenerationResult:
-    """Greedy decoding of one request.
+             eos_token_id: int | None = None, *, n: int = 1, temperature: float = 0.0,
+             seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
+             attention_backend: BackendLike = None) -> GenerationResult:
+    """Generate from one prompt: greedy by default, sampled with a temperature.
 
     Args:
         model: the decoder.
         prompt_ids: prompt token ids.
         max_new_tokens: tokens to generate (fewer if `eos_token_id` comes first).
-        cache: 'none' (recompute everything each step) or 'contiguous' (one max_model_len slab).
+        cache: 'none' (recompute everything each step), 'contiguous' (one max_model_len slab) or
+            'paged' (blocks of `block_size` tokens; needed for n > 1, whose completions share
+            the prompt's blocks).
         max_model_len: longest sequence allowed (prompt + generated); default the model's
-            max_position_embeddings. The contiguous cache reserves exactly this many tokens.
+            max_position_embeddings, never more. The contiguous cache reserves exactly this many
+            tokens; the paged pool is sized by `kvlab.paged.generate_paged`'s rule.
+        eos_token_id: stop after this token.
+        n: completions of the prompt (cache='paged' only).
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        seed: this request's sampling seed: the same prompt, seed and temperature give the same
+            tokens through every cache (`kvlab.sampling`).
+        block_size, num_blocks, attention_backend: the paged cache's (cache='paged' only).
 
     Returns:
-        GenerationResult with the generated ids (int) and the cache object.
+        GenerationResult with the generated ids (int), the cache object and, for the paged cache,
+        its stats.
 
     Raises:
-        ValueError: bad request (see `check_request`) or unknown cache kind.
+        ValueError: bad request (see `kvlab.requests.check_request`), max_model_len above the
+            model's max_position_embeddings, unknown cache kind, n > 1 without cache='paged', a
+            bad temperature, seed or eos_token_id.
+        RequestTooLongError (a ValueError): prompt + max_new_tokens > max_model_len.
+        KVCacheOutOfMemory: the cache cannot be reserved.
     """
     config = model.config
-    max_model_len = max_model_len or config.max_position_embeddings
-    check_request(prompt_ids, max_new_tokens, max_model_len, config.vocab_size)
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache kind {cache!r}; choose from {', '.join(CACHE_KINDS)}")
+    limit = check_model_len(config, max_model_len)
+    check_request(prompt_ids, max_new_tokens, limit, config.vocab_size)
+    temperature = check_temperature(temperature)
+    seed = check_int("seed", seed, 0)
+    if eos_token_id is not None:
+        check_int("eos_token_id", eos_token_id, 0, config.vocab_size - 1)
+    check_int("n", n, 1)
+    if cache == "paged":
+        paged = generate_paged(model, [prompt_ids], max_new_tokens, block_size=block_size,
+                               num_blocks=num_blocks, max_model_len=max_model_len, n=n,
+                               eos_token_id=eos_token_id, temperature=temperature,
+                               seeds=[seed], attention_backend=attention_backend)
+        if paged.errors[0]:  # cannot happen after check_request; kept so nothing is silent
+            raise ValueError(paged.errors[0])
+        return GenerationResult(paged.token_ids[0], paged.completions[0], paged.cache,
+                                paged.stats)
+    if n != 1:
+        raise ValueError(f"n={n} completions need cache='paged' (they share the prompt's "
+                         f"blocks); cache={cache!r} generates one")
+
+    # The same stream as sibling 0 of a seeded request in the paged engine.
+    generator = make_generator(model.device, "request", seed, 0) if temperature > 0 else None
     device = model.device
     tokens = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     generated: list[int] = []
 
     if cache == "none":
         for _ in range(max_new_tokens):
-            next_token = model(tokens)[-1].argmax()
-            generated.append(int(next_token))
+            generated.append(next_token(model(tokens)[-1], temperature, generator))
             if generated[-1] == eos_token_id:
                 break
-            tokens = torch.cat([tokens, next_token.view(1)])
+            tokens = torch.cat([tokens, tokens.new_tensor(generated[-1:])])
         return GenerationResult(generated)
 
-    kv_cache = ContiguousKVCache(config, max_num_seqs=1, max_model_len=max_model_len,
+    kv_cache = ContiguousKVCache(config, max_num_seqs=1, max_model_len=limit,
                                  dtype=model.dtype, device=device)
-    slab = kv_cache.add_sequence()
-    store = kv_cache.view(slab)
+    store = kv_cache.view(kv_cache.add_sequence())
     positions = torch.arange(len(tokens), device=device)
     step_input = tokens  # prefill: the whole prompt at positions 0 .. P-1
     for _ in range(max_new_tokens):
-        next_token = model(step_input, positions, store)[-1].argmax()
-        generated.append(int(next_token))
+        generated.append(next_token(model(step_input, positions, store)[-1], temperature, generator))
         if generated[-1] == eos_token_id:
             break
         # decode: only the new token, at the position right after the last one
-        step_input, positions = next_token.view(1), positions[-1:] + 1
-    return GenerationResult(generated, kv_cache)
+        step_input, positions = tokens.new_tensor(generated[-1:]), positions[-1:] + 1
+    return GenerationResult(generated, cache=kv_cache)

@@ -27,10 +27,23 @@ _CUDA_SLACK_PER_TENSOR = 2**20 + 512
 
 
 class AccountedCache(Protocol):
-    """What a KV cache exposes to be measured (all in bytes)."""
+    """Everything `measure` reads from a KV cache; both caches of the course provide all of it.
+
+    Attributes:
+        reserved_bytes: bytes set aside for sequences (held blocks, or every slab).
+        used_bytes: bytes holding token states (tokens held x KV bytes per token).
+        allocated_bytes: bytes of every tensor the cache allocated (the whole block pool, held or
+            free; for the contiguous cache the same as reserved_bytes).
+        num_tensors: tensors the cache allocated (the allocator rounds each one up).
+        allocator_delta_bytes: CUDA only: growth of torch.cuda.memory_allocated while the cache
+            allocated its tensors; None on CPU.
+    """
 
     reserved_bytes: int
     used_bytes: int
+    allocated_bytes: int
+    num_tensors: int
+    allocator_delta_bytes: int | None
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -96,7 +109,7 @@ def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None =
 
     Args:
         model: the decoder (its parameters are counted; tied weights once), or None.
-        cache: any KV cache with `reserved_bytes` and `used_bytes`, or None.
+        cache: a KV cache with every attribute of `AccountedCache`, or None.
         device: where to read CUDA figures; default the model's device, else CPU.
 
     Returns:
@@ -116,13 +129,13 @@ def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None =
     report = MemoryReport(device_name(device), weights, reserved, used)
     if device.type == "cuda":
         report.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
-        delta = getattr(cache, "allocator_delta_bytes", None)
+        delta = cache.allocator_delta_bytes if cache is not None else None
         if delta is not None:
             report.allocator_kv_bytes = delta
-            # What the cache allocated: a paged cache allocates its whole pool up front
-            # (`pool_bytes`) and reserves blocks of it; a contiguous cache allocates what it reserves.
-            allocated = getattr(cache, "pool_bytes", reserved)
-            slack = getattr(cache, "num_tensors", 2) * _CUDA_SLACK_PER_TENSOR
+            # Compare with what the cache allocated, not what it reserved: a paged cache
+            # allocates its whole pool up front and reserves blocks of it.
+            allocated = cache.allocated_bytes
+            slack = cache.num_tensors * _CUDA_SLACK_PER_TENSOR
             if not 0 <= delta - allocated <= slack:
                 raise RuntimeError(f"CUDA allocator saw {delta:,} B for the KV cache but its "
                                    f"tensors hold {allocated:,} B")

@@ -1,18 +1,22 @@
 """Replay traffic through each cache strategy and count what it reserves against what it uses.
 
 This is `kvlab report`, the course's main job. It needs no model weights and no GPU: a strategy
-decides how many token *slots* a request has reserved at each decode step, and the workload decides
+decides how many token *slots* a request has reserved at each scheduler step, and the workload decides
 how many tokens it really holds. At the KV shape of a real model (bytes per token) that gives bytes.
 
-Definitions (one request of P prompt tokens and G generated tokens):
+Definitions (one request of P prompt tokens and G generated tokens; `kvlab.lifetime` is the one
+place they are written, and a test replays requests through the paged engine to check them):
 
-* Its lifetime is S = max(G, 1) decode steps. After step i (0-based) it holds
-  held_i = min(P + i + 1, P + G) tokens in the cache (a prefill-only request holds P for one step).
+* Its lifetime is S = max(G, 1) steps. At step i (0-based) it holds P + i tokens: the prompt at
+  the prefill, one more per decode step; the last generated token's K/V is never written.
 * waste = 1 - sum(held) / sum(reserved), summed over every step of every request.
 * kv_reserved_bytes / kv_used_bytes = the bytes one request reserves / fills, averaged over all
   request-steps of the workload (a time average: what an average in-flight request costs).
-* requests_held = floor(KV budget / kv_reserved_bytes): how many requests of this traffic the
-  budget holds at once. For the contiguous strategy that is budget / (max_model_len x bytes/token).
+* requests_held = floor(KV budget / kv_reserved_bytes). For the contiguous strategy every request
+  reserves the same max_model_len slab, so that count is exact. For paging it is a **steady-state
+  estimate**: the budget divided by what an *average* in-flight request reserves. At a moment when
+  the requests in flight are longer than average, fewer fit; a scheduler replaying the traffic
+  (stage 7) measures the real figure.
 
 Requests longer than max_model_len cannot be served by any strategy: they are rejected and counted.
 """
@@ -24,23 +28,11 @@ from typing import Protocol, Sequence
 
 from tqdm.auto import tqdm
 
+from .lifetime import decode_steps, held_token_steps
 from .workload import Request
 
 __all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow", "Report", "replay",
            "format_report", "held_token_steps", "decode_steps"]
-
-
-def decode_steps(request: Request) -> int:
-    """S = max(G, 1): steps the request stays in the cache."""
-    return max(request.output_len, 1)
-
-
-def held_token_steps(request: Request) -> int:
-    """sum over steps of tokens held: P + (P+1) ... closed form G*P + G(G+1)/2 (P for G = 0)."""
-    p, g = request.prompt_len, request.output_len
-    if g == 0:
-        return p
-    return g * p + g * (g + 1) // 2
 
 
 class CacheStrategy(Protocol):
@@ -61,6 +53,8 @@ class ContiguousStrategy:
     max_model_len: int
     bytes_per_token: int
     name: str = "contiguous"
+    # Every request reserves the same slab at every step, so budget // slab is exact.
+    exact_requests_held = True
 
     def reserved_token_steps(self, request: Request) -> int:
         return decode_steps(request) * self.max_model_len
@@ -87,20 +81,24 @@ class PagedStrategy:
     block_size: int
     bytes_per_token: int
     name: str = "paged"
+    # What a request reserves changes as it grows, so budget / average is only an estimate.
+    exact_requests_held = False
 
     def reserved_token_steps(self, request: Request) -> int:
-        p, g = request.prompt_len, request.output_len
-        if g == 0:
-            return _block_slots_up_to(p, self.block_size) - _block_slots_up_to(p - 1,
-                                                                                self.block_size)
-        # steps hold P+1 ... P+G tokens
-        return (_block_slots_up_to(p + g, self.block_size)
-                - _block_slots_up_to(p, self.block_size))
+        # The steps hold P, P + 1, ..., P + S - 1 tokens (kvlab.lifetime.tokens_held).
+        first = request.prompt_len
+        last = first + decode_steps(request) - 1
+        return (_block_slots_up_to(last, self.block_size)
+                - _block_slots_up_to(first - 1, self.block_size))
 
 
 @dataclasses.dataclass
 class StrategyRow:
-    """One line of the report (bytes are averages per in-flight request; waste is a fraction)."""
+    """One line of the report (bytes are averages per in-flight request; waste is a fraction).
+
+    requests_held is exact when requests_held_exact is True (a fixed reservation per request),
+    else the steady-state estimate budget // average reservation (see the module docstring).
+    """
 
     strategy: str
     kv_bytes_per_token: int
@@ -108,6 +106,7 @@ class StrategyRow:
     kv_used_bytes: int
     waste: float
     requests_held: int
+    requests_held_exact: bool
 
 
 @dataclasses.dataclass
@@ -121,13 +120,15 @@ class Report:
     kv_budget_bytes: int
     workload: str
     model: str
+    kv_budget_source: str = ""  # how the budget was set, e.g. "0.9 x H100-80GB ... - weights"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max_model_len: int,
-           kv_budget_bytes: int, workload: str = "", model: str = "") -> Report:
+           kv_budget_bytes: int, workload: str = "", model: str = "",
+           kv_budget_source: str = "") -> Report:
     """Replay request sizes through each strategy.
 
     Args:
@@ -135,6 +136,7 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
         strategies: cache designs to compare (each with its own bytes_per_token).
         max_model_len: tokens a request may hold at most; longer requests are rejected.
         kv_budget_bytes: KV memory available (bytes), for requests_held.
+        workload, model, kv_budget_source: labels printed with the table.
 
     Returns:
         Report with one StrategyRow per strategy, and the rejected count (with a few examples).
@@ -150,8 +152,10 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
     served = [r for r in requests if r.total_len <= max_model_len]
     rejected = [r for r in requests if r.total_len > max_model_len]
     if not served:
-        raise ValueError(f"all {len(requests)} requests are longer than max_model_len="
-                         f"{max_model_len}; nothing to replay")
+        if not requests:
+            raise ValueError("the workload has no requests; nothing to replay")
+        raise ValueError(f"{_every(len(requests), 'request')} longer than max_model_len="
+                         f"{max_model_len:,}; nothing to replay (raise --max-model-len)")
 
     steps = held = 0
     reserved = [0] * len(strategies)
@@ -169,30 +173,46 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
             strategy=strategy.name, kv_bytes_per_token=per_token,
             kv_reserved_bytes=reserved_bytes, kv_used_bytes=round(held * per_token / steps),
             waste=1.0 - held / reserved_steps,
-            requests_held=kv_budget_bytes // reserved_bytes))
+            requests_held=kv_budget_bytes // reserved_bytes,
+            requests_held_exact=bool(getattr(strategy, "exact_requests_held", False))))
     examples = [{"prompt_len": r.prompt_len, "output_len": r.output_len, "total_len": r.total_len}
                 for r in rejected[:3]]
     return Report(rows, len(requests), len(served), len(rejected), examples, max_model_len,
-                  kv_budget_bytes, workload, model)
+                  kv_budget_bytes, workload, model, kv_budget_source)
+
+
+def _every(count: int, noun: str) -> str:
+    """'the 1 request is' / 'all 3 requests are' (the request count in words that agree)."""
+    return f"the 1 {noun} is" if count == 1 else f"all {count:,} {noun}s are"
 
 
 def format_report(report: Report) -> str:
-    """The report as a plain-text table (exact bytes and binary units)."""
-    from .sizing import format_bytes
+    """The report as a plain-text table (exact bytes and binary units) with its definitions."""
+    from .sizing import format_bytes, plural
 
     header = ("strategy", "KV/token", "KV reserved / req", "KV used / req", "waste",
               "requests held")
     lines = [(row.strategy, format_bytes(row.kv_bytes_per_token),
               format_bytes(row.kv_reserved_bytes), format_bytes(row.kv_used_bytes),
-              f"{row.waste:.1%}", f"{row.requests_held:,}") for row in report.rows]
+              f"{row.waste:.1%}", f"{row.requests_held:,}" + ("" if row.requests_held_exact
+                                                              else " (est.)"))
+             for row in report.rows]
     widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
     table = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(cells, widths)))
              for cells in [header, *lines]]
     table.insert(1, "  ".join("-" * w for w in widths))
-    summary = (f"model {report.model}, workload {report.workload}: {report.num_requests:,} "
-               f"requests, {report.served:,} served, {report.rejected:,} rejected (longer than "
-               f"max_model_len={report.max_model_len:,})\n"
-               f"KV budget {format_bytes(report.kv_budget_bytes)} "
-               f"({report.kv_budget_bytes:,} B); bytes are averages per in-flight request")
-    return summary + "\n\n" + "\n".join(table)
+    budget = f"KV budget {format_bytes(report.kv_budget_bytes)} ({report.kv_budget_bytes:,} B)"
+    if report.kv_budget_source:
+        budget += f" = {report.kv_budget_source}"
+    summary = [f"model {report.model}, workload {report.workload}:",
+               f"{plural(report.num_requests, 'request')}, {report.served:,} served, "
+               f"{report.rejected:,} rejected (longer than max_model_len="
+               f"{report.max_model_len:,})",
+               budget,
+               "bytes are averages per in-flight request"]
+    notes = []
+    if any(not row.requests_held_exact for row in report.rows):
+        notes += ["", "(est.) a steady-state estimate: KV budget / what an average in-flight request",
+                  "reserves. While the requests in flight are longer than average, fewer fit."]
+    return "\n".join(summary) + "\n\n" + "\n".join(table + notes)

@@ -18,38 +18,148 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from . import dtypes
 from .config import LlamaConfig
+from .dtypes import DTypeLike
 
-__all__ = ["DTYPE_BYTES", "GPU_MEMORY_GIB", "dtype_bytes", "kv_heads_per_gpu",
-           "kv_elements_per_token", "kv_bytes_per_token", "num_parameters", "weights_bytes", "SizeReport", "size_report",
-           "SizingError", "format_bytes"]
+__all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
+           "local_gpu_memory", "default_kv_budget", "dtype_bytes", "kv_heads_per_gpu",
+           "kv_elements_per_token", "kv_bytes_per_token", "num_parameters", "weights_bytes",
+           "SizeReport", "size_report", "SizingError", "format_bytes", "plural", "MAX_SEQ_LEN",
+           "MAX_BATCH"]
 
-# Bytes per element of each storage dtype the course sizes for.
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-               "fp8": 1, "float8": 1}
-
-# Memory of common cards as NVIDIA/AMD market it; for these cards "80 GB" means 80 GiB of HBM
-# (torch.cuda reports slightly less: the driver keeps some). Units: GiB = 2**30 bytes.
+# NOMINAL memory of common cards: the capacity on the vendor's datasheet (NVIDIA, AMD), read as GiB
+# (2**30 bytes). A card reports less to torch.cuda: the driver, ECC and the CUDA context keep some,
+# and "GB" on a datasheet is not always 2**30 bytes. Whenever a GPU is present, `gpu="local"` (and
+# `kvlab size` with no --gpu) uses the figure torch.cuda reports instead.
 GPU_MEMORY_GIB = {
     "T4": 16, "L4": 24, "A10G": 24, "RTX-4090": 24, "L40S": 48, "A100-40GB": 40,
     "A100-80GB": 80, "H100-80GB": 80, "H200": 141, "B200": 180, "MI300X": 192,
 }
+GPU_MEMORY_SOURCE = "nominal, vendor datasheet"
+
+# Inputs beyond these are typos, not deployments: the longest context windows published are a few
+# million tokens, and a million concurrent requests is far past any single server.
+MAX_SEQ_LEN = 2**24   # 16,777,216 tokens
+MAX_BATCH = 2**20     # 1,048,576 requests
+MAX_GPU_MEM_GIB = 2**14  # 16 TiB per GPU
 
 
 class SizingError(ValueError):
     """A request for a size that makes no sense (the message names the value)."""
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name ('bf16', 'fp16', 'fp32', 'fp8').
+@dataclasses.dataclass(frozen=True)
+class GpuMemory:
+    """One GPU's memory: its name, its total bytes, and where that figure comes from.
 
-    Raises:
-        SizingError: an unknown dtype name.
+    source: "nominal, vendor datasheet" (the GPU_MEMORY_GIB table), "reported by torch.cuda"
+    (this machine's card; less than nominal) or "given" (a size the user typed).
+    """
+
+    name: str
+    total_bytes: int
+    source: str
+
+
+def local_gpu_memory() -> GpuMemory | None:
+    """The memory of this machine's first CUDA (or ROCm) GPU as torch.cuda reports it, or None.
+
+    total_bytes is `torch.cuda.get_device_properties(0).total_memory` (the driver's
+    cudaDeviceProp.totalGlobalMem): what the card can hand out, less than its nominal size.
     """
     try:
-        return DTYPE_BYTES[dtype.lower()]
-    except KeyError:
-        raise SizingError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp8") from None
+        import torch
+    except ImportError:  # the calculator itself needs no torch
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return GpuMemory(props.name, int(props.total_memory), "reported by torch.cuda")
+
+
+def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuMemory | None:
+    """Resolve a GPU: a name from GPU_MEMORY_GIB (nominal), "local" (torch.cuda), or GiB given.
+
+    Returns None when neither is given.
+
+    Raises:
+        SizingError: an unknown name, "local" with no GPU present, or GiB not in (0, 16384].
+    """
+    if gpu is not None:
+        if gpu.lower() in ("local", "cuda"):
+            found = local_gpu_memory()
+            if found is None:
+                raise SizingError("--gpu local: torch.cuda sees no GPU on this machine; name a "
+                                  f"card ({', '.join(GPU_MEMORY_GIB)}) or give its memory size")
+            return found
+        key = {name.lower(): name for name in GPU_MEMORY_GIB}.get(gpu.lower())
+        if key is None:
+            raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)}, or "
+                              f"'local' (this machine's GPU), or give its memory size")
+        return GpuMemory(key, GPU_MEMORY_GIB[key] * 2**30, GPU_MEMORY_SOURCE)
+    if gpu_mem_gib is not None:
+        if not (isinstance(gpu_mem_gib, (int, float)) and 0 < gpu_mem_gib <= MAX_GPU_MEM_GIB):
+            raise SizingError(f"GPU memory must be in (0, {MAX_GPU_MEM_GIB:,}] GiB, "
+                              f"got {gpu_mem_gib} GiB")
+        return GpuMemory(f"{gpu_mem_gib:g} GiB GPU", int(gpu_mem_gib * 2**30), "given")
+    return None
+
+
+def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: DTypeLike = "bf16",
+                      gpu_memory_utilization: float = 0.9, tp: int = 1,
+                      gpu_memory_bytes: int | None = None) -> int:
+    """Bytes left for the KV cache on one GPU: int(gpu_memory_utilization x GPU bytes) - weights.
+
+    The budget vLLM gives its block pool before it subtracts activations (vLLM's default
+    gpu_memory_utilization is 0.9; `kvlab.paged.budget` explains the start-up sequence).
+
+    Args:
+        config: the model (weights per GPU under tensor parallelism `tp`).
+        gpu: a card of GPU_MEMORY_GIB (nominal size) or "local" (torch.cuda's figure). Ignored
+            when gpu_memory_bytes is given.
+        dtype: the weights' dtype: a name ("bf16", "fp16", "fp32", "fp8") or a torch dtype.
+        gpu_memory_utilization: share of the card the server may use, in (0, 1].
+        gpu_memory_bytes: the card's memory in bytes, instead of `gpu`.
+
+    Returns:
+        Bytes (int). Zero or negative when the weights alone do not fit in the usable share.
+
+    Raises:
+        SizingError: unknown GPU or dtype, impossible tp, utilization outside (0, 1].
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if gpu_memory_bytes is None:
+        gpu_memory_bytes = gpu_memory(gpu).total_bytes
+    return int(gpu_memory_utilization * gpu_memory_bytes) - weights_bytes(config, dtype, tp)
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 request', '2 requests', '10,000 requests' (regular English plurals only)."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
+def dtype_bytes(dtype: DTypeLike) -> int:
+    """Bytes per element of a dtype: a name ('bf16', 'float16', ...), a torch dtype, or a size.
+
+    Any spelling `kvlab.dtypes.resolve_dtype` accepts works here (one vocabulary everywhere).
+
+    Raises:
+        SizingError: an unknown dtype.
+    """
+    try:
+        return dtypes.dtype_bytes(dtype)
+    except ValueError as error:
+        raise SizingError(str(error)) from None
+
+
+def _dtype_name(dtype: DTypeLike) -> str:
+    """The short name of a dtype for a report ('bf16'), as SizingError when unknown."""
+    try:
+        return dtypes.dtype_name(dtype)
+    except ValueError as error:
+        raise SizingError(str(error)) from None
 
 
 def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
@@ -88,7 +198,7 @@ def kv_elements_per_token(config: LlamaConfig, tp: int = 1) -> int:
     return 2 * config.num_hidden_layers * kv_heads_per_gpu(config, tp) * config.head_dim
 
 
-def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
+def kv_bytes_per_token(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -> int:
     """KV-cache bytes one token occupies on one GPU: 2 x layers x KV heads per GPU x head_dim x bytes.
 
     At tp = 1 this is the whole model's figure (Llama-3.1-8B bf16: 131,072 B = 128 KiB).
@@ -125,7 +235,7 @@ def num_parameters(config: LlamaConfig) -> int:
     return _parameter_counts(config, tp=1)
 
 
-def weights_bytes(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
+def weights_bytes(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -> int:
     """Bytes of the weights one of `tp` GPUs holds, stored in `dtype` (norms replicated).
 
     Raises:
@@ -137,15 +247,22 @@ def weights_bytes(config: LlamaConfig, dtype: str = "bf16", tp: int = 1) -> int:
 
 @dataclasses.dataclass
 class SizeReport:
-    """What `kvlab size` prints. Per-GPU figures unless the name ends in `_total` (all tp GPUs)."""
+    """What `kvlab size` prints. Per-GPU figures unless the name ends in `_total` (all tp GPUs).
+
+    `dtype` is the weights' dtype, `kv_cache_dtype` the cache's (vLLM's --kv-cache-dtype; the same
+    as dtype unless given). kv_heads_replicated > 1 when tp exceeds num_key_value_heads: each KV
+    head is then stored on that many GPUs.
+    """
 
     model: str
     dtype: str
+    kv_cache_dtype: str
     tp: int
     batch: int
     seq_len: int
     num_parameters: int
     kv_heads_per_gpu: int
+    kv_heads_replicated: int
     kv_bytes_per_token: int
     kv_cache_bytes: int
     weights_bytes: int
@@ -154,6 +271,7 @@ class SizeReport:
     weights_bytes_total: int
     gpu: str | None
     gpu_memory_bytes: int | None
+    gpu_memory_source: str | None
     gpu_memory_utilization: float
     usable_bytes: int | None
     kv_share_of_gpu: float | None
@@ -164,53 +282,61 @@ class SizeReport:
         return dataclasses.asdict(self)
 
 
-def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096, dtype: str = "bf16",
-                tp: int = 1, gpu: str | None = None, gpu_mem_gib: float | None = None,
+def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
+                dtype: DTypeLike = "bf16", kv_cache_dtype: DTypeLike | None = None, tp: int = 1,
+                gpu: str | None = None,
+                gpu_mem_gib: float | None = None,
                 gpu_memory_utilization: float = 0.9) -> SizeReport:
     """Weights and KV cache of `batch` requests of `seq_len` tokens, and how many fit on a GPU.
 
-    max_concurrent_requests = floor((gpu_memory_utilization x GPU bytes - weights bytes per GPU)
-    / (seq_len x KV bytes per token per GPU)), the requests of seq_len tokens that fit beside the
-    weights (0 when the weights alone do not fit; None when no GPU is named). Activations and the
-    CUDA context are ignored here: vLLM measures them with a profiling run.
+    max_concurrent_requests = floor(default_kv_budget / (seq_len x KV bytes per token per GPU)),
+    the requests of seq_len tokens that fit beside the weights (0 when the weights alone do not
+    fit; None when no GPU is given). Activations and the CUDA context are ignored here: vLLM
+    measures them with a profiling run.
+
+    Args:
+        dtype: the weights' dtype; kv_cache_dtype: the cache's (default: the same), e.g. an fp8
+            cache beside bf16 weights. Names or torch dtypes; the report holds short names.
+        gpu: a card of GPU_MEMORY_GIB (nominal size) or "local" (torch.cuda's figure);
+            gpu_mem_gib: the card's memory in GiB instead.
 
     Raises:
-        SizingError: batch or seq_len < 1, unknown dtype or GPU, impossible tp, utilization
-            outside (0, 1].
+        SizingError: batch not in [1, MAX_BATCH] or seq_len not in [1, MAX_SEQ_LEN], unknown dtype
+            or GPU, impossible tp, utilization outside (0, 1].
     """
-    for name, value in (("batch", batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value < 1:
-            raise SizingError(f"{name} must be a positive number of requests/tokens, got {value!r}")
+    for name, value, top in (("batch", batch, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN)):
+        if not isinstance(value, int) or not 1 <= value <= top:
+            raise SizingError(f"{name} must be a whole number of {'requests' if name == 'batch' else 'tokens'} "
+                              f"in [1, {top:,}], got {value!r}")
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    per_token = kv_bytes_per_token(config, dtype, tp)
+    dtype = _dtype_name(dtype)
+    kv_cache_dtype = dtype if kv_cache_dtype is None else _dtype_name(kv_cache_dtype)
+    per_token = kv_bytes_per_token(config, kv_cache_dtype, tp)
     weights = weights_bytes(config, dtype, tp)
     kv_cache = batch * seq_len * per_token
+    heads = kv_heads_per_gpu(config, tp)
 
-    gpu_bytes = None
-    if gpu is not None:
-        key = {name.lower(): name for name in GPU_MEMORY_GIB}.get(gpu.lower())
-        if key is None:
-            raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)} "
-                              f"(or give --gpu-mem GIB)")
-        gpu, gpu_bytes = key, GPU_MEMORY_GIB[key] * 2**30
-    elif gpu_mem_gib is not None:
-        if not (gpu_mem_gib > 0 and math.isfinite(gpu_mem_gib)):
-            raise SizingError(f"GPU memory must be positive, got {gpu_mem_gib} GiB")
-        gpu, gpu_bytes = f"{gpu_mem_gib:g} GiB GPU", int(gpu_mem_gib * 2**30)
-
+    card = gpu_memory(gpu, gpu_mem_gib)
     usable = fit = kv_share = weights_share = None
-    if gpu_bytes is not None:
-        usable = int(gpu_bytes * gpu_memory_utilization)
-        fit = max(0, (usable - weights) // (seq_len * per_token))
-        kv_share, weights_share = kv_cache / gpu_bytes, weights / gpu_bytes
+    if card is not None:
+        usable = int(card.total_bytes * gpu_memory_utilization)
+        budget = default_kv_budget(config, dtype=dtype, tp=tp,
+                                   gpu_memory_utilization=gpu_memory_utilization,
+                                   gpu_memory_bytes=card.total_bytes)
+        fit = max(0, budget // (seq_len * per_token))
+        kv_share, weights_share = kv_cache / card.total_bytes, weights / card.total_bytes
     return SizeReport(
-        model=config.name, dtype=dtype, tp=tp, batch=batch, seq_len=seq_len,
-        num_parameters=num_parameters(config), kv_heads_per_gpu=kv_heads_per_gpu(config, tp),
+        model=config.name, dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp=tp, batch=batch,
+        seq_len=seq_len, num_parameters=num_parameters(config), kv_heads_per_gpu=heads,
+        kv_heads_replicated=max(1, tp // config.num_key_value_heads),
         kv_bytes_per_token=per_token, kv_cache_bytes=kv_cache, weights_bytes=weights,
         kv_bytes_per_token_total=per_token * tp, kv_cache_bytes_total=kv_cache * tp,
         weights_bytes_total=weights * tp,
-        gpu=gpu, gpu_memory_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        gpu=None if card is None else card.name,
+        gpu_memory_bytes=None if card is None else card.total_bytes,
+        gpu_memory_source=None if card is None else card.source,
+        gpu_memory_utilization=gpu_memory_utilization,
         usable_bytes=usable, kv_share_of_gpu=kv_share, weights_share_of_gpu=weights_share,
         max_concurrent_requests=fit)
 

@@ -1,11 +1,12 @@
 """Traffic: how many tokens each request brings (prompt) and asks for (output).
 
 Real traffic is long-tailed, and the waste of a KV-cache design depends on it, so the course
-replays request sizes fit to a published production trace, or the trace itself.
+replays a real production trace: the **Azure LLM inference trace 2023, conversation service**
+(Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024;
+Azure Public Dataset, CC BY 4.0), shipped as `kvlab.traces.azure_trace("conv")`.
 
-Default workload: the **Azure LLM inference trace 2023, conversation service** (Patel et al.,
-"Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024; Azure Public
-Dataset, CC BY 4.0). Its published statistics are
+This module draws *synthetic* traffic, for sweeps and arrival processes that a fixed trace cannot
+give (any number of requests, any seed). Its default fit uses the trace's published statistics
 
     context (prompt) tokens:  mean 1,155  median 1,020
     generated tokens:         mean   211  median   129
@@ -16,22 +17,24 @@ and output ~ LogNormal(4.860, 0.992). Draws are rounded to whole tokens, at leas
 are capped at 1,000 tokens as the service capped them (the trace's maximum). The cap trims the
 output mean to about 201 tokens (the log-normal's tail above 1,000 is cut); medians are unchanged.
 
+What the fit does NOT match: the tail. A log-normal through the mean and median has a far thinner
+tail than the real prompts, so it has far fewer requests longer than a typical max_model_len and a
+lower 99th percentile (`compare_to_trace` computes both; the README and `tests/test_workload.py`
+give the figures). Use the real trace for waste and rejection figures; use the fit for sweeps.
+
 ShareGPT statistics from the vLLM paper (input mean 161, output mean 338) are given as a second
 preset; the paper reports means only, so its fit assumes the same spreads as the Azure fit.
-
-`load_azure_trace` reads the trace's CSV format, `TIMESTAMP,ContextTokens,GeneratedTokens`.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 import random
-from pathlib import Path
+from typing import Iterable, Sequence
 
 __all__ = ["Request", "LogNormalFit", "AZURE_CONV_2023", "SHAREGPT", "synthetic_requests",
-           "load_azure_trace", "TraceFormatError"]
+           "share_longer_than", "percentile", "TrafficStats", "traffic_stats", "compare_to_trace"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,64 +105,75 @@ def synthetic_requests(num_requests: int, fit: LogNormalFit = AZURE_CONV_2023,
     return requests
 
 
-class TraceFormatError(ValueError):
-    """A row of a trace file that is not `TIMESTAMP,ContextTokens,GeneratedTokens` (names the line)."""
-
-
-def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Read a trace in the Azure LLM inference CSV format.
-
-    Args:
-        path: CSV with header `TIMESTAMP,ContextTokens,GeneratedTokens`, one request a row.
-        limit: read at most this many requests (>= 1).
-
-    Returns:
-        Requests in file order; arrival_s is seconds after the first row's timestamp when the
-        timestamps parse, else 0.
+def share_longer_than(requests: Sequence[Request], tokens: int) -> float:
+    """Fraction of requests whose prompt + output exceeds `tokens` (those a server with
+    max_model_len = tokens must reject). Example: on the Azure conversation trace, tokens=4096.
 
     Raises:
-        ValueError: limit < 1.
-        FileNotFoundError: no such file.
-        TraceFormatError: missing columns, or a row whose token counts are not integers
-            (ContextTokens >= 1, GeneratedTokens >= 0); the message names the line and the value.
+        ValueError: no requests.
     """
-    from datetime import datetime
-
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive number of requests, got {limit}")
-    path = Path(path)
-    requests: list[Request] = []
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        needed = {"ContextTokens", "GeneratedTokens"}
-        if reader.fieldnames is None or not needed <= set(reader.fieldnames):
-            raise TraceFormatError(f"{path}: header must contain TIMESTAMP,ContextTokens,"
-                                   f"GeneratedTokens, got {reader.fieldnames}")
-        first_time = None
-        for row in reader:
-            line = reader.line_num
-            prompt = _count(row, "ContextTokens", minimum=1, where=f"{path}:{line}")
-            output = _count(row, "GeneratedTokens", minimum=0, where=f"{path}:{line}")
-            arrival = 0.0
-            stamp = (row.get("TIMESTAMP") or "").strip()
-            try:  # the trace writes 7 fractional digits; Python parses 6
-                when = datetime.fromisoformat(stamp[:26])
-                first_time = first_time or when
-                arrival = (when - first_time).total_seconds()
-            except ValueError:
-                pass
-            requests.append(Request(prompt, output, arrival))
-            if limit is not None and len(requests) >= limit:
-                break
-    return requests
+    if not requests:
+        raise ValueError("no requests: the share of an empty workload is undefined")
+    return sum(r.total_len > tokens for r in requests) / len(requests)
 
 
-def _count(row: dict, column: str, minimum: int, where: str) -> int:
-    raw = row.get(column)
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise TraceFormatError(f"{where}: {column}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise TraceFormatError(f"{where}: {column}={value} must be >= {minimum}")
-    return value
+def percentile(values: Iterable[int], q: float) -> int:
+    """The nearest-rank q-th percentile: the smallest value with at least q % of values <= it.
+
+    Example: percentile([1, 2, 3, 4], 50) == 2; percentile(range(1, 101), 99) == 99.
+
+    Raises:
+        ValueError: no values, or q outside (0, 100].
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    if not 0 < q <= 100:
+        raise ValueError(f"q must be in (0, 100], got {q}")
+    rank = math.ceil(q / 100 * len(ordered))
+    return ordered[rank - 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrafficStats:
+    """Summary of a workload, in tokens (shares are fractions of all requests)."""
+
+    num_requests: int
+    prompt_mean: float
+    prompt_median: float
+    prompt_p99: int
+    output_mean: float
+    output_median: float
+    output_p99: int
+    share_longer_than: dict[int, float]  # total tokens -> share of requests longer
+
+
+def traffic_stats(requests: Sequence[Request],
+                  thresholds: Sequence[int] = (2048, 4096, 8192)) -> TrafficStats:
+    """Mean, median and 99th percentile of prompt and output lengths, and tail shares.
+
+    Raises:
+        ValueError: no requests.
+    """
+    import statistics
+
+    if not requests:
+        raise ValueError("no requests to summarise")
+    prompts = [r.prompt_len for r in requests]
+    outputs = [r.output_len for r in requests]
+    return TrafficStats(
+        num_requests=len(requests),
+        prompt_mean=statistics.fmean(prompts), prompt_median=statistics.median(prompts),
+        prompt_p99=percentile(prompts, 99),
+        output_mean=statistics.fmean(outputs), output_median=statistics.median(outputs),
+        output_p99=percentile(outputs, 99),
+        share_longer_than={t: share_longer_than(requests, t) for t in thresholds})
+
+
+def compare_to_trace(trace: Sequence[Request], fit: LogNormalFit = AZURE_CONV_2023,
+                     seed: int = 0) -> tuple[TrafficStats, TrafficStats]:
+    """(trace stats, fit stats) over as many synthetic draws as the trace has requests.
+
+    Shows where a log-normal fit to a trace's mean and median parts from the trace: the tail.
+    """
+    return traffic_stats(trace), traffic_stats(synthetic_requests(len(trace), fit, seed=seed))

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kvlab import gqa, sizing
-from kvlab.attention import reference_attention, repeat_kv
+from kvlab.attention import repeat_kv
+from kvlab.oracles import sdpa_attention
 from kvlab.config import PRESETS
-from kvlab.exercises import assert_close, assert_equal, expect_raises
+from kvlab.grading import assert_close, assert_equal, expect_raises
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def mapping_hint(got, q, k, v):
     group = q.shape[1] // k.shape[1]
     if group == 1 or k.shape[1] == 1 or not isinstance(got, torch.Tensor):
         return ""
-    tiled = reference_attention(q.double(), k.double().repeat(1, group, 1),
+    tiled = sdpa_attention(q.double(), k.double().repeat(1, group, 1),
                                 v.double().repeat(1, group, 1), torch.arange(q.shape[0]))
     if got.shape == tiled.shape and torch.allclose(got.double(), tiled, atol=1e-5):
         return (" -- your output is attention with query head h reading KV head h % "
@@ -106,10 +107,10 @@ def mapping_hint(got, q, k, v):
 @pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", CASES, ids=CASE_IDS)
 def test_grouped_attention_matches_sdpa_float64(ex, tokens, heads, kv_heads, head_dim):
     q, k, v = qkv(tokens, heads, kv_heads, head_dim)
-    expected = reference_attention(q, k, v, torch.arange(tokens))
+    expected = sdpa_attention(q, k, v, torch.arange(tokens))
     got = ex.grouped_attention(q, k, v)
     what = (f"grouped_attention({shapes(q, k, v)}) [group size {heads // kv_heads}] vs SDPA over "
-            f"repeat_kv'd K/V with a causal mask (kvlab.attention.reference_attention)")
+            f"repeat_kv'd K/V with a causal mask (kvlab.oracles.sdpa_attention)")
     try:
         assert_close(got, expected, what, atol=1e-10, rtol=1e-10)
     except AssertionError as error:
@@ -118,7 +119,7 @@ def test_grouped_attention_matches_sdpa_float64(ex, tokens, heads, kv_heads, hea
 
 def test_grouped_attention_float32(ex):
     q, k, v = qkv(9, 6, 3, 16, dtype=torch.float32, seed=5)
-    expected = reference_attention(q.double(), k.double(), v.double(), torch.arange(9)).float()
+    expected = sdpa_attention(q.double(), k.double(), v.double(), torch.arange(9)).float()
     got = ex.grouped_attention(q, k, v)
     what = f"grouped_attention({shapes(q, k, v)}) vs SDPA in float64 (result in float32)"
     try:
@@ -181,8 +182,8 @@ def test_grouped_attention_does_not_repeat_kv(ex, monkeypatch):
     assert not calls, (
         f"{what} called {', '.join(sorted(set(calls)))}: that copies K/V once per query head, "
         f"the memory GQA saves. Reshape the query heads into [Hkv, G * T, D] instead")
-    assert_close(got, reference_attention(q, k, v, torch.arange(6)),
-                 what + " vs kvlab.attention.reference_attention", atol=1e-10, rtol=1e-10)
+    assert_close(got, sdpa_attention(q, k, v, torch.arange(6)),
+                 what + " vs kvlab.oracles.sdpa_attention", atol=1e-10, rtol=1e-10)
 
 
 def test_grouped_attention_rejects_uneven_groups(ex):

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 
-from kvlab.exercises import assert_equal, expect_raises
+from kvlab.grading import assert_equal, expect_raises
 from kvlab.paged import BlockTable, KVCacheManager
-from kvlab.paged.errors import NoFreeBlocksError, RequestTooLongError
+from kvlab.errors import NoFreeBlocksError, RequestTooLongError
 
 
 @pytest.fixture(scope="module")

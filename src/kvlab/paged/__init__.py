@@ -12,22 +12,26 @@ One module per idea, in reading order:
 * `block_table`: `BlockTable` (logical -> physical blocks, slot = block_id * block_size + offset).
 * `kv_cache_manager`: `KVCacheManager` (allocate, append_slots, fork with copy-on-write, free,
   preempt; every failed call changes nothing).
-* `reference_attention`: write K/V by slot mapping; gather + attend for prefill and decode.
+* `torch_attention`: write K/V by slot mapping; gather + attend for prefill and decode (the
+  plain-PyTorch teaching implementation).
+* `backends`: `AttentionBackend`, `TorchBackend`, `BACKENDS` (the seam where stage 5's kernel
+  plugs in).
 * `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
 * `engine`: `PagedEngine`, `generate_paged` (batched generation with preemption).
 """
 
+from ..errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
+from .backends import BACKENDS, AttentionBackend, TorchBackend, resolve_backend
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
 from .engine import PagedEngine, PagedGenerationResult, PagedStats, Sequence, generate_paged
-from .errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
 from .free_queue import Block, FreeBlockQueue
 from .kv_cache_manager import KVCacheManager, SlotReservation
 from .paged_cache import DecodeStore, PagedKVCache, PrefillStore
-from .reference_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
-                                  write_kv)
+from .torch_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
+                              write_kv)
 
 __all__ = [
     "Block", "FreeBlockQueue", "BlockPool", "BlockTable", "cdiv", "KVCacheManager",
@@ -35,4 +39,5 @@ __all__ = [
     "paged_prefill_attention", "paged_decode_attention", "kv_block_bytes", "num_blocks_for_budget",
     "check_pool_fits", "PagedEngine", "PagedGenerationResult", "PagedStats", "Sequence",
     "generate_paged", "KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError",
+    "AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend",
 ]

@@ -12,9 +12,11 @@ sequence gets, the workers' tensors hold the bytes.
 
 from __future__ import annotations
 
+import collections
 from typing import Iterable
 
-from .errors import NoFreeBlocksError
+from ..errors import NoFreeBlocksError
+from ..requests import check_index, check_int
 from .free_queue import Block, FreeBlockQueue
 
 __all__ = ["BlockPool"]
@@ -26,14 +28,15 @@ class BlockPool:
     Args:
         num_blocks: blocks in the pool (block ids 0 .. num_blocks - 1, all free at start).
 
+    Every block id argument must be in [0, num_blocks): a negative id would otherwise index the
+    list from its end and touch the wrong block.
+
     Raises:
-        ValueError: num_blocks < 1.
+        ValueError: num_blocks not a positive integer.
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_int("num_blocks", num_blocks, 1)
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
 
@@ -47,7 +50,8 @@ class BlockPool:
         return self.num_blocks - len(self.free_queue)
 
     def ref_count(self, block_id: int) -> int:
-        return self.blocks[block_id].ref_count
+        """Block tables holding the block (0 = free). Raises ValueError for an id out of range."""
+        return self.blocks[check_index("block_id", block_id, self.num_blocks)].ref_count
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the head of the free block queue; each gets ref count 1.
@@ -56,9 +60,11 @@ class BlockPool:
             the block ids, in the order taken.
 
         Raises:
+            ValueError: count is not an integer >= 0.
             NoFreeBlocksError: fewer than `count` free blocks. Checked before anything is taken,
                 so a failed allocation leaves the pool exactly as it was.
         """
+        count = check_int("count", count, 0)
         if count > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {count} blocks, only {self.num_free_blocks} of "
                                     f"{self.num_blocks} are free")
@@ -73,9 +79,9 @@ class BlockPool:
         """One more block table holds this block (a fork): ref count + 1, no data is copied.
 
         Raises:
-            ValueError: the block is free (only a held block can be shared).
+            ValueError: block_id out of range, or the block is free (only a held block can be shared).
         """
-        block = self.blocks[block_id]
+        block = self.blocks[check_index("block_id", block_id, self.num_blocks)]
         if block.ref_count == 0:
             raise ValueError(f"block {block_id} is free; only a held block can be shared")
         block.ref_count += 1
@@ -86,12 +92,16 @@ class BlockPool:
         A shared block stays held (and keeps its data) until its last holder releases it.
 
         Raises:
-            ValueError: a block that is already free (a double free).
+            ValueError: a block id out of range, or a block released more times than it is held
+                (a double free). Checked for every id before any is released, so nothing changes.
         """
+        block_ids = [check_index("block_id", block_id, self.num_blocks) for block_id in block_ids]
+        for block_id, times in collections.Counter(block_ids).items():
+            if times > self.blocks[block_id].ref_count:
+                raise ValueError(f"block {block_id} is released {times} time(s) but held by "
+                                 f"{self.blocks[block_id].ref_count} block table(s) (double free)")
         for block_id in block_ids:
             block = self.blocks[block_id]
-            if block.ref_count == 0:
-                raise ValueError(f"block {block_id} is already free (double free)")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)

@@ -42,13 +42,22 @@ class BlockTable:
         """Slot of the token at `position`: block_id * block_size + offset.
 
         Raises:
-            IndexError: the position has no block yet.
+            IndexError: the position is negative or has no block yet.
         """
+        if not 0 <= position < len(self.block_ids) * self.block_size:
+            raise IndexError(f"position {position} is outside the {len(self.block_ids)} blocks "
+                             f"of {self.block_size} slots this table holds")
         block_id = self.block_ids[position // self.block_size]
         return block_id * self.block_size + position % self.block_size
 
     def num_blocks_after(self, num_new_tokens: int) -> int:
-        """New blocks needed to hold `num_new_tokens` more tokens (0 while the last block has room)."""
+        """New blocks needed to hold `num_new_tokens` more tokens (0 while the last block has room).
+
+        Raises:
+            ValueError: num_new_tokens < 0.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         return cdiv(self.num_tokens + num_new_tokens, self.block_size) - len(self.block_ids)
 
     @property

@@ -19,20 +19,24 @@ from __future__ import annotations
 import torch
 
 from ..config import LlamaConfig
+from ..dtypes import DTypeLike, dtype_bytes
 from ..sizing import format_bytes, kv_elements_per_token
 from .block_table import cdiv
-from .errors import KVCacheOutOfMemory
+from ..errors import KVCacheOutOfMemory
 
 __all__ = ["kv_block_bytes", "num_blocks_for_budget", "check_pool_fits"]
 
 
-def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torch.float32) -> int:
     """Bytes one block id stands for: its K and V slots in every layer.
+
+    `dtype` is the cache dtype as a torch dtype, a name ("bf16") or an element size (see
+    `kvlab.dtypes`).
 
     = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x dtype bytes
     = block_size x KV bytes per token. Llama-3.1-8B, bf16, block_size 16: 16 x 128 KiB = 2 MiB.
     """
-    return block_size * kv_elements_per_token(config) * dtype.itemsize
+    return block_size * kv_elements_per_token(config) * dtype_bytes(dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, weights_bytes: int, block_bytes: int,

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Sequence as Seq
 
 import torch
 
-from ..generate import check_request
+from ..errors import NoFreeBlocksError, RequestTooLongError
 from ..model import LlamaForCausalLM
+from ..requests import check_int, check_model_len, check_request
+from ..sampling import check_temperature, make_generator, next_token
+from .backends import BackendLike
 from .block_table import cdiv
-from .errors import NoFreeBlocksError, RequestTooLongError
 from .paged_cache import PagedKVCache
 
 __all__ = ["Sequence", "PagedStats", "PagedEngine", "PagedGenerationResult", "generate_paged"]
@@ -78,31 +79,34 @@ class PagedEngine:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         max_model_len: longest request (prompt + max_new_tokens); default the model's
-            max_position_embeddings. Checked against the pool at start-up.
+            max_position_embeddings, never more. Checked against the pool at start-up.
         max_num_seqs: most sequences running at once.
         eos_token_id: a sequence stops after generating it.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
-        seed: seeds one generator per sequence, so samples do not depend on how the batch was
+        seed: the seed of requests that bring none of their own (see `kvlab.sampling`); each
+            sequence has its own generator, so samples do not depend on how the batch was
             scheduled or preempted.
+        attention_backend: the paged cache's attention backend (see `kvlab.paged.backends`).
 
     Raises:
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request (numbers in the message).
-        ValueError: bad sizes.
+        ValueError: bad sizes, max_model_len > max_position_embeddings, eos_token_id outside the
+            vocabulary, a temperature that is not a finite number >= 0.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 eos_token_id: int | None = None, temperature: float = 0.0, seed: int = 0):
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
-                             f"got {temperature!r}")
-        self.model = model
-        self.max_model_len = max_model_len or model.config.max_position_embeddings
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len)
-        self.max_num_seqs, self.eos_token_id = max_num_seqs, eos_token_id
-        self.temperature, self.seed = temperature, seed
+                 eos_token_id: int | None = None, temperature: float = 0.0, seed: int = 0,
+                 attention_backend: BackendLike = None):
+        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        self.temperature = check_temperature(temperature)
+        self.seed = check_int("seed", seed, 0)
+        if eos_token_id is not None:
+            check_int("eos_token_id", eos_token_id, 0, model.config.vocab_size - 1)
+        self.model, self.eos_token_id = model, eos_token_id
+        self.max_model_len = check_model_len(model.config, max_model_len)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
+                                            attention_backend)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.requests: list[list[Sequence]] = []  # request_id -> its n sequences
@@ -111,7 +115,7 @@ class PagedEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, prompt: Seq[int], max_new_tokens: int, n: int = 1,
-                    first_tokens: Seq[int] | None = None) -> int:
+                    first_tokens: Seq[int] | None = None, seed: int | None = None) -> int:
         """Queue a request for n completions of one prompt; returns its request_id.
 
         Args:
@@ -120,12 +124,16 @@ class PagedEngine:
             n: completions (parallel sampling); they share the prompt's blocks.
             first_tokens: optional n token ids forced as each completion's first token (makes
                 greedy siblings diverge, so copy-on-write is visible).
+            seed: this request's sampling seed (temperature > 0): the same prompt and seed give
+                the same samples wherever the request sits in a batch. None: derived from the
+                engine's seed and the request's index (independent of every other request).
 
         Raises:
             RequestTooLongError: prompt + max_new_tokens > max_model_len. The start-up check makes
                 the pool hold max_model_len tokens, so this also covers "longer than the pool".
-            ValueError: empty prompt, bad token ids, bad n or first_tokens.
+            ValueError: empty prompt, bad token ids, bad n, first_tokens or seed.
         """
+        check_int("max_new_tokens", max_new_tokens, 1)
         total = len(prompt) + max_new_tokens
         if total > self.max_model_len:
             cache = self.cache
@@ -136,24 +144,26 @@ class PagedEngine:
                 f"{cache.num_blocks * cache.block_size} tokens); rejected")
         vocab_size = self.model.config.vocab_size
         check_request(prompt, max_new_tokens, self.max_model_len, vocab_size)
-        if not isinstance(n, int) or not 1 <= n <= self.max_num_seqs:
-            raise ValueError(f"n must be an integer in [1, max_num_seqs={self.max_num_seqs}], "
-                             f"got {n!r}")
+        check_int("n (at most max_num_seqs)", n, 1, self.max_num_seqs)
+        if seed is not None:
+            check_int("seed", seed, 0)
         if first_tokens is not None:
             if len(first_tokens) != n:
                 raise ValueError(f"first_tokens has {len(first_tokens)} ids for n={n} completions")
-            bad = [t for t in first_tokens if not 0 <= int(t) < vocab_size]
-            if bad:
-                raise ValueError(f"first_tokens {bad} are outside the vocabulary [0, {vocab_size})")
+            for token in first_tokens:
+                check_int("first_tokens entry", token, 0, vocab_size - 1)
 
+        prompt = [check_int("token id", t, 0, vocab_size - 1) for t in prompt]
         request_id = len(self.requests)
         family = []
         for sibling in range(n):
             generator = None
             if self.temperature > 0:
-                generator = torch.Generator(device=self.model.device)
-                generator.manual_seed(self.seed + 7919 * request_id + sibling)
-            family.append(Sequence((request_id, sibling), [int(t) for t in prompt],
+                # A request's own seed alone decides its streams; without one, its index does.
+                parts = (("request", seed) if seed is not None
+                         else ("engine", self.seed, request_id))
+                generator = make_generator(self.model.device, *parts, sibling)
+            family.append(Sequence((request_id, sibling), list(prompt),
                                    max_new_tokens, generator=generator,
                                    first_token=None if first_tokens is None
                                    else int(first_tokens[sibling])))
@@ -267,10 +277,7 @@ class PagedEngine:
         """Forced first token, else greedy (temperature 0) or a sample from the sequence's generator."""
         if not seq.output and seq.first_token is not None:
             return seq.first_token
-        if self.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+        return next_token(logits, self.temperature, seq.generator)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)
@@ -295,7 +302,8 @@ class PagedGenerationResult:
     Attributes:
         token_ids: per prompt, the generated ids of its first completion ([] if rejected).
         completions: per prompt, the generated ids of each of its n completions.
-        errors: per prompt, None or the message of the RequestTooLongError that rejected it.
+        errors: per prompt, None or the message of the ValueError (e.g. RequestTooLongError)
+            that rejected it.
         stats: preemptions, peak blocks in use, blocks saved by sharing, copy-on-write copies.
         cache: the PagedKVCache used (every block is free again at the end).
     """
@@ -312,7 +320,8 @@ def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
                    num_blocks: int | None = None, max_model_len: int | None = None, n: int = 1,
                    eos_token_id: int | None = None, max_num_seqs: int = 256,
                    first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
-                   seed: int = 0) -> PagedGenerationResult:
+                   seed: int = 0, seeds: Seq[int | None] | None = None,
+                   attention_backend: BackendLike = None) -> PagedGenerationResult:
     """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
 
     Args:
@@ -330,21 +339,31 @@ def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
         max_num_seqs: most sequences running at once.
         first_tokens: per prompt None or n forced first tokens, one per completion.
         temperature, seed: sampling (0 = greedy); see `PagedEngine`.
+        seeds: per prompt None or its own sampling seed (see `PagedEngine.add_request`).
+        attention_backend: see `kvlab.paged.backends`.
 
     Returns:
-        PagedGenerationResult. Rejected prompts (RequestTooLongError) get [] and an error
-        message; the other prompts are generated as if they were alone.
+        PagedGenerationResult. A rejected prompt (too long, empty, bad token ids: any ValueError
+        of `add_request`) gets [] and an error message; the other prompts are generated as if
+        they were alone: one bad request never takes down the others.
 
     Raises:
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
-        ValueError: malformed input (empty prompt, bad token id, mismatched list lengths).
+        ValueError: malformed arguments of the whole call (no prompts, mismatched list lengths,
+            max_model_len > max_position_embeddings, bad sizes).
     """
+    if len(prompts) == 0:
+        raise ValueError("generate_paged needs at least one prompt")
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     if len(max_new_tokens) != len(prompts):
         raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
     if first_tokens is not None and len(first_tokens) != len(prompts):
         raise ValueError(f"{len(first_tokens)} first_tokens entries for {len(prompts)} prompts")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    max_new_tokens = [check_int("max_new_tokens", new, 1) for new in max_new_tokens]
+    check_int("n (at most max_num_seqs)", n, 1, check_int("max_num_seqs", max_num_seqs, 1))
     limit = model.config.max_position_embeddings
     lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
     if max_model_len is None:
@@ -354,15 +373,16 @@ def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
         num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
 
     engine = PagedEngine(model, num_blocks, block_size, max_model_len, max_num_seqs,
-                         eos_token_id, temperature, seed)
+                         eos_token_id, temperature, seed, attention_backend)
     request_ids: list[int | None] = []
     errors: list[str | None] = []
     for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
         forced = None if first_tokens is None else first_tokens[index]
+        own_seed = None if seeds is None else seeds[index]
         try:
-            request_ids.append(engine.add_request(prompt, new, n, forced))
+            request_ids.append(engine.add_request(prompt, new, n, forced, own_seed))
             errors.append(None)
-        except RequestTooLongError as error:  # rejected at once; the others still run
+        except ValueError as error:  # rejected at once (RequestTooLongError too); others still run
             request_ids.append(None)
             errors.append(f"prompt {index}: {error}")
     engine.run()

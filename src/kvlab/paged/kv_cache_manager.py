@@ -16,7 +16,9 @@ the data of the shared block is copied into it, and the shared block's ref count
 manager only decides the copy: it returns (src, dst) block pairs and `PagedKVCache` copies the K/V
 bytes in every layer (vLLM v0 returned the same `blocks_to_copy` to its workers).
 
-Every method checks capacity first and mutates after, so a failed call changes no state.
+Every method checks its arguments and capacity first and mutates after, so a failed call changes
+no state: a negative or non-integer count, an unknown sequence, a block the pool does not have are
+refused with the value in the message.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Hashable
 
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
-from .errors import NoFreeBlocksError, RequestTooLongError
+from ..errors import NoFreeBlocksError, RequestTooLongError
+from ..requests import check_int
 
 __all__ = ["KVCacheManager", "SlotReservation"]
 
@@ -54,13 +57,11 @@ class KVCacheManager:
     Sequence ids are any hashable (ints, strings, tuples).
 
     Raises:
-        ValueError: num_blocks or block_size < 1.
+        ValueError: num_blocks or block_size not a positive integer.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_int("block_size", block_size, 1)
         self.pool = BlockPool(num_blocks)
         self.tables: dict[Hashable, BlockTable] = {}
         self.num_cow_copies = 0  # blocks copied by copy-on-write since start-up
@@ -73,14 +74,13 @@ class KVCacheManager:
         Takes cdiv(num_tokens, block_size) blocks.
 
         Raises:
-            ValueError: seq_id is already allocated, or num_tokens < 1.
+            ValueError: seq_id is already allocated, or num_tokens is not an integer >= 1.
             RequestTooLongError: more tokens than the whole pool holds (can never fit).
             NoFreeBlocksError: not enough free blocks now (nothing changed).
         """
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
-        if num_tokens < 1:
-            raise ValueError(f"a sequence starts with at least one token, got {num_tokens}")
+        num_tokens = check_int("num_tokens", num_tokens, 1)
         table = BlockTable(self.block_size)
         self._check_fits(seq_id, table, num_tokens)
         table.block_ids = self.pool.allocate(table.num_blocks_after(num_tokens))
@@ -96,10 +96,12 @@ class KVCacheManager:
 
         Raises:
             KeyError: unknown seq_id.
+            ValueError: num_new_tokens is not an integer >= 0.
             RequestTooLongError: the sequence would outgrow the whole pool.
             NoFreeBlocksError: not enough free blocks now (nothing changed; preempt and retry).
         """
-        table = self.tables[seq_id]
+        table = self._table(seq_id)
+        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
         self._check_fits(seq_id, table, num_new_tokens)
         copies = []
         if num_new_tokens > 0 and self._must_copy_last_block(table):
@@ -121,7 +123,7 @@ class KVCacheManager:
             KeyError: unknown parent_id.
             ValueError: child_id already has a block table.
         """
-        parent = self.tables[parent_id]
+        parent = self._table(parent_id)
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id!r} already has a block table")
         for block_id in parent.block_ids:
@@ -138,8 +140,9 @@ class KVCacheManager:
         Raises:
             KeyError: unknown seq_id.
         """
-        table = self.tables.pop(seq_id)
+        table = self._table(seq_id)
         self.pool.release(reversed(table.block_ids))
+        del self.tables[seq_id]
 
     def preempt(self, seq_id: Hashable) -> int:
         """Evict a sequence by recompute (section 4.5): free its blocks now, rebuild them later.
@@ -150,15 +153,28 @@ class KVCacheManager:
         Raises:
             KeyError: unknown seq_id.
         """
-        num_tokens = self.tables[seq_id].num_tokens
+        num_tokens = self._table(seq_id).num_tokens
         self.free(seq_id)
         return num_tokens
 
     # ---- capacity checks ---------------------------------------------------------------------
 
     def blocks_needed(self, seq_id: Hashable, num_new_tokens: int = 1) -> int:
-        """Free blocks `append_slots(seq_id, num_new_tokens)` would take (copy-on-write included)."""
-        return self._blocks_needed(self.tables[seq_id], num_new_tokens)
+        """Free blocks `append_slots(seq_id, num_new_tokens)` would take (copy-on-write included).
+
+        Raises:
+            KeyError: unknown seq_id. ValueError: num_new_tokens is not an integer >= 0.
+        """
+        table = self._table(seq_id)
+        return self._blocks_needed(table, check_int("num_new_tokens", num_new_tokens, 0))
+
+    def _table(self, seq_id: Hashable) -> BlockTable:
+        """The block table of a sequence; KeyError naming the id when there is none."""
+        try:
+            return self.tables[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}: it has no block table (never "
+                           f"allocated, or already freed)") from None
 
     def _blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
         copy = num_new_tokens > 0 and self._must_copy_last_block(table)
@@ -217,11 +233,12 @@ class KVCacheManager:
         return sum(filled.values())
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        return self.tables[seq_id].num_tokens
+        """Tokens whose slots the sequence holds. Raises KeyError for an unknown seq_id."""
+        return self._table(seq_id).num_tokens
 
     def block_ids(self, seq_id: Hashable) -> list[int]:
-        """A copy of the sequence's block table (block ids in logical order)."""
-        return list(self.tables[seq_id].block_ids)
+        """A copy of the sequence's block table (block ids in logical order). KeyError if unknown."""
+        return list(self._table(seq_id).block_ids)
 
     def format_block_tables(self) -> str:
         """A printable picture: each sequence's block table, ref counts > 1 marked, the free queue.

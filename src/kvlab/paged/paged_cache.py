@@ -10,8 +10,9 @@ print the block tables). For a forward pass it hands out a KV store (see `kvlab.
 * `PrefillStore`: many tokens of one sequence (a prompt, or prompt + output after a preemption),
 * `DecodeStore`: one new token for each of a batch of sequences, in one forward pass.
 
-Both first write the new K/V into their slots (slot mapping), then attend through the block tables
-(`kvlab.paged.reference_attention`).
+Both first write the new K/V into their slots (slot mapping), then attend through the block tables,
+calling the cache's attention backend (`kvlab.paged.backends`; by default the plain-PyTorch
+`TorchBackend`, the stage-5 kernel is another).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import Hashable, Sequence
 import torch
 
 from ..config import LlamaConfig
+from ..dtypes import DTypeLike, torch_dtype
 from ..sizing import format_bytes
 from .budget import check_pool_fits, kv_block_bytes
-from .errors import KVCacheOutOfMemory
+from ..errors import KVCacheOutOfMemory
+from ..requests import check_index, check_int, check_model_len
+from .backends import BackendLike, resolve_backend
 from .kv_cache_manager import KVCacheManager
-from .reference_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
-                                  write_kv)
+from .torch_attention import gather_kv
 
 __all__ = ["PagedKVCache", "PrefillStore", "DecodeStore"]
 
@@ -38,8 +41,12 @@ class PagedKVCache:
         config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
         num_blocks: blocks in the pool (see `num_blocks_for_budget` to derive it from memory).
         block_size: tokens per block.
-        dtype, device: of the pool tensors (use the model's).
+        dtype, device: of the pool tensors (use the model's); dtype is a torch dtype or a name
+            ("bf16", see `kvlab.dtypes`).
         max_model_len: if given, check at start-up that one request this long fits in the pool.
+        attention_backend: how the forward pass attends over the blocks: a name in
+            `kvlab.paged.backends.BACKENDS` ("torch"), a backend object, or None for the
+            plain-PyTorch `TorchBackend`.
 
     Attributes:
         k_caches, v_caches: one tensor per layer, [num_blocks, block_size, num_key_value_heads,
@@ -49,22 +56,29 @@ class PagedKVCache:
         allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
             was allocated (compare with pool_bytes); None on CPU.
         bytes_per_token: KV bytes of one token over all layers (block_bytes / block_size).
+        backend: the attention backend object.
+        scale: attention score scale, 1 / sqrt(head_dim).
 
     Raises:
-        ValueError: num_blocks or block_size < 1.
+        ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, or an
+            unknown attention backend.
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request, or (CUDA) the device
             has no room for the pool; the message gives the numbers.
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 max_model_len: int | None = None):
+                 dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
+                 max_model_len: int | None = None, attention_backend: BackendLike = None):
         self.manager = KVCacheManager(num_blocks, block_size)  # validates the two sizes
+        self.backend = resolve_backend(attention_backend)
+        self.scale = config.head_dim ** -0.5
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
+        dtype = self.dtype
         self.block_bytes = kv_block_bytes(config, block_size, dtype)
         self.bytes_per_token = self.block_bytes // block_size
         if max_model_len is not None:
+            check_int("max_model_len", max_model_len, 1)
             check_pool_fits(num_blocks, block_size, max_model_len, self.block_bytes)
         self.max_model_len = max_model_len
 
@@ -90,10 +104,18 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16,
-                  max_model_len: int | None = None) -> "PagedKVCache":
-        """A pool with the model's shape, dtype and device."""
+                  max_model_len: int | None = None,
+                  attention_backend: BackendLike = None) -> "PagedKVCache":
+        """A pool with the model's shape, dtype and device.
+
+        Raises:
+            ValueError: max_model_len above the model's max_position_embeddings (both numbers in
+                the message), or as `PagedKVCache`.
+        """
+        if max_model_len is not None:
+            max_model_len = check_model_len(model.config, max_model_len)
         return cls(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
-                   max_model_len=max_model_len)
+                   max_model_len=max_model_len, attention_backend=attention_backend)
 
     # ---- the step-by-step API (block ids from the manager, bytes moved here) -----------------
 
@@ -133,7 +155,13 @@ class PagedKVCache:
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block `src`'s K/V into block `dst`, in every layer (block_bytes bytes moved)."""
+        """Copy block `src`'s K/V into block `dst`, in every layer (block_bytes bytes moved).
+
+        Raises:
+            ValueError: a block id outside [0, num_blocks).
+        """
+        src = check_index("src block_id", src, self.num_blocks)
+        dst = check_index("dst block_id", dst, self.num_blocks)
         for k_cache, v_cache in zip(self.k_caches, self.v_caches):
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
@@ -154,21 +182,38 @@ class PagedKVCache:
         block_tables, seq_lens = self.block_tables_tensor(seq_ids)
         return DecodeStore(self, slot_mapping, block_tables, seq_lens)
 
+    # The padding convention: a short block table is padded with this block id. It is a real block
+    # (held by some other sequence, or free and full of whatever its last user left, NaN
+    # included), chosen so every padded entry is a valid index into the pool. Only seq_lens says
+    # which slots belong to a sequence; every attention backend must mask the rest out of both
+    # the scores and the values (tests/test_poisoned_pool.py).
+    PAD_BLOCK_ID = 0
+
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables of a batch padded with block 0 to one width, and the tokens of each.
+        """Block tables of a batch padded with PAD_BLOCK_ID (block 0) to one width, and the tokens of each.
 
         Returns:
             block_tables [num_seqs, max_blocks_per_seq] int64, seq_lens [num_seqs] int64.
             Padding is block id 0, a real block: only seq_lens tells what belongs to a sequence.
+
+        Raises:
+            ValueError: no seq_ids. KeyError: an unknown seq_id.
         """
+        if len(seq_ids) == 0:
+            raise ValueError("block_tables_tensor needs at least one seq_id")
         tables = [self.manager.block_ids(seq_id) for seq_id in seq_ids]
         width = max(len(table) for table in tables)
-        padded = [table + [0] * (width - len(table)) for table in tables]
+        padded = [table + [self.PAD_BLOCK_ID] * (width - len(table)) for table in tables]
         seq_lens = [self.manager.num_tokens(seq_id) for seq_id in seq_ids]
         return self._tensor(padded), self._tensor(seq_lens)
 
     def gather(self, seq_id: Hashable, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of one sequence's keys and values of one layer, [num_tokens, H_kv, head_dim] each."""
+        """A copy of one sequence's keys and values of one layer, [num_tokens, H_kv, head_dim] each.
+
+        Raises:
+            KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers).
+        """
+        layer_index = check_index("layer_index", layer_index, len(self.k_caches))
         block_table = self._tensor(self.manager.block_ids(seq_id))
         num_tokens = self.manager.num_tokens(seq_id)
         return (gather_kv(self.k_caches[layer_index], block_table, num_tokens),
@@ -180,6 +225,11 @@ class PagedKVCache:
     def pool_bytes(self) -> int:
         """Bytes of every K and V pool tensor: what the cache really allocated, held or free."""
         return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the cache allocated: the whole pool (`pool_bytes`), held or free."""
+        return self.pool_bytes
 
     @property
     def num_tensors(self) -> int:
@@ -228,10 +278,11 @@ class PrefillStore:
         self.block_table, self.seq_len = block_table, seq_len
 
     def attend(self, layer_index, query, key, value, positions):
-        k_cache, v_cache = self.cache.k_caches[layer_index], self.cache.v_caches[layer_index]
-        write_kv(k_cache, v_cache, key, value, self.slot_mapping)
-        return paged_prefill_attention(query, k_cache, v_cache, self.block_table, self.seq_len,
-                                       query_positions=positions)
+        cache = self.cache
+        k_cache, v_cache = cache.k_caches[layer_index], cache.v_caches[layer_index]
+        cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
+        return cache.backend.prefill(query, k_cache, v_cache, self.block_table, self.seq_len,
+                                     positions, cache.scale)
 
 
 class DecodeStore:
@@ -248,6 +299,8 @@ class DecodeStore:
         self.block_tables, self.seq_lens = block_tables, seq_lens
 
     def attend(self, layer_index, query, key, value, positions):
-        k_cache, v_cache = self.cache.k_caches[layer_index], self.cache.v_caches[layer_index]
-        write_kv(k_cache, v_cache, key, value, self.slot_mapping)
-        return paged_decode_attention(query, k_cache, v_cache, self.block_tables, self.seq_lens)
+        cache = self.cache
+        k_cache, v_cache = cache.k_caches[layer_index], cache.v_caches[layer_index]
+        cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
+        return cache.backend.decode(query, k_cache, v_cache, self.block_tables, self.seq_lens,
+                                    cache.scale)

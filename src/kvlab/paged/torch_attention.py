@@ -1,4 +1,8 @@
-"""Paged attention in plain PyTorch: the reference every faster kernel (stage 5) is checked against.
+"""Paged attention in plain PyTorch: the stage-4 teaching implementation, and the default backend.
+
+This is code to read, not a test oracle (that is `kvlab.oracles`, SDPA in float64): the paged cache
+runs it through `kvlab.paged.backends.TorchBackend`, and the stage-5 Triton kernel is checked
+against it.
 
 The pool of one layer is a tensor [num_blocks, block_size, num_key_value_heads, head_dim]. Seen
 flat, [num_blocks * block_size, num_key_value_heads, head_dim], its row `slot` is the token slot
@@ -12,8 +16,12 @@ block_id * block_size + offset. Three operations cover a forward pass:
   of sequences (vLLM paper, Kwon et al., SOSP 2023, section 4.1, equation 4: attention computed
   block by block over a block table).
 
-This reference copies the blocks into a contiguous tensor before attending; a real kernel reads
-them in place, block by block. Same numbers, less memory traffic: that is stage 5.
+This implementation copies the blocks into a contiguous tensor before attending; a real kernel
+reads them in place, block by block. Same numbers, less memory traffic: that is stage 5.
+
+Slots a sequence does not own (past its seq_len in its last block, or in the padding of its block
+table) may hold anything another request left there, NaN included; they are masked out of both the
+scores and the values (see `grouped_attention`), so they can never reach the output.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_len: int,
-                            query_positions: torch.Tensor) -> torch.Tensor:
+                            query_positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal attention of many query tokens of one sequence over its blocks (prefill).
 
     The query tokens' own K/V must already be written (`write_kv`). Query tokens may be the whole
@@ -69,23 +77,26 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_table: [num_blocks_of_sequence] int64.
         seq_len: tokens of the sequence in the cache, keys at positions 0 .. seq_len - 1.
         query_positions: [num_tokens] int64, all < seq_len.
+        scale: score scale; default 1 / sqrt(head_dim).
 
     Returns:
         [num_tokens, num_attention_heads, head_dim], dtype of query.
     """
     keys = gather_kv(k_cache, block_table, seq_len)
     values = gather_kv(v_cache, block_table, seq_len)
-    return grouped_attention(query, keys, values, query_positions=query_positions)
+    return grouped_attention(query, keys, values, query_positions=query_positions, scale=scale)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
     """One query token per sequence, each attending over its own blocks (a batched decode step).
 
     Block tables of different lengths are padded to one width. Padding entries are ordinary block
-    ids (0 by convention) and block 0 is a real block holding some other sequence's tokens, so
-    padding cannot be recognised by its id: only `seq_lens` says which slots belong to a sequence,
-    and everything at or past seq_len is masked out.
+    ids (0 by the convention of `PagedKVCache.block_tables_tensor`) and block 0 is a real block
+    holding some other sequence's tokens, NaN possibly, so padding cannot be recognised by its id:
+    only `seq_lens` says which slots belong to a sequence. Everything at or past seq_len is masked
+    out of the scores and its values are zeroed before the weighted sum.
 
     Args:
         query: [num_seqs, num_attention_heads, head_dim], the token at position seq_len - 1 of
@@ -93,6 +104,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
         block_tables: [num_seqs, max_blocks_per_seq] int64, padded.
         seq_lens: [num_seqs] int64, tokens of each sequence in the cache (>= 1).
+        scale: score scale; default 1 / sqrt(head_dim).
 
     Returns:
         [num_seqs, num_attention_heads, head_dim], dtype of query.
@@ -105,6 +117,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     slot_positions = torch.arange(width * block_size, device=query.device)
     holds_token = slot_positions[None, :] < seq_lens[:, None]  # [num_seqs, width * block_size]
     outputs = [grouped_attention(query[i:i + 1], keys[i], values[i],
-                                 query_positions=seq_lens[i:i + 1] - 1, key_mask=holds_token[i])
+                                 query_positions=seq_lens[i:i + 1] - 1, key_mask=holds_token[i],
+                                 scale=scale)
                for i in range(num_seqs)]
     return torch.cat(outputs)

@@ -1,0 +1,268 @@
+"""Stage 5: a Triton paged-attention decode kernel, GQA-aware, with online softmax and split-KV.
+
+One decode step: each of `num_seqs` sequences has one new query token (all query heads) and attends
+over its own `seq_len` keys and values, which live in a block pool, scattered over the blocks its
+block table names (vLLM paper, Kwon et al., SOSP 2023, section 4.1). The kernel reads them in place,
+block by block, instead of gathering a contiguous copy first as the PyTorch reference does.
+
+Design, in the order the notebook builds it:
+
+* One **program** (one instance of the kernel, `tl.program_id`) = one KV head of one sequence. GQA
+  (Ainslie et al., 2023) lets `group = num_heads / num_kv_heads` query heads share that KV head, so
+  the program holds all `group` query rows at once and each K/V vector is read from memory once,
+  not once per query head. `tl.dot` on a GPU needs tiles of at least 16 rows, so the group is
+  padded to 16 rows and the padding is masked on load and store.
+* **Block table lookup per token**: position p lives in block `block_table[p // block_size]`,
+  slot `p % block_size`. The block id is cast to int64 before it multiplies the block stride: a
+  pool of 70,000 blocks x 16 tokens x 8 heads x 128 dims already has more elements than int32 holds.
+* **Online softmax** (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1):
+  a running max `m`, running sum `l` and running output `acc`, all float32, rescaled by
+  exp(m_old - m_new) whenever a tile raises the max; one pass over the keys, nothing stored.
+* **Masks, on values as well as scores**: slots past seq_len (the unused end of the last block) and
+  padded block-table entries belong to someone else. Their loads are masked (`other=0`), so a NaN or
+  Inf left there by another request never enters the arithmetic (0 x NaN would still be NaN).
+* **Split-KV** (flash-decoding): for few long sequences, each sequence's tokens are cut into splits
+  run by separate programs, each writing a partial output and the log-sum-exp of its scores; a
+  reduce kernel combines them. `kvlab.kernels.split_kv` chooses the number of splits.
+* **Layouts**: the kernel takes the pool's strides named by meaning (block, token slot, head, dim),
+  so token-major and head-major pools run through the same code (`kvlab.kernels.pool_layout`).
+
+Interpreter: under TRITON_INTERPRET=1 Triton runs the kernel in NumPy on the CPU; there `tl.dot` on
+bfloat16 tiles multiplies the wrong numbers (Triton issue 11584), so bf16 tiles are upcast to
+float32 first. On a GPU the bf16/fp16 tensor-core path stays.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .pool_layout import TOKEN_MAJOR, pool_strides
+from .split_kv import choose_num_splits, tokens_per_split
+from .validate import check_decode_inputs
+
+__all__ = ["paged_attention_decode", "INTERPRETED", "MIN_DOT_ROWS"]
+
+# triton.jit reads TRITON_INTERPRET when a kernel is defined, i.e. when this module is imported.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The smallest M, N and K that tl.dot accepts on a GPU.
+MIN_DOT_ROWS = 16
+
+
+@triton.jit
+def _attend_tokens(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, start, end,
+                   kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
+                   stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """The inner loop: positions [start, end) of one sequence, TILE tokens at a time.
+
+    q [GROUP_PAD, HEAD_DIM_PAD]; acc [GROUP_PAD, HEAD_DIM_PAD] fp32; m_i, l_i [GROUP_PAD] fp32 with
+    scores in log2 units (qk_scale includes log2(e), so exp2 is used). Returns (acc, m_i, l_i).
+    """
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = offs_d < HEAD_DIM
+    for tile_start in range(start, end, TILE):
+        positions = tile_start + offs_t
+        owned = positions < end  # slots past the sequence's end are someone else's
+        # Block-table lookup, per token; int64 before multiplying by the block stride.
+        block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=owned, other=0)
+        block_ids = block_ids.to(tl.int64)
+        slots = (positions % BLOCK_SIZE).to(tl.int64)
+        load_mask = owned[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + slots[:, None] * stride_kt
+                    + kv_head * stride_kh + offs_d[None, :] * stride_kd, mask=load_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + slots[:, None] * stride_vt
+                    + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=load_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.where(owned[None, :], scores, float("-inf"))  # [GROUP_PAD, TILE]
+        # Online softmax update: rescale what was accumulated under the old max.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_decode_kernel(out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                         seq_lens_ptr, qk_scale, split_len,
+                         stride_qs, stride_qh, stride_qd,
+                         stride_os, stride_oh, stride_osplit, stride_od,
+                         stride_ls, stride_lh, stride_lsplit, stride_bts,
+                         stride_kb, stride_kt, stride_kh, stride_kd,
+                         stride_vb, stride_vt, stride_vh, stride_vd,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         TILE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, num_splits): one KV head of one sequence, one split of it.
+
+    Without SPLIT, writes the normalised output [num_seqs, num_heads, head_dim] in out's dtype.
+    With SPLIT, writes float32 partial outputs [num_seqs, num_heads, num_splits, head_dim] and
+    their log2-sum-exp [num_seqs, num_heads, num_splits] (-inf for a split with no tokens).
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP + offs_g  # the query heads that share this KV head
+    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    acc, m_i, l_i = _attend_tokens(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
+                                   block_tables_ptr + seq * stride_bts, start, end, kv_head,
+                                   stride_kb, stride_kt, stride_kh, stride_kd,
+                                   stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
+                                   BLOCK_SIZE, TILE, HEAD_DIM, HEAD_DIM_PAD, UPCAST, DOT_PRECISION)
+
+    has_tokens = l_i > 0.0  # False only for an empty split
+    safe_l = tl.where(has_tokens, l_i, 1.0)
+    result = tl.where(has_tokens[:, None], acc / safe_l[:, None], 0.0)
+    out_ptrs = (out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_osplit
+                + offs_d[None, :] * stride_od)
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if SPLIT:
+        lse = tl.where(has_tokens, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split * stride_lsplit, lse,
+                 mask=offs_g < GROUP)
+
+
+@triton.jit
+def _reduce_splits_kernel(out_ptr, partial_ptr, lse_ptr, num_splits,
+                          stride_os, stride_oh, stride_od,
+                          stride_ps, stride_ph, stride_psplit, stride_pd,
+                          stride_ls, stride_lh, stride_lsplit,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr):
+    """Grid (num_seqs, num_heads): out = sum_s w_s * partial_s / sum_s w_s, w_s = 2^(lse_s - max)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    split_ok = offs_s < num_splits
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s * stride_lsplit,
+                  mask=split_ok, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds a token, so max is finite
+    weights = tl.where(split_ok & (lse > float("-inf")), weights, 0.0)
+    partial = tl.load(partial_ptr + seq * stride_ps + head * stride_ph
+                      + offs_s[:, None] * stride_psplit + offs_d[None, :] * stride_pd,
+                      mask=split_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    partial = tl.where(weights[:, None] > 0.0, partial, 0.0)  # an empty split adds nothing
+    result = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od,
+             result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _tile_for(head_dim_pad: int, max_seq_len: int) -> int:
+    """Tokens per tile: 64 (32 for head_dim 256, to bound registers), no more than the longest
+    sequence needs, never below the 16 rows tl.dot requires."""
+    largest = 64 if head_dim_pad <= 128 else 32
+    return max(MIN_DOT_ROWS, min(largest, triton.next_power_of_2(max_seq_len)))
+
+
+def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float | None = None, layout: str = TOKEN_MAJOR,
+                           num_splits: int | None = None, max_seq_len: int | None = None,
+                           out: torch.Tensor | None = None, validate: bool = True,
+                           tile: int | None = None) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a paged KV cache (Triton).
+
+    Args:
+        query: [num_seqs, num_heads, head_dim], float16, bfloat16 or float32.
+        k_cache, v_cache: one layer's pools, same dtype as query, in `layout`:
+            token-major [num_blocks, block_size, num_kv_heads, head_dim] or
+            head-major [num_blocks, num_kv_heads, block_size, head_dim].
+        block_tables: [num_seqs, max_blocks_per_seq] int32 or int64, padded with any block id.
+        seq_lens: [num_seqs] int32 or int64, tokens of each sequence (>= 1), the new one included.
+        scale: score scale, default 1 / sqrt(head_dim).
+        layout: "token-major" or "head-major" (`kvlab.kernels.pool_layout`).
+        num_splits: split-KV splits per sequence; None picks from the batch, lengths and the
+            card's multiprocessor count (`choose_num_splits`; 1 under the interpreter); 1 = no split.
+        max_seq_len: the longest seq_len, if the caller knows it (saves a device-to-host copy).
+        out: optional [num_seqs, num_heads, head_dim] tensor of query's dtype to write into.
+        validate: check seq_lens and block ids against the pool (reads them on the host).
+        tile: tokens per loop iteration, a power of two >= 16 (default: see `_tile_for`); tests
+            use 16 so that short sequences still take several iterations.
+
+    Returns:
+        [num_seqs, num_heads, head_dim], query's dtype. Head h reads KV head h // group.
+
+    Raises:
+        ValueError: shapes, dtypes, devices, layout or lengths that do not fit (message has the
+            numbers); bfloat16 on a GPU of compute capability below 8.0.
+    """
+    geometry = check_decode_inputs(query, k_cache, v_cache, block_tables, seq_lens, layout,
+                                   interpreted=INTERPRETED, validate=validate)
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = geometry.num_kv_heads, geometry.block_size
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
+    group_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+    if tile is None:
+        tile = _tile_for(head_dim_pad, max_seq_len)
+    elif tile < MIN_DOT_ROWS or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= {MIN_DOT_ROWS}, got {tile}")
+    if num_splits is None:
+        num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
+                   if query.is_cuda and not INTERPRETED else 1)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split_len = tokens_per_split(max_seq_len, num_splits, tile)
+    num_splits = -(-max_seq_len // split_len)  # rounding to tiles may leave fewer splits
+
+    upcast = INTERPRETED and query.dtype == torch.bfloat16
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
+    qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else scale) * math.log2(math.e)
+    constants = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+                     HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile,
+                     UPCAST=upcast, DOT_PRECISION=precision)
+    k_strides, v_strides = pool_strides(k_cache, layout), pool_strides(v_cache, layout)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _paged_decode_kernel[grid](
+            out, out, query, k_cache, v_cache, block_tables, seq_lens, qk_scale, split_len,
+            *query.stride(), out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0,
+            block_tables.stride(0), *k_strides, *v_strides, SPLIT=False, **constants)
+        return out
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=query.device,
+                          dtype=torch.float32)
+    lse = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
+    _paged_decode_kernel[grid](
+        partial, lse, query, k_cache, v_cache, block_tables, seq_lens, qk_scale, split_len,
+        *query.stride(), partial.stride(0), partial.stride(1), partial.stride(2),
+        partial.stride(3), *lse.stride(), block_tables.stride(0), *k_strides, *v_strides,
+        SPLIT=True, **constants)
+    _reduce_splits_kernel[(num_seqs, num_heads)](
+        out, partial, lse, num_splits, *out.stride(), *partial.stride(), *lse.stride(),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out

@@ -1,0 +1,104 @@
+"""Attention backends: the one seam where a faster paged-attention kernel plugs into the cache.
+
+A backend is any object with three methods over one layer's pool tensors (`k_cache`, `v_cache`:
+[num_blocks, block_size, num_key_value_heads, head_dim]):
+
+* `write_kv(k_cache, v_cache, key, value, slot_mapping)`: store each new token's K/V at its slot.
+* `prefill(query, k_cache, v_cache, block_table, seq_len, query_positions, scale)`: causal
+  attention of many tokens of one sequence over its blocks.
+* `decode(query, k_cache, v_cache, block_tables, seq_lens, scale)`: one query token per sequence
+  of a batch, each over its own blocks.
+
+vLLM splits its code the same way (an attention backend per kernel family, chosen at start-up; the
+paper's section 4.1 kernel is one of them). `PagedKVCache(..., attention_backend=...)` takes a
+backend object or a name; `TorchBackend` (the plain-PyTorch teaching implementation,
+`kvlab.paged.torch_attention`) is the default. Stage 5 adds a Triton kernel as one more entry of
+`BACKENDS`.
+
+Contract every backend keeps (tests/test_poisoned_pool.py holds each backend to it): shapes and
+dtypes as documented on `TorchBackend`; slots a sequence does not own, past its seq_len or in the
+padding of its block table, never reach its output, even when they hold NaN or Inf.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Union
+
+import torch
+
+from .torch_attention import paged_decode_attention, paged_prefill_attention, write_kv
+
+__all__ = ["AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend"]
+
+
+class AttentionBackend(Protocol):
+    """What the paged cache calls for every layer of a forward pass (see the module docstring)."""
+
+    name: str
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_table: torch.Tensor, seq_len: int, query_positions: torch.Tensor,
+                scale: float) -> torch.Tensor: ...
+
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+class TorchBackend:
+    """Paged attention in plain PyTorch: gather each sequence's blocks, then attend.
+
+    Shapes (one layer):
+        write_kv: key, value [num_tokens, num_key_value_heads, head_dim], cache dtype;
+            slot_mapping [num_tokens] int64 (slot = block_id * block_size + offset).
+        prefill: query [num_tokens, num_attention_heads, head_dim]; block_table
+            [num_blocks_of_sequence] int64; seq_len int; query_positions [num_tokens] int64.
+        decode: query [num_seqs, num_attention_heads, head_dim]; block_tables
+            [num_seqs, max_blocks_per_seq] int64 (padded); seq_lens [num_seqs] int64.
+        Both return attention outputs shaped like query, in query's dtype. `scale` multiplies the
+        scores (1 / sqrt(head_dim) for Llama).
+    """
+
+    name = "torch"
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def prefill(self, query, k_cache, v_cache, block_table, seq_len, query_positions, scale):
+        return paged_prefill_attention(query, k_cache, v_cache, block_table, seq_len,
+                                       query_positions=query_positions, scale=scale)
+
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale):
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+
+    def __repr__(self) -> str:
+        return "TorchBackend()"
+
+
+# Name -> factory. A factory (not an instance) so a backend that needs an optional package (Triton)
+# imports it only when chosen.
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchBackend}
+
+BackendLike = Union[str, AttentionBackend, None]
+
+
+def resolve_backend(backend: BackendLike = None) -> AttentionBackend:
+    """The backend object for a name in `BACKENDS`, a backend object, or None (the torch default).
+
+    Raises:
+        ValueError: an unknown name, or an object missing write_kv, prefill or decode.
+    """
+    if backend is None:
+        return TorchBackend()
+    if isinstance(backend, str):
+        try:
+            return BACKENDS[backend]()
+        except KeyError:
+            raise ValueError(f"unknown attention backend {backend!r}; choose from "
+                             f"{', '.join(BACKENDS)}") from None
+    missing = [m for m in ("write_kv", "prefill", "decode") if not callable(getattr(backend, m, None))]
+    if missing:
+        raise ValueError(f"{backend!r} is not an attention backend: it has no {', '.join(missing)}")
+    return backend

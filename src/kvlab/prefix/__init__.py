@@ -1,0 +1,30 @@
+"""Stage 6: automatic prefix caching on the paged block pool.
+
+A request whose prompt starts like an earlier one (a shared system prompt, few-shot examples, the
+history of a multi-turn chat) need not compute that prefix again: its K/V is still in the pool.
+Full blocks are found by a hash chained through the parent block (vLLM v1's automatic prefix
+caching), confirmed against their token ids, shared by ref count, and evicted least recently used
+first through the stage-4 free block queue. SGLang's RadixAttention does the same with a radix
+tree of token runs.
+
+Modules, in reading order:
+
+* `block_hash`: `hash_block`, `hash_full_blocks`, `extra_keys_for` (cache_salt), SHA-256.
+* `prefix_cache`: `PrefixCache` (hash -> block, exact check), `CachingBlockPool` (LRU eviction).
+* `manager`: `PrefixCachingKVCacheManager` (`lookup`, `allocate_with_prefix`, the n - 1 cap,
+  statistics: hit rate, blocks saved, prefill tokens skipped, evictions).
+* `trace_hit_rate`: the same classes replayed on the Mooncake traces' block hashes, no tensors:
+  unbounded vs LRU hit rate against pool capacity.
+* `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
+  multi-turn chats).
+"""
+
+from .block_hash import (ROOT_HASH, extra_keys_for, hash_block, hash_full_blocks, sha256, short)
+from .manager import PrefixAllocation, PrefixCacheStats, PrefixCachingKVCacheManager
+from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
+
+__all__ = [
+    "ROOT_HASH", "sha256", "extra_keys_for", "hash_block", "hash_full_blocks", "short",
+    "CachedBlock", "PrefixCache", "CachingBlockPool", "PrefixCacheStats", "PrefixAllocation",
+    "PrefixCachingKVCacheManager",
+]

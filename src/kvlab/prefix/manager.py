@@ -1,0 +1,286 @@
+"""The KV cache manager with automatic prefix caching.
+
+`PrefixCachingKVCacheManager` is the stage-4 `KVCacheManager` plus a prefix cache. What changes:
+
+* A new sequence is admitted with its token ids, `allocate_with_prefix(seq_id, token_ids,
+  cache_salt)`. The manager looks the prompt up block by block (`lookup`), puts the hit blocks at
+  the front of the block table (shared, ref count + 1; a free one leaves the free block queue),
+  allocates blocks for the rest, and returns `num_cached_tokens`: prefill starts there, at absolute
+  positions num_cached_tokens, num_cached_tokens + 1, ... The tokens of the hit are never computed.
+* The hit is capped so that at least one prompt token is computed: its logits give the first
+  output token, and a prompt that was cached whole would otherwise have nothing to run. vLLM's v1
+  KV cache manager caps at n - 1 tokens the same way; with whole-block hits that means at most
+  (n - 1) // block_size blocks.
+* Every time a sequence's block becomes full (at admission, or later in decode through
+  `append_slots(..., token_ids=...)`) it is hashed and cached, so a later request can hit it.
+  Blocks are cached when their slots are reserved, as vLLM does: the forward pass that writes them
+  runs before any later pass can read them.
+* `free` and `preempt` work as before: blocks go back to the free block queue tail first, but keep
+  their cache entries until allocation reuses them (LRU eviction, see `prefix_cache`). A preempted
+  sequence may therefore hit its own blocks when it is admitted again.
+
+Forks (n > 1) share all blocks as in stage 4; the child inherits the parent's chain of entries, and
+copy-on-write only ever copies a partly filled block, which is never cached.
+
+The interface a scheduler needs (stage 7 uses it for its `paged+prefix` strategy):
+`blocks_to_admit` / `can_admit`, `allocate_with_prefix`, `append_slots(seq_id, n, token_ids)`,
+`fork`, `free`, `preempt`, and `prefix_stats`.
+
+Sources: vLLM v1 KV cache manager (automatic prefix caching: full-block hashes chained through the
+parent, an LRU free block queue, the n - 1 cap); SGLang RadixAttention (Zheng et al., "SGLang:
+Efficient Execution of Structured Language Model Programs", 2024) for the same idea as a radix tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Sequence
+
+from ..paged.block_table import BlockTable, cdiv
+from ..errors import NoFreeBlocksError, RequestTooLongError
+from ..paged.kv_cache_manager import KVCacheManager, SlotReservation
+from .block_hash import HashFunction, extra_keys_for, hash_block, sha256, short
+from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
+
+__all__ = ["PrefixCacheStats", "PrefixAllocation", "PrefixCachingKVCacheManager"]
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """What the prefix cache saved. Tokens and blocks, never bytes (x bytes_per_token / block_bytes).
+
+    Attributes:
+        num_lookups: prompts looked up (one per admission, re-admissions after preemption too).
+        num_query_tokens: prompt tokens of those lookups.
+        num_hit_tokens: tokens found in the cache = prefill tokens skipped.
+        num_hit_blocks: blocks found in the cache = blocks neither allocated nor computed.
+        num_evictions: cached blocks reused for other tokens.
+        num_collisions: lookups where the hash matched an entry but the exact check refused it.
+    """
+
+    num_lookups: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_hit_blocks: int = 0
+    num_evictions: int = 0
+    num_collisions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix cache hit rate: tokens hit / prompt tokens queried (0 before any lookup)."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    @property
+    def prefill_tokens_skipped(self) -> int:
+        return self.num_hit_tokens
+
+
+@dataclasses.dataclass
+class PrefixAllocation:
+    """What `allocate_with_prefix` did.
+
+    Attributes:
+        num_cached_tokens: prompt tokens whose K/V came from the cache (a multiple of block_size);
+            prefill runs positions num_cached_tokens .. len(token_ids) - 1.
+        slots: the slots of those positions, in order.
+        hit_block_ids: the cached blocks now at the front of the block table.
+    """
+
+    num_cached_tokens: int
+    slots: list[int]
+    hit_block_ids: list[int]
+
+
+class PrefixCachingKVCacheManager(KVCacheManager):
+    """Block tables over a pool whose full blocks are cached by prefix.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        hash_fn: bytes -> bytes block hash function (default SHA-256).
+        verify: confirm every hit against the stored tokens (default); False trusts the hash
+            alone, as vLLM does (only to show what a collision does).
+
+    Raises:
+        ValueError: num_blocks or block_size < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFunction = sha256,
+                 verify: bool = True):
+        super().__init__(num_blocks, block_size)
+        self.prefix_cache = PrefixCache(verify=verify)
+        self.pool = CachingBlockPool(num_blocks, self.prefix_cache)
+        self.hash_fn = hash_fn
+        # Per sequence admitted with token ids: its tokens, extra keys and cached-block chain.
+        self._tokens: dict[Hashable, list[int]] = {}
+        self._extra_keys: dict[Hashable, tuple] = {}
+        self._chains: dict[Hashable, list[CachedBlock]] = {}
+        self._stats = PrefixCacheStats()
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[CachedBlock]:
+        """The longest run of cached full blocks that starts the prompt, capped at n - 1 tokens.
+
+        Changes nothing (no ref counts, no LRU order, no statistics).
+
+        Returns:
+            the entries of blocks 0, 1, ..., k - 1, k <= (len(token_ids) - 1) // block_size.
+        """
+        return self._lookup(token_ids, extra_keys_for(cache_salt), count_collisions=False)
+
+    def _lookup(self, token_ids: Sequence[int], extra_keys: tuple,
+                count_collisions: bool) -> list[CachedBlock]:
+        size = self.block_size
+        max_blocks = (len(token_ids) - 1) // size  # at least one prompt token is computed
+        hits: list[CachedBlock] = []
+        parent: CachedBlock | None = None
+        for index in range(max_blocks):
+            tokens = tuple(int(t) for t in token_ids[index * size:(index + 1) * size])
+            block_hash = hash_block(parent.block_hash if parent else None, tokens, extra_keys,
+                                    self.hash_fn)
+            entry = self.prefix_cache.find(block_hash, tokens, extra_keys, parent)
+            if entry is None:
+                if count_collisions and self.prefix_cache.knows_hash(block_hash):
+                    self._stats.num_collisions += 1
+                break
+            hits.append(entry)
+            parent = entry
+        return hits
+
+    def blocks_to_admit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Free blocks `allocate_with_prefix` would take now: new blocks + hit blocks now free."""
+        hits = [entry.block_id for entry in self.lookup(token_ids, cache_salt)]
+        new_blocks = cdiv(len(token_ids), self.block_size) - len(hits)
+        return new_blocks + self.pool.num_free_to_touch(hits)
+
+    def can_admit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+        return self.blocks_to_admit(token_ids, cache_salt) <= self.pool.num_free_blocks
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def allocate_with_prefix(self, seq_id: Hashable, token_ids: Sequence[int],
+                             cache_salt: str | None = None) -> PrefixAllocation:
+        """Admit a sequence: share its cached prefix blocks, allocate the rest, cache full blocks.
+
+        Raises:
+            ValueError: seq_id already has a block table, or token_ids is empty.
+            TypeError: cache_salt is not a str.
+            RequestTooLongError: more tokens than the whole pool holds.
+            NoFreeBlocksError: not enough free blocks now (nothing changed, not even statistics).
+        """
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        if len(token_ids) < 1:
+            raise ValueError("a sequence starts with at least one token, got 0")
+        size, pool = self.block_size, self.pool
+        if cdiv(len(token_ids), size) > pool.num_blocks:
+            raise RequestTooLongError(
+                f"sequence {seq_id!r} would hold {len(token_ids)} tokens = "
+                f"{cdiv(len(token_ids), size)} blocks of {size}, more than the whole pool of "
+                f"{pool.num_blocks} blocks ({pool.num_blocks * size} tokens)")
+        extra_keys = extra_keys_for(cache_salt)
+        hits = self._lookup(token_ids, extra_keys, count_collisions=True)
+        hit_ids = [entry.block_id for entry in hits]
+        table = BlockTable(size, list(hit_ids), num_tokens=len(hits) * size)
+        new_blocks = table.num_blocks_after(len(token_ids) - table.num_tokens)
+        needed = new_blocks + pool.num_free_to_touch(hit_ids)  # a free hit leaves the queue too
+        if needed > pool.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"sequence {seq_id!r} needs {needed} free blocks ({new_blocks} new + "
+                f"{needed - new_blocks} cached ones that are free), {pool.num_free_blocks} of "
+                f"{pool.num_blocks} are free")
+        # Touch the hits first: taken out of the free queue, allocation below cannot evict them.
+        pool.touch(hit_ids)
+        table.block_ids += pool.allocate(new_blocks)
+        self.tables[seq_id] = table
+        num_cached = table.num_tokens
+        slots = self._reserve(table, len(token_ids) - num_cached)
+        self._tokens[seq_id] = [int(t) for t in token_ids]
+        self._extra_keys[seq_id] = extra_keys
+        self._chains[seq_id] = list(hits)
+        self._cache_full_blocks(seq_id)
+
+        stats = self._stats
+        stats.num_lookups += 1
+        stats.num_query_tokens += len(token_ids)
+        stats.num_hit_tokens += num_cached
+        stats.num_hit_blocks += len(hits)
+        return PrefixAllocation(num_cached, slots, hit_ids)
+
+    def _cache_full_blocks(self, seq_id: Hashable) -> None:
+        """Give every full block of the sequence not yet in its chain a hash and a cache entry."""
+        table, tokens = self.tables[seq_id], self._tokens[seq_id]
+        chain, extra_keys = self._chains[seq_id], self._extra_keys[seq_id]
+        size = self.block_size
+        while len(chain) < table.num_tokens // size:
+            index = len(chain)
+            parent = chain[-1] if chain else None
+            block_tokens = tuple(tokens[index * size:(index + 1) * size])
+            block_hash = hash_block(parent.block_hash if parent else None, block_tokens,
+                                    extra_keys, self.hash_fn)
+            block_id = table.block_ids[index]
+            # A full block is never written again, so an existing entry of it is still right.
+            entry = self.prefix_cache.entry(block_id) or self.prefix_cache.insert(
+                block_id, block_hash, block_tokens, extra_keys, parent)
+            chain.append(entry)
+
+    # ---- the stage-4 operations, keeping the token ids --------------------------------------
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1,
+                     token_ids: Sequence[int] | None = None) -> SlotReservation:
+        """Reserve slots for new tokens; blocks they fill are cached.
+
+        Args:
+            token_ids: the new tokens (required for a sequence admitted by allocate_with_prefix,
+                len == num_new_tokens; ignored for one admitted by plain `allocate`).
+
+        Raises:
+            ValueError: token_ids missing or of the wrong length (checked first; nothing changes).
+            KeyError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.append_slots`.
+        """
+        tracked = seq_id in self._tokens
+        if tracked and (token_ids is None or len(token_ids) != num_new_tokens):
+            got = "none" if token_ids is None else len(token_ids)
+            raise ValueError(f"sequence {seq_id!r} is prefix-cached: append_slots needs the "
+                             f"{num_new_tokens} new token ids, got {got}")
+        reservation = super().append_slots(seq_id, num_new_tokens)
+        if tracked:
+            self._tokens[seq_id].extend(int(t) for t in token_ids)
+            self._cache_full_blocks(seq_id)
+        return reservation
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """As `KVCacheManager.fork`; the child inherits the parent's tokens and cached chain."""
+        super().fork(parent_id, child_id)
+        if parent_id in self._tokens:
+            self._tokens[child_id] = list(self._tokens[parent_id])
+            self._extra_keys[child_id] = self._extra_keys[parent_id]
+            self._chains[child_id] = list(self._chains[parent_id])
+
+    def free(self, seq_id: Hashable) -> None:
+        """As `KVCacheManager.free` (tail first); the blocks stay cached until reused."""
+        super().free(seq_id)
+        for per_sequence in (self._tokens, self._extra_keys, self._chains):
+            per_sequence.pop(seq_id, None)
+
+    # ---- inspection --------------------------------------------------------------------------
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """A snapshot of the hit, saving and eviction counts since start-up."""
+        self._stats.num_evictions = self.pool.num_evictions
+        return dataclasses.replace(self._stats)
+
+    def block_counts(self) -> dict[str, int]:
+        """{'free', 'cached', 'in_use'}: always adds up to the pool (see `CachingBlockPool`)."""
+        return self.pool.block_counts()
+
+    def format_block_tables(self) -> str:
+        """Stage 4's picture plus the cache: each free cached block with its hash, LRU first."""
+        lines = [super().format_block_tables()]
+        cached = [block for block in self.pool.free_queue if block.block_id in self.prefix_cache]
+        lines.append("cached and free (evicted first -> last): " + (" ".join(
+            f"{b.block_id}:{short(self.prefix_cache.entry(b.block_id).block_hash)}"
+            for b in cached) or "none"))
+        return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""The prefix cache: block hash -> cached block, checked exactly, with LRU eviction for free.
+
+Two pieces, both without tensors:
+
+* `PrefixCache`, the map from block hash to the blocks that hold that prefix. A block is *cached*
+  while it has an entry here: its K/V is final (a full block) and a later request with the same
+  prefix may use it instead of computing it again.
+* `CachingBlockPool`, the stage-4 `BlockPool` taught to keep cached blocks. A freed block goes to
+  the free block queue as before, but keeps its entry: it is free (any allocation may take it) and
+  cached (a hit may take it back) at once. Allocation takes the head of the queue; if that block is
+  cached, its entry is dropped at that moment (an *eviction*), so a block recycled for other tokens
+  can never be found under its old hash.
+
+The free block queue is therefore the LRU list, and nothing else is needed (vLLM v1's
+`BlockPool` + `FreeKVCacheBlockQueue` work the same way): blocks are appended when their last
+holder lets go, a hit takes a block out of the middle (O(1), see `FreeBlockQueue.remove`), and the
+head is the least recently used. A finished sequence releases its blocks tail first
+(`KVCacheManager.free`), so its tail, the part least likely shared, is evicted before its prefix,
+and a cached block's parent is never evicted before the block itself.
+
+Going one step beyond vLLM, which trusts the hash: a hit is *confirmed*. A candidate block counts
+only if its stored token ids and extra keys equal the request's, and its parent entry is the very
+entry the lookup matched one block earlier. By induction every token of the prefix is checked,
+so even a colliding hash function can only cost a miss, never hand out another prompt's K/V. The
+parent is compared by entry identity, not block id: a recycled parent block gets a new entry, so
+children cached under its old contents no longer match.
+(SGLang's RadixAttention gets the same exactness differently: its radix tree is keyed by the token
+ids themselves, so there is no hash to collide.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Iterable
+
+from ..paged.block_pool import BlockPool
+from ..errors import NoFreeBlocksError
+
+__all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
+
+
+@dataclasses.dataclass(eq=False)
+class CachedBlock:
+    """The cache entry of one full block. Compared by identity (eq=False), never by value.
+
+    Attributes:
+        block_id: the physical block holding the K/V.
+        block_hash: its chained hash (bytes for SHA-256; any hashable in a trace simulation).
+        token_ids: the block's block_size token ids, kept for the exact check.
+        extra_keys: e.g. ('salt', cache_salt).
+        parent: the entry of the previous block of the prefix; None for block 0.
+    """
+
+    block_id: int
+    block_hash: Hashable
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[Hashable, ...]
+    parent: "CachedBlock | None"
+
+    def __repr__(self) -> str:  # the parent chain is not printed: it can be long
+        return f"CachedBlock(block_id={self.block_id}, tokens={list(self.token_ids)})"
+
+
+class PrefixCache:
+    """Block hash -> {block_id: entry}, and block_id -> entry.
+
+    One hash may map to several blocks: two sequences may have computed the same block
+    independently, or (with a weak hash) different prefixes may share a hash.
+
+    Args:
+        verify: True (default) confirms every hit against token ids, extra keys and the parent
+            entry. False trusts the hash alone, as vLLM does; only for showing what a collision does.
+
+    """
+
+    def __init__(self, verify: bool = True):
+        self.verify = verify
+        self._by_hash: dict[Hashable, dict[int, CachedBlock]] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+
+    def __len__(self) -> int:
+        """Blocks that are cached (free or in use)."""
+        return len(self._by_block)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._by_block
+
+    def entry(self, block_id: int) -> CachedBlock | None:
+        """The entry of a block, or None if it is not cached."""
+        return self._by_block.get(block_id)
+
+    def entries(self) -> Iterable[CachedBlock]:
+        return self._by_block.values()
+
+    def knows_hash(self, block_hash: Hashable) -> bool:
+        """Some cached block has this hash (it may still fail the exact check)."""
+        return block_hash in self._by_hash
+
+    def find(self, block_hash: Hashable, token_ids: tuple[int, ...],
+             extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock | None:
+        """The cached block holding this prefix block, or None (a miss). Changes nothing.
+
+        Args:
+            block_hash: the block's chained hash.
+            token_ids, extra_keys: what the candidate must hold.
+            parent: the entry this lookup matched for the previous block (None for block 0).
+        """
+        for candidate in self._by_hash.get(block_hash, {}).values():
+            if not self.verify:
+                return candidate  # vLLM's rule: the hash alone decides
+            if (candidate.parent is parent and candidate.token_ids == token_ids
+                    and candidate.extra_keys == extra_keys):
+                return candidate
+        return None
+
+    def insert(self, block_id: int, block_hash: Hashable, token_ids: tuple[int, ...],
+               extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock:
+        """Cache a full block whose K/V holds exactly this prefix; returns its entry.
+
+        Raises:
+            ValueError: the block is already cached (drop its entry first).
+        """
+        if block_id in self._by_block:
+            raise ValueError(f"block {block_id} is already cached")
+        entry = CachedBlock(block_id, block_hash, tuple(token_ids), tuple(extra_keys), parent)
+        self._by_hash.setdefault(block_hash, {})[block_id] = entry
+        self._by_block[block_id] = entry
+        return entry
+
+    def drop(self, block_id: int) -> bool:
+        """Forget a block's entry (it is about to hold other tokens). Returns whether it had one."""
+        entry = self._by_block.pop(block_id, None)
+        if entry is None:
+            return False
+        same_hash = self._by_hash[entry.block_hash]
+        del same_hash[block_id]
+        if not same_hash:
+            del self._by_hash[entry.block_hash]
+        return True
+
+
+class CachingBlockPool(BlockPool):
+    """A `BlockPool` whose free block queue doubles as the LRU list of cached blocks.
+
+    Args:
+        num_blocks: blocks in the pool.
+        cache: the `PrefixCache` whose entries name blocks of this pool.
+
+    Attributes:
+        num_evictions: cached blocks whose entry was dropped because allocation reused them.
+    """
+
+    def __init__(self, num_blocks: int, cache: PrefixCache):
+        super().__init__(num_blocks)
+        self.cache = cache
+        self.num_evictions = 0
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks from the head of the free queue (least recently used first).
+
+        A taken block that is still cached loses its entry here, before anyone can write to it.
+
+        Raises:
+            NoFreeBlocksError: fewer than `count` free blocks (checked first; nothing changes).
+        """
+        if count > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {count} blocks, only {self.num_free_blocks} of "
+                                    f"{self.num_blocks} are free")
+        taken = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            if self.cache.drop(block.block_id):
+                self.num_evictions += 1
+            block.ref_count = 1
+            taken.append(block.block_id)
+        return taken
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """A cache hit takes these blocks: ref count + 1; a free one leaves the free queue.
+
+        Raises:
+            ValueError: a block that is not cached (only cached blocks can be hit).
+        """
+        for block_id in block_ids:
+            if block_id not in self.cache:
+                raise ValueError(f"block {block_id} is not cached; only a cached block can be hit")
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def num_free_to_touch(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks are free now, i.e. leave the free queue when hit."""
+        return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (evictable, and hittable)."""
+        return sum(1 for entry in self.cache.entries() if self.blocks[entry.block_id].ref_count == 0)
+
+    def block_counts(self) -> dict[str, int]:
+        """{'free': free and not cached, 'cached': free and cached, 'in_use': held}; they add up to
+        num_blocks (a held block may also be cached: it counts as in use)."""
+        cached = self.num_cached_free_blocks
+        return {"free": self.num_free_blocks - cached, "cached": cached,
+                "in_use": self.num_used_blocks}

@@ -1,0 +1,166 @@
+"""Prefix cache hit rate on a real trace, against the pool's capacity, without a single tensor.
+
+A Mooncake trace gives every prompt as a list of block keys that already identify the whole prefix
+(see `kvlab.traces.mooncake`). That is all a prefix cache looks at, so the very classes of the
+engine, `PrefixCache` and `CachingBlockPool`, can replay a trace of 12,000 requests in seconds:
+the key stands in for the block hash, and the key itself for the block's token ids in the exact
+check.
+
+Two figures per trace:
+
+* `unbounded_hit_rate`: a cache that never evicts. A prompt hits its longest run of leading blocks
+  seen before (capped at n - 1 tokens, as the engine caps it); every full block it brings is
+  remembered. No real cache can beat this ceiling.
+* `lru_hit_rate`: the pool holds `capacity_blocks` blocks and evicts least recently used first,
+  tail blocks before prefix blocks, exactly as `PrefixCachingKVCacheManager` does.
+
+What this replay assumes, and stage 7 does not: requests are served one at a time in arrival order,
+and a request holds its blocks only during its own prefill, so the whole pool is available as
+cache. A busy server holds the blocks of its running requests, so its cache is smaller and its hit
+rate lower; this is the best a pool of that size can do on this traffic. Output tokens are never
+hit (the trace has no hashes for them), so they are left out.
+
+`pool_blocks_for` turns a model shape and a card into a capacity, with stage 4's start-up
+arithmetic (`num_blocks_for_budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from ..config import load_config
+from ..paged.budget import num_blocks_for_budget
+from ..sizing import GPU_MEMORY_GIB, kv_bytes_per_token, weights_bytes
+from ..traces.mooncake import TRACE_BLOCK_SIZE, MooncakeRequest
+from .prefix_cache import CachingBlockPool, PrefixCache
+
+__all__ = ["TraceHitRate", "unbounded_hit_rate", "lru_hit_rate", "hit_rate_curve",
+           "pool_blocks_for"]
+
+
+@dataclasses.dataclass
+class TraceHitRate:
+    """The outcome of one replay.
+
+    Attributes:
+        capacity_blocks: pool size in blocks (None: unbounded).
+        block_size: tokens per block.
+        num_requests: requests replayed.
+        num_too_big: requests needing more blocks than the whole pool (skipped, not counted below).
+        num_query_tokens: prompt tokens looked up.
+        num_hit_tokens: prompt tokens found in the cache = prefill tokens saved.
+        num_evictions: cached blocks reused for other tokens.
+    """
+
+    capacity_blocks: int | None
+    block_size: int
+    num_requests: int = 0
+    num_too_big: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix cache hit rate: tokens hit / prompt tokens queried."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        return None if self.capacity_blocks is None else self.capacity_blocks * self.block_size
+
+
+def unbounded_hit_rate(requests: Iterable[MooncakeRequest],
+                       block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
+    """The ceiling: hit rate of a cache that keeps every full block forever.
+
+    Raises:
+        ValueError: block_size does not divide 512.
+    """
+    result = TraceHitRate(None, block_size)
+    seen: set[int] = set()
+    for request in requests:
+        keys = request.block_keys(block_size)
+        hits = 0
+        for key in keys[:(request.input_length - 1) // block_size]:  # the n - 1 cap
+            if key not in seen:
+                break
+            hits += 1
+        seen.update(keys[:request.input_length // block_size])  # full blocks only
+        result.num_requests += 1
+        result.num_query_tokens += request.input_length
+        result.num_hit_tokens += hits * block_size
+    return result
+
+
+def lru_hit_rate(requests: Iterable[MooncakeRequest], capacity_blocks: int,
+                 block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
+    """Hit rate of the prefix cache on a pool of `capacity_blocks` blocks, LRU eviction.
+
+    Each request: look up its leading blocks (exact check, n - 1 cap), take the hits, allocate the
+    rest (evicting from the head of the free queue), cache its full blocks, release them tail first.
+
+    Raises:
+        ValueError: capacity_blocks < 1, or block_size does not divide 512.
+    """
+    cache = PrefixCache()
+    pool = CachingBlockPool(capacity_blocks, cache)
+    result = TraceHitRate(capacity_blocks, block_size)
+    for request in requests:
+        keys = request.block_keys(block_size)
+        if len(keys) > capacity_blocks:
+            result.num_too_big += 1
+            continue
+        chain = []
+        parent = None
+        for key in keys[:(request.input_length - 1) // block_size]:
+            parent = cache.find(key, (key,), (), parent)
+            if parent is None:
+                break
+            chain.append(parent)
+        block_ids = [entry.block_id for entry in chain]
+        pool.touch(block_ids)
+        block_ids += pool.allocate(len(keys) - len(chain))
+        parent = chain[-1] if chain else None
+        for index in range(len(chain), request.input_length // block_size):
+            parent = cache.insert(block_ids[index], keys[index], (keys[index],), (), parent)
+        pool.release(reversed(block_ids))  # tail first, as KVCacheManager.free does
+        result.num_requests += 1
+        result.num_query_tokens += request.input_length
+        result.num_hit_tokens += len(chain) * block_size
+    result.num_evictions = pool.num_evictions
+    return result
+
+
+def hit_rate_curve(requests: Sequence[MooncakeRequest], capacities_blocks: Iterable[int],
+                   block_size: int = TRACE_BLOCK_SIZE) -> list[TraceHitRate]:
+    """`lru_hit_rate` at each capacity (the same requests each time)."""
+    return [lru_hit_rate(requests, capacity, block_size) for capacity in capacities_blocks]
+
+
+def pool_blocks_for(model: str, gpu: str, num_gpus: int = 1, block_size: int = TRACE_BLOCK_SIZE,
+                    dtype: str = "bf16", gpu_memory_utilization: float = 0.9) -> int:
+    """Blocks of `block_size` tokens a server of this model on these cards can pool.
+
+    Tensor parallel over num_gpus cards: each card holds 1/num_gpus of the weights and of every
+    token's K/V, so the pool, in tokens, is what one card's share allows:
+
+        blocks = (utilization x card bytes - weights per card) // (block_size x KV bytes per token
+                 per card)
+
+    Activations and the CUDA context are ignored (vLLM measures them with a profiling run), so
+    this is slightly generous. Example: Llama-3.1-8B, bf16, one H100-80GB, 0.9: 912 blocks of 512.
+
+    Raises:
+        SizingError / ConfigError: unknown model, card or impossible tensor parallelism.
+        KVCacheOutOfMemory: the weights leave no room for one block.
+    """
+    from ..sizing import SizingError
+
+    if gpu not in GPU_MEMORY_GIB:
+        raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)}")
+    config = load_config(model)
+    budget = int(GPU_MEMORY_GIB[gpu] * 2**30 * gpu_memory_utilization)
+    block_bytes = block_size * kv_bytes_per_token(config, dtype, num_gpus)
+    return num_blocks_for_budget(budget, weights_bytes(config, dtype, num_gpus), block_bytes)

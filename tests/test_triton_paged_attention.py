@@ -1,0 +1,274 @@
+"""The stage-5 Triton kernels against a float64 reference, on the CPU interpreter (small sizes).
+
+Every decode case: fresh random inputs (seeded per case), ragged lengths, a shuffled non-contiguous
+block table, sequences of length 1 and of lengths = 0 and 1 (mod block_size), a padded block table
+whose padding entries point at a block full of NaN, unowned slots at the end of last blocks and
+unowned blocks filled with NaN / Inf (the pool is "poisoned": only what a sequence owns may reach
+its output), and an output buffer filled with NaN before the launch (so every element must be
+written). Each case runs without split and with split-KV, tile 16 so the online softmax rescales
+across several tiles. Tolerances: float32 1e-5, float16 2e-3, bfloat16 2e-2 (relative to the
+largest output magnitude of the case).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
+from kvlab.kernels.split_kv import choose_num_splits, tokens_per_split
+
+pa = pytest.importorskip("kvlab.kernels.paged_attention")  # needs Triton
+from kvlab.kernels.write_kv import write_kv  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed):
+    """A poisoned token-major pool holding `seq_lens` sequences in shuffled blocks.
+
+    Returns (query, k_pool, v_pool, block_tables int32, seq_lens int32, tables as lists).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    owned_blocks = sum(-(-n // block_size) for n in seq_lens)
+    num_blocks = owned_blocks + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_pool = torch.randn(shape, generator=gen).to(dtype)
+    v_pool = torch.randn(shape, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for seq_len in seq_lens:
+        count = -(-seq_len // block_size)
+        tables.append(free[:count])
+        free = free[count:]
+        tail = seq_len % block_size  # the unused end of the last block is not this sequence's
+        if tail:
+            k_pool[tables[-1][-1], tail:] = float("nan")
+            v_pool[tables[-1][-1], tail:] = float("inf")
+    nan_block, inf_block = free
+    k_pool[nan_block], v_pool[nan_block] = float("nan"), float("nan")
+    k_pool[inf_block], v_pool[inf_block] = float("inf"), float("-inf")
+    width = max(len(t) for t in tables) + 1  # at least one padding entry for every sequence
+    padded = [t + [nan_block if i % 2 else inf_block] * (width - len(t))
+              for i, t in enumerate(tables)]
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    return (query, k_pool, v_pool, torch.tensor(padded, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32), tables)
+
+
+def reference_decode(query, k_pool, v_pool, tables, seq_lens, block_size):
+    """Float64 attention of each sequence's query over its own tokens (token-major pool)."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    outputs = []
+    for i, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        blocks = torch.tensor(tables[i])[positions // block_size]
+        keys = k_pool[blocks, positions % block_size].double()   # [T, Hkv, D]
+        values = v_pool[blocks, positions % block_size].double()
+        q = query[i].double().view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("hgd,thd->hgt", q, keys) / math.sqrt(head_dim)
+        out = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values)
+        outputs.append(out.reshape(num_heads, head_dim))
+    return torch.stack(outputs)
+
+
+def to_layout(pool, layout):
+    return pool if layout == TOKEN_MAJOR else pool.transpose(1, 2).contiguous()
+
+
+def assert_matches(out, expected, dtype, what):
+    assert not out.isnan().any(), f"{what}: output not fully written, or poison leaked in"
+    error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]}"
+
+
+# Pairwise cover: every group size (1, 2, 4, 7, 8; 8 with one KV head is MQA), every head_dim
+# (teaching sizes 8, 12, 16 and 64, 80, 96, 128, 256), each dtype and layout several times,
+# block sizes 1 to 128, lengths = 0 and 1 (mod block_size) and seq_len 1.
+CASES = [  # seq_lens, block_size, num_kv_heads, group, head_dim, dtype, layout
+    ([1, 16, 17, 33], 16, 2, 1, 64, torch.float32, TOKEN_MAJOR),
+    ([8, 9, 1, 5], 4, 2, 2, 80, torch.float16, HEAD_MAJOR),
+    ([24, 25, 2], 8, 2, 4, 96, torch.bfloat16, TOKEN_MAJOR),
+    ([3, 7, 40], 1, 1, 8, 128, torch.float32, HEAD_MAJOR),       # MQA, block_size 1
+    ([130, 1], 128, 2, 7, 256, torch.float16, TOKEN_MAJOR),
+    ([5, 6, 31, 1], 3, 2, 7, 12, torch.float32, HEAD_MAJOR),     # block_size not a power of 2
+    ([33, 32, 1], 32, 1, 8, 8, torch.bfloat16, HEAD_MAJOR),
+    ([64, 65], 64, 4, 2, 16, torch.float16, TOKEN_MAJOR),
+    ([18, 2, 1], 2, 2, 1, 128, torch.bfloat16, HEAD_MAJOR),
+    ([49, 12], 12, 1, 4, 256, torch.float32, HEAD_MAJOR),
+]
+
+
+@pytest.mark.parametrize("case_index", range(len(CASES)))
+def test_decode_matches_float64_reference_with_and_without_split(case_index):
+    seq_lens, block_size, num_kv_heads, group, head_dim, dtype, layout = CASES[case_index]
+    query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
+        seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed=100 + case_index)
+    expected = reference_decode(query, k_pool, v_pool, tables, seq_lens, block_size)
+    k_cache, v_cache = to_layout(k_pool, layout), to_layout(v_pool, layout)
+    results = {}
+    for num_splits in (1, 3):
+        out = torch.full_like(query, float("nan"))
+        pa.paged_attention_decode(query, k_cache, v_cache, block_tables, lens, layout=layout,
+                                  num_splits=num_splits, out=out, tile=16)
+        assert_matches(out, expected, dtype, f"{num_splits} split(s)")
+        results[num_splits] = out.double()
+    torch.testing.assert_close(results[1], results[3], rtol=0,
+                               atol=2 * TOLERANCE[dtype] * expected.abs().max().item())
+
+
+def test_default_tile_and_splits_match_reference():
+    query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
+        [70, 3], 16, 2, 4, 64, torch.float32, seed=7)
+    out = pa.paged_attention_decode(query, k_pool, v_pool, block_tables, lens.long())
+    expected = reference_decode(query, k_pool, v_pool, tables, [70, 3], 16)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert_matches(out, expected, torch.float32, "defaults")
+
+
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_block_full_of_nan_never_reaches_the_output(layout):
+    # The correctness issue's small case: 6 blocks x 4 tokens, 4 query / 2 KV heads, head_dim 8;
+    # block 0 is full of NaN, then 2 tokens are written into slots 0-1 (block 0, offsets 0-1).
+    pool_shape = (6, 4, 2, 8) if layout == TOKEN_MAJOR else (6, 2, 4, 8)
+    k_cache = torch.full(pool_shape, float("nan"))
+    v_cache = torch.full(pool_shape, float("nan"))
+    gen = torch.Generator().manual_seed(11)
+    key, value = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    write_kv(k_cache, v_cache, key, value, torch.tensor([0, 1]), layout=layout)
+    query = torch.randn(1, 4, 8, generator=gen)
+    out = pa.paged_attention_decode(query, k_cache, v_cache, torch.tensor([[0]]),
+                                    torch.tensor([2]), layout=layout)
+    q = query[0].double().view(2, 2, 8)
+    scores = torch.einsum("hgd,thd->hgt", q, key.double()) / math.sqrt(8)
+    expected = torch.einsum("hgt,thd->hgd", scores.softmax(-1), value.double()).reshape(1, 4, 8)
+    assert torch.isfinite(out).all()
+    assert_matches(out, expected, torch.float32, "NaN block 0")
+
+
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_write_kv_stores_at_slots_and_skips_minus_one(layout):
+    gen = torch.Generator().manual_seed(12)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 3, 3, 12
+    token_major = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = to_layout(token_major, layout), to_layout(-token_major, layout)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    key = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    slots = torch.tensor([7, -1, 0, 14], dtype=torch.int32)
+    write_kv(k_cache, v_cache, key, value, slots, layout=layout)
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        for cache, new in ((expected_k, key), (expected_v, value)):
+            if layout == TOKEN_MAJOR:
+                cache[block, offset] = new[token]
+            else:
+                cache[block, :, offset] = new[token]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_bad_inputs_raise_clear_errors(monkeypatch):
+    query, k_pool, v_pool, block_tables, lens, _ = scatter_case(
+        [5, 2], 4, 2, 2, 8, torch.float32, seed=13)
+    decode = pa.paged_attention_decode
+    assert block_tables.shape[1] == 3  # 2 blocks + 1 padding entry: room for 12 tokens
+    with pytest.raises(ValueError, match="seq_lens must be in 1..12"):
+        decode(query, k_pool, v_pool, block_tables, torch.tensor([13, 2]))
+    with pytest.raises(ValueError, match="seq_lens must be in 1..12"):
+        decode(query, k_pool, v_pool, block_tables, torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="block ids must be in 0..4"):
+        decode(query, k_pool, v_pool, block_tables + 10, lens)
+    with pytest.raises(ValueError, match="cannot be grouped"):
+        decode(query[:, :3], k_pool, v_pool, block_tables, lens)
+    with pytest.raises(ValueError, match="unknown pool layout"):
+        decode(query, k_pool, v_pool, block_tables, lens, layout="row-major")
+    with pytest.raises(ValueError, match="dtypes differ"):
+        decode(query.half(), k_pool, v_pool, block_tables, lens)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        decode(query, k_pool, v_pool, block_tables.float(), lens)
+    with pytest.raises(ValueError, match="slots must be -1"):
+        write_kv(k_pool, v_pool, query[:, :2], query[:, :2], torch.tensor([3, 40]))
+    monkeypatch.setattr(pa, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="need a CUDA GPU, or TRITON_INTERPRET=1"):
+        decode(query, k_pool, v_pool, block_tables, lens)
+
+
+def test_split_heuristic_fills_the_card_only_when_needed():
+    # 1 sequence x 8 KV heads on 132 SMs: 8 programs, so cut 32K tokens into ceil(132/8) = 17.
+    assert choose_num_splits(1, 8, 32768, 132) == 17
+    assert choose_num_splits(64, 8, 4096, 132) == 1         # 512 programs fill the card already
+    assert choose_num_splits(1, 8, 600, 132) == 2            # too short for more than 2 splits
+    assert choose_num_splits(1, 1, 10**6, 132) == 64         # capped
+    assert tokens_per_split(100, 3, 16) == 48                # ceil(100/3) = 34 -> 3 tiles of 16
+    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+        choose_num_splits(1, 8, 100, 0)
+
+
+def test_importing_kvlab_kernels_does_not_import_triton():
+    code = ("import sys, kvlab.kernels, kvlab.kernels.pool_layout, kvlab.kernels.split_kv, "
+            "kvlab.kernels.validate; assert 'triton' not in sys.modules, 'triton imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_cuda_llama_8b_shape_matches_reference(dtype, layout):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("bfloat16 needs compute capability 8.0")
+    seq_lens = [1, 17, 512, 2049, 4096]
+    query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
+        seq_lens, 16, 8, 4, 128, dtype, seed=21)
+    expected = reference_decode(query, k_pool, v_pool, tables, seq_lens, 16)
+    k_cache, v_cache = to_layout(k_pool, layout).cuda(), to_layout(v_pool, layout).cuda()
+    for num_splits in (None, 1, 8):
+        out = pa.paged_attention_decode(query.cuda(), k_cache, v_cache, block_tables.cuda(),
+                                        lens.cuda(), layout=layout, num_splits=num_splits)
+        assert_matches(out.cpu(), expected, dtype, f"cuda, splits {num_splits}")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_below_sm80_is_refused():
+    if torch.cuda.get_device_capability()[0] >= 8:
+        pytest.skip("this card supports bfloat16")
+    query, k_pool, v_pool, block_tables, lens, _ = scatter_case(
+        [5], 4, 2, 2, 64, torch.bfloat16, seed=22)
+    with pytest.raises(ValueError, match="compute capability >= 8.0"):
+        pa.paged_attention_decode(query.cuda(), k_pool.cuda(), v_pool.cuda(),
+                                  block_tables.cuda(), lens.cuda())
+
+
+# ---- the layout picture: which addresses one program reads (pure Python, no Triton needed) ----
+
+def test_token_major_reads_one_run_per_token_head_major_one_per_block():
+    from kvlab.kernels.pool_layout import program_addresses, run_stats
+
+    # 2 KV heads, head_dim 4, blocks of 4 tokens; a sequence of 6 tokens in blocks 3 and 1.
+    table, seq_len = [3, 1], 6
+    token = run_stats(TOKEN_MAJOR, table, seq_len, 1, 4, 2, 4, element_bytes=2)
+    head = run_stats(HEAD_MAJOR, table, seq_len, 1, 4, 2, 4, element_bytes=2)
+    assert (token.num_runs, token.bytes_read, token.max_run_bytes) == (6, 48, 8)
+    assert (head.num_runs, head.bytes_read, head.max_run_bytes, head.min_run_bytes) == (2, 48, 32, 16)
+    # Token-major: head 1 of token 0 (block 3, slot 0) starts at 3*32 + 0*8 + 1*4 = 100.
+    assert program_addresses(TOKEN_MAJOR, table, seq_len, 1, 4, 2, 4)[:5] == [100, 101, 102, 103, 108]
+    # Head-major: head 1 of block 3 starts at 3*32 + 1*16 = 112, 4 tokens x 4 dims in one run.
+    assert program_addresses(HEAD_MAJOR, table, seq_len, 1, 4, 2, 4)[:17] == list(range(112, 128)) + [48]
+
+
+def test_layout_picture_draws_both_layouts():
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlab.kernels.pool_layout import plot_program_reads
+
+    ax = plot_program_reads([2, 0], 5, 0, 4, 2, 4)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["token-major\n5 runs",
+                                                            "head-major\n2 runs"]

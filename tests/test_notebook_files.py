@@ -35,7 +35,7 @@ def test_no_stored_widget_state(path):
     notebook = json.loads(path.read_text(encoding="utf-8"))
     assert "widgets" not in notebook["metadata"], (
         f"{path.name} stores widget state (a dead copy of its widgets); run "
-        "scripts/tidy_notebooks.py or execute with --ExecutePreprocessor.store_widget_state=False")
+        "scripts/tidy_notebooks.py after executing it")
     widget_cells = [index for index, cell in enumerate(notebook["cells"])
                     for output in cell.get("outputs", [])
                     if "application/vnd.jupyter.widget-view+json" in output.get("data", {})]

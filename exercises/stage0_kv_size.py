@@ -1,6 +1,5 @@
 # Stage 0 exercise, generated from solutions/stage0_kv_size.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 0`.
-# hash of the generated text: c283431fe2ebff70
 
 """Stage 0 exercise: size the KV cache, and see it outgrow the model.
 

@@ -1,6 +1,5 @@
 # Stage 1 exercise, generated from solutions/stage1_tiny_llama.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 1`.
-# hash of the generated text: 9aef5749a1174f72
 
 """Stage 1 exercise: the pieces of a Llama decoder layer, written as plain functions.
 

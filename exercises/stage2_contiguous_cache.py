@@ -1,6 +1,5 @@
 # Stage 2 exercise, generated from solutions/stage2_contiguous_cache.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 2`.
-# hash of the generated text: 4e3c50d6b94943b6
 
 """Stage 2 exercise: the naive contiguous KV cache, and what it wastes.
 

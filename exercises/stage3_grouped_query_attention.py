@@ -1,6 +1,5 @@
 # Stage 3 exercise, generated from solutions/stage3_grouped_query_attention.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 3`.
-# hash of the generated text: 2dbb64ff07921060
 
 """Stage 3 exercise: grouped-query attention (GQA), and what it saves in the KV cache.
 

@@ -1,6 +1,5 @@
 # Stage 4 exercise, generated from solutions/stage4_paged_allocator.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 4`.
-# hash of the generated text: 76c038039c6d703c
 
 """Stage 4 exercise: a paged KV cache allocator, the memory manager of vLLM's PagedAttention.
 

@@ -37,7 +37,7 @@ import torch
 from .bench_report import format_markdown, plot_roofline, stage4_waste
 from .pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
 
-__all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "main"]
+__all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "results_dir", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,17 +232,31 @@ def layout_study(cfg: BenchConfig, dtype, device, copy_gbs: float) -> list[dict]
     return rows
 
 
+def card_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's ("cpu" where the platform does not say)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return name or "cpu"
+
+
+def results_dir(device: torch.device) -> Path:
+    """results/<card>, relative to the working folder: where a run's files are committed."""
+    return Path("results") / "".join(c if c.isalnum() else "-" for c in card_name(device)).strip("-")
+
+
 def environment(device: torch.device, dtype: torch.dtype, toy: bool) -> dict:
     import triton
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    return dict(card=card or "cpu", device=str(device), dtype=str(dtype).replace("torch.", ""),
+    return dict(card=card_name(device), device=str(device), dtype=str(dtype).replace("torch.", ""),
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 mode="toy (CPU interpreter: timings measure the interpreter)" if toy else "full")
 
 
-def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False) -> dict:
-    """Run everything; returns the results as a JSON-ready dict."""
+def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False,
+                  progress=None) -> dict:
+    """Run everything; returns the results as a JSON-ready dict.
+
+    progress, if given, is called with the results so far after every point (so a run that is
+    stopped early still leaves its figures behind)."""
     dtype = torch.float32 if toy else torch.bfloat16
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         dtype = torch.float16
@@ -256,6 +270,8 @@ def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False) -> 
                 if batch * context <= cfg.max_tokens:
                     rows.append(bench_point(cfg, batch, context, block_size, dtype, device,
                                             copy_gbs))
+                    if progress is not None:
+                        progress(dict(environment=env, copy_gb_s=copy_gbs, points=rows))
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     layouts = layout_study(cfg, dtype, device, copy_gbs)
@@ -285,10 +301,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.toy:  # must precede the first import of the kernel module (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if not args.toy else "cpu")
-    results = run_benchmark(TOY if args.toy else FULL, device, toy=args.toy)
-    card = results["environment"]["card"]
-    out = args.out or Path("results") / "".join(c if c.isalnum() else "-" for c in card).strip("-")
+    out = args.out or results_dir(device)
     out.mkdir(parents=True, exist_ok=True)
+
+    def save_partial(partial: dict) -> None:
+        row = partial["points"][-1]
+        print(f"batch {row['batch']} x {row['context']} block {row['block_size']}: "
+              f"{row['ms']:.4g} ms, {row['gb_s']:.4g} GB/s ({row['pct_of_copy']:.3g}% of copy)",
+              flush=True)
+        (out / "bench_paged_attention.partial.json").write_text(json.dumps(partial, indent=1))
+
+    results = run_benchmark(TOY if args.toy else FULL, device, toy=args.toy,
+                            progress=save_partial)
+    (out / "bench_paged_attention.partial.json").unlink(missing_ok=True)
     (out / "bench_paged_attention.json").write_text(json.dumps(results, indent=1))
     (out / "bench_paged_attention.md").write_text(format_markdown(results))
     plot_roofline(results).savefig(out / "roofline.png", dpi=120, bbox_inches="tight")

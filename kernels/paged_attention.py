@@ -43,12 +43,15 @@ import triton.language as tl
 
 from .pool_layout import TOKEN_MAJOR, pool_strides
 from .split_kv import choose_num_splits, tokens_per_split
-from .validate import check_decode_inputs
+from .validate import check_decode_inputs, check_interpreter
 
-__all__ = ["paged_attention_decode", "INTERPRETED", "MIN_DOT_ROWS"]
+__all__ = ["paged_attention_decode", "kernel_constants", "INTERPRETED", "MIN_DOT_ROWS"]
 
 # triton.jit reads TRITON_INTERPRET when a kernel is defined, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's own helpers (tl.zeros, ...) were defined when Triton was first imported; if that was
+# before TRITON_INTERPRET=1 was set, interpreted kernels cannot call them (see `validate`).
+LANGUAGE_INTERPRETED = not isinstance(tl.zeros, triton.runtime.jit.JITFunction)
 # The smallest M, N and K that tl.dot accepts on a GPU.
 MIN_DOT_ROWS = 16
 
@@ -176,11 +179,48 @@ def _reduce_splits_kernel(out_ptr, partial_ptr, lse_ptr, num_splits,
              result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _tile_for(head_dim_pad: int, max_seq_len: int) -> int:
-    """Tokens per tile: 64 (32 for head_dim 256, to bound registers), no more than the longest
-    sequence needs, never below the 16 rows tl.dot requires."""
-    largest = 64 if head_dim_pad <= 128 else 32
+def _tile_for(head_dim_pad: int, element_bytes: int, max_seq_len: int, small_smem: bool) -> int:
+    """Tokens per tile: one K tile of at most 16 KiB (8 KiB on GPUs before sm_80, whose shared
+    memory is smaller), no more than the longest sequence needs, never below the 16 rows tl.dot
+    requires. fp16, head_dim 128: 64 tokens; head_dim 256 or fp32: 32."""
+    budget = (8 if small_smem else 16) * 1024
+    largest = max(MIN_DOT_ROWS, budget // (head_dim_pad * element_bytes))
     return max(MIN_DOT_ROWS, min(largest, triton.next_power_of_2(max_seq_len)))
+
+
+def kernel_constants(dtype: torch.dtype, head_dim: int, group: int, block_size: int,
+                     max_seq_len: int, capability: tuple[int, int] | None = None,
+                     tile: int | None = None) -> dict:
+    """The compile-time choices of one decode launch (tile sizes, padding, precision, stages).
+
+    Args:
+        dtype: of query and pools. head_dim, group (query heads per KV head), block_size: sizes.
+        max_seq_len: the longest sequence of the batch (bounds the tile).
+        capability: the GPU's compute capability, None on CPU (the interpreter).
+        tile: force the tokens per tile (a power of two >= 16).
+
+    Returns:
+        The constexpr keyword arguments of `_paged_decode_kernel` except SPLIT, plus num_stages
+        on GPUs before sm_80.
+
+    Raises:
+        ValueError: a tile that is not a power of two >= 16.
+    """
+    head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
+    old_gpu = capability is not None and capability[0] < 8
+    element_bytes = torch.finfo(dtype).bits // 8
+    if tile is None:
+        tile = _tile_for(head_dim_pad, element_bytes, max_seq_len, small_smem=old_gpu)
+    elif tile < MIN_DOT_ROWS or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= {MIN_DOT_ROWS}, got {tile}")
+    constants = dict(GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+                     HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+                     TILE=tile, UPCAST=INTERPRETED and dtype == torch.bfloat16,
+                     # float32 stays exact float32 on a GPU (its default would be TF32)
+                     DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+    if old_gpu:  # fewer tiles in flight: shared memory of sm_7x is 64 KiB
+        constants["num_stages"] = 2
+    return constants
 
 
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -215,6 +255,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ValueError: shapes, dtypes, devices, layout or lengths that do not fit (message has the
             numbers); bfloat16 on a GPU of compute capability below 8.0.
     """
+    check_interpreter(INTERPRETED, LANGUAGE_INTERPRETED)
     geometry = check_decode_inputs(query, k_cache, v_cache, block_tables, seq_lens, layout,
                                    interpreted=INTERPRETED, validate=validate)
     num_seqs, num_heads, head_dim = query.shape
@@ -224,12 +265,10 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.empty_like(query)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
-    group_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
-    if tile is None:
-        tile = _tile_for(head_dim_pad, max_seq_len)
-    elif tile < MIN_DOT_ROWS or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two >= {MIN_DOT_ROWS}, got {tile}")
+    capability = torch.cuda.get_device_capability(query.device) if query.is_cuda else None
+    constants = kernel_constants(query.dtype, head_dim, group, block_size, max_seq_len,
+                                 capability, tile)
+    tile, head_dim_pad = constants["TILE"], constants["HEAD_DIM_PAD"]
     if num_splits is None:
         num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
                    if query.is_cuda and not INTERPRETED else 1)
@@ -239,12 +278,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     split_len = tokens_per_split(max_seq_len, num_splits, tile)
     num_splits = -(-max_seq_len // split_len)  # rounding to tiles may leave fewer splits
 
-    upcast = INTERPRETED and query.dtype == torch.bfloat16
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else scale) * math.log2(math.e)
-    constants = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-                     HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile,
-                     UPCAST=upcast, DOT_PRECISION=precision)
     k_strides, v_strides = pool_strides(k_cache, layout), pool_strides(v_cache, layout)
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:

@@ -13,7 +13,7 @@ import torch
 
 from .pool_layout import TOKEN_MAJOR, check_layout
 
-__all__ = ["PoolGeometry", "pool_geometry", "check_device", "check_decode_inputs",
+__all__ = ["PoolGeometry", "pool_geometry", "check_device", "check_interpreter", "check_decode_inputs",
            "check_write_inputs", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,6 +57,18 @@ def check_device(tensor: torch.Tensor, interpreted: bool) -> None:
     elif not interpreted:
         raise ValueError(f"tensors are on {tensor.device}: the Triton kernels need a CUDA GPU, or "
                          "TRITON_INTERPRET=1 set before triton is first imported (CPU interpreter)")
+
+
+def check_interpreter(kernels_interpreted: bool, language_interpreted: bool) -> None:
+    """Interpreted kernels need Triton itself imported under TRITON_INTERPRET=1 too.
+
+    Raises:
+        ValueError: TRITON_INTERPRET=1 was set after Triton was first imported (torch imports it,
+            e.g. while loading a model), so Triton's helpers are compiled-mode functions.
+    """
+    if kernels_interpreted and not language_interpreted:
+        raise ValueError("TRITON_INTERPRET=1 was set after Triton was first imported (torch "
+                         "imports it, e.g. when a model is loaded): set it before importing torch")
 
 
 def _check_index_dtype(name: str, tensor: torch.Tensor) -> None:

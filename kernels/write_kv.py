@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import INTERPRETED
+from .paged_attention import INTERPRETED, LANGUAGE_INTERPRETED
 from .pool_layout import TOKEN_MAJOR, pool_strides
-from .validate import check_write_inputs
+from .validate import check_interpreter, check_write_inputs
 
 __all__ = ["write_kv"]
 
@@ -62,6 +62,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
     Raises:
         ValueError: shapes, dtypes or devices that do not fit; a slot below -1 or past the pool.
     """
+    check_interpreter(INTERPRETED, LANGUAGE_INTERPRETED)
     geometry = check_write_inputs(key, value, k_cache, v_cache, slot_mapping, layout,
                                   interpreted=INTERPRETED, validate=validate)
     if key.shape[0] == 0:

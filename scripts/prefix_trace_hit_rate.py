@@ -34,10 +34,11 @@ def main() -> None:
         for model, gpu, count in SERVERS:
             blocks = pool_blocks_for(model, gpu, count, block_size=size)
             lru = lru_hit_rate(trace.requests, blocks, size)
+            share = lru.num_hit_tokens / ceiling.num_hit_tokens
             print(f"  {model} on {count} x {gpu}: pool {blocks:,} blocks of {size} = "
-                  f"{blocks * size:,} tokens; LRU hit rate {lru.hit_rate:.1%}, prefill tokens saved "
-                  f"{lru.num_hit_tokens:,} ({lru.num_hit_tokens / ceiling.num_hit_tokens:.0%} of "
-                  f"the ceiling), {lru.num_evictions:,} evictions")
+                  f"{blocks * size:,} tokens; LRU hit rate {lru.hit_rate:.1%}, prefill tokens "
+                  f"saved {lru.num_hit_tokens:,} ({share:.0%} of the ceiling), "
+                  f"{lru.num_evictions:,} evictions")
         for blocks in (1_000, 4_000, 16_000, 64_000, 256_000):
             lru = lru_hit_rate(trace.requests, blocks, size)
             print(f"  capacity {blocks * size:>12,} tokens: LRU hit rate {lru.hit_rate:.1%}")

@@ -12,6 +12,9 @@ Fixtures (session-scoped, built once and only when a test asks for them):
 * `hf_tied_checkpoint`: the same with tie_word_embeddings=True.
 * `hf_head_dim_checkpoint`: explicit head_dim=12, unlike hidden_size / heads = 8.
 * `tiny_model`: `kvlab` model loaded from `hf_checkpoint` (eval mode; do not modify it).
+* `small_config`, `small_llama`: a kvlab decoder with no checkpoint behind it (vocab 64, hidden 32,
+  2 layers, 4 query / 2 KV heads, head_dim 8, 128 positions; random weights, seed 0; read-only),
+  for the cache, engine and sampling tests.
 
 Function-scoped: `write_config(folder, **fields)` writes a small config.json and returns its path.
 """
@@ -154,6 +157,23 @@ def tiny_model(hf_checkpoint):
     from kvlab.checkpoint import load_model
 
     return load_model(hf_checkpoint.path)
+
+
+@pytest.fixture(scope="session")
+def small_config():
+    from kvlab.config import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=128, name="tiny")
+
+
+@pytest.fixture(scope="session")
+def small_llama(small_config):
+    from kvlab.model import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(small_config).eval()
 
 
 @pytest.fixture

@@ -246,6 +246,11 @@ def test_generate_caches_agree_and_match_hf(capsys, hf_checkpoint):
     (["--prompt-ids", "1,500"], "[500]"),
     (["--prompt-ids", "1,2,3", "--max-model-len", "6"], "max_model_len=6"),
     (["--prompt", "hello"], "tokenizer.json"),
+    (["--prompt-ids", "1,2", "--max-model-len", "100000"],
+     "max_model_len=100,000 > max_position_embeddings=64"),
+    (["--prompt-ids", "1,2", "--block-size", "4"], "--block-size 4 sizes the blocks of the paged cache"),
+    (["--prompt-ids", "1,2", "--cache", "paged", "--n", "3"],
+     "--n 3 without --temperature would print 3 identical greedy completions"),
 ])
 def test_generate_bad_input_exits_2(capsys, hf_checkpoint, extra, named):
     code, out, err = run(capsys, "generate", "--model", str(hf_checkpoint.path),

@@ -9,13 +9,33 @@ import torch
 
 from kvlab.checkpoint import load_model
 from kvlab.contiguous import ContiguousKVCache
-from kvlab.memory import MemoryReport, device_name, measure, tensor_bytes
+from kvlab.memory import AccountedCache, MemoryReport, device_name, measure, tensor_bytes
+from kvlab.paged import PagedKVCache
 
 
 @dataclasses.dataclass
 class FakeCache:
+    """Exactly the attributes the protocol declares, nothing more."""
+
     reserved_bytes: int
     used_bytes: int
+    allocated_bytes: int = 0
+    num_tensors: int = 2
+    allocator_delta_bytes: int | None = None
+
+
+def test_protocol_declares_what_both_caches_provide(tiny_model):
+    declared = set(AccountedCache.__annotations__)
+    assert declared == {"reserved_bytes", "used_bytes", "allocated_bytes", "num_tensors",
+                        "allocator_delta_bytes"}
+    assert declared == {field.name for field in dataclasses.fields(FakeCache)}
+    contiguous = ContiguousKVCache(tiny_model.config, max_num_seqs=2, max_model_len=4)
+    paged = PagedKVCache(tiny_model.config, num_blocks=3, block_size=4)
+    for cache in (contiguous, paged):
+        for name in declared:
+            assert hasattr(cache, name), f"{type(cache).__name__} lacks {name}"
+    assert contiguous.allocated_bytes == contiguous.reserved_bytes
+    assert paged.allocated_bytes == paged.pool_bytes == tensor_bytes(paged.k_caches + paged.v_caches)
 
 
 def test_weights_are_the_sum_of_parameter_bytes(hf_checkpoint):

@@ -15,10 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.config import LlamaConfig
 from kvlab.contiguous import ContiguousKVCache
 from kvlab.generate import generate
-from kvlab.model import LlamaForCausalLM
 from kvlab.oracles import sdpa_attention
 from kvlab.paged import BACKENDS, PagedEngine, PagedKVCache, resolve_backend
 
@@ -104,21 +102,10 @@ def test_prefill_over_a_poisoned_pool(backend_name, dtype):
 
 # ---- whole generation: a model over a poisoned cache gives the no-cache tokens ----------------
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                     max_position_embeddings=128, name="tiny")
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG).eval()
-
-
 @pytest.mark.parametrize("backend_name", sorted(BACKENDS))
-def test_paged_engine_over_a_poisoned_pool_matches_no_cache(model, backend_name):
+def test_paged_engine_over_a_poisoned_pool_matches_no_cache(small_llama, backend_name):
     prompts = [[5, 9, 3, 7, 1, 2], [8, 4], [11, 12, 13, 14, 15]]  # ragged: padded decode batches
-    engine = PagedEngine(model, num_blocks=16, block_size=4, max_model_len=32,
+    engine = PagedEngine(small_llama, num_blocks=16, block_size=4, max_model_len=32,
                          attention_backend=backend_name)
     for k_cache, v_cache in zip(engine.cache.k_caches, engine.cache.v_caches):
         k_cache.fill_(float("nan"))
@@ -126,18 +113,20 @@ def test_paged_engine_over_a_poisoned_pool_matches_no_cache(model, backend_name)
     ids = [engine.add_request(prompt, 6) for prompt in prompts]
     engine.run()
     for prompt, request_id in zip(prompts, ids):
-        assert engine.outputs(request_id)[0] == generate(model, prompt, 6, cache="none").token_ids
+        expected = generate(small_llama, prompt, 6, cache="none").token_ids
+        assert engine.outputs(request_id)[0] == expected
 
 
-def test_contiguous_slab_reused_after_a_poisoned_request_matches_no_cache(model):
-    cache = ContiguousKVCache(CONFIG, max_num_seqs=1, max_model_len=16)
+def test_contiguous_slab_reused_after_a_poisoned_request_matches_no_cache(small_config,
+                                                                         small_llama):
+    cache = ContiguousKVCache(small_config, max_num_seqs=1, max_model_len=16)
     cache.k.fill_(float("nan"))  # what a previous request's fp16 overflow could have left
     cache.v.fill_(float("nan"))
     prompt = [5, 9, 3, 7]
     store = cache.view(cache.add_sequence())
     with torch.no_grad():
-        logits = model(torch.tensor(prompt), torch.arange(4), store)
-        logits = torch.cat([logits, model(torch.tensor([2]), torch.tensor([4]), store)])
-        expected = model(torch.tensor(prompt + [2]))
+        logits = small_llama(torch.tensor(prompt), torch.arange(4), store)
+        logits = torch.cat([logits, small_llama(torch.tensor([2]), torch.tensor([4]), store)])
+        expected = small_llama(torch.tensor(prompt + [2]))
     assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -276,7 +276,7 @@ class PrefixManagerMachine(RuleBasedStateMachine):
 
 
 TestPrefixManagerMachine = PrefixManagerMachine.TestCase
-TestPrefixManagerMachine.settings = settings(max_examples=100, stateful_step_count=40,
+TestPrefixManagerMachine.settings = settings(max_examples=200, stateful_step_count=50,
                                              deadline=None)
 
 
@@ -295,7 +295,7 @@ def model():
 
 @torch.no_grad()
 def prefill(cache: PagedKVCache, model, seq_id, prompt, salt=None):
-    """Admit with prefix caching and run the prompt from the hit on; (cached tokens, last logits)."""
+    """Admit with prefix caching, run the prompt from the hit on; -> (cached tokens, logits)."""
     admitted = cache.manager.allocate_with_prefix(seq_id, prompt, salt)
     start = admitted.num_cached_tokens
     store = cache.prefill_store(seq_id, torch.tensor(admitted.slots))

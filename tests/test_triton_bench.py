@@ -22,6 +22,7 @@ def test_toy_benchmark_writes_json_markdown_and_roofline(tmp_path):
     results = main(["--toy", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "bench_paged_attention.json").read_text()) == results
     assert (tmp_path / "roofline.png").stat().st_size > 0
+    assert not (tmp_path / "bench_paged_attention.partial.json").exists()  # only while running
     markdown = (tmp_path / "bench_paged_attention.md").read_text()
     env = results["environment"]
     assert env["torch"] in markdown and env["triton"] in markdown and env["card"] in markdown

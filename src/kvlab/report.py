@@ -45,6 +45,9 @@ class CacheStrategy(Protocol):
         """sum over the request's decode steps of token slots reserved."""
         ...
 
+    # Optional: held_token_steps(request) -> int, for a strategy whose requests share tokens
+    # (paged+prefix counts a shared prefix once); default kvlab.lifetime.held_token_steps.
+
 
 @dataclasses.dataclass
 class ContiguousStrategy:
@@ -157,22 +160,25 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
         raise ValueError(f"{_every(len(requests), 'request')} longer than max_model_len="
                          f"{max_model_len:,}; nothing to replay (raise --max-model-len)")
 
-    steps = held = 0
-    reserved = [0] * len(strategies)
+    steps = 0
+    reserved, held = [0] * len(strategies), [0] * len(strategies)
     for request in tqdm(served, desc="replaying", unit="req", disable=len(served) < 50_000):
         steps += decode_steps(request)
-        held += held_token_steps(request)
+        tokens_held = held_token_steps(request)
         for k, strategy in enumerate(strategies):
             reserved[k] += strategy.reserved_token_steps(request)
+            # A strategy that shares tokens between requests (paged+prefix) counts its own.
+            own = getattr(strategy, "held_token_steps", None)
+            held[k] += own(request) if own else tokens_held
 
     rows = []
-    for strategy, reserved_steps in zip(strategies, reserved):
+    for strategy, reserved_steps, held_steps in zip(strategies, reserved, held):
         per_token = strategy.bytes_per_token
         reserved_bytes = round(reserved_steps * per_token / steps)
         rows.append(StrategyRow(
             strategy=strategy.name, kv_bytes_per_token=per_token,
-            kv_reserved_bytes=reserved_bytes, kv_used_bytes=round(held * per_token / steps),
-            waste=1.0 - held / reserved_steps,
+            kv_reserved_bytes=reserved_bytes, kv_used_bytes=round(held_steps * per_token / steps),
+            waste=1.0 - held_steps / reserved_steps,
             requests_held=kv_budget_bytes // reserved_bytes,
             requests_held_exact=bool(getattr(strategy, "exact_requests_held", False))))
     examples = [{"prompt_len": r.prompt_len, "output_len": r.output_len, "total_len": r.total_len}

@@ -18,7 +18,8 @@ One module per idea, in reading order:
   plugs in).
 * `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
-* `engine`: `PagedEngine`, `generate_paged` (batched generation with preemption).
+* `engine`: `PagedEngine` (continuous batching with preemption).
+* `batch`: `generate_paged` (one call: a batch of prompts through an engine, to the end).
 """
 
 from ..errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
@@ -26,7 +27,8 @@ from .backends import BACKENDS, AttentionBackend, TorchBackend, resolve_backend
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
-from .engine import PagedEngine, PagedGenerationResult, PagedStats, Sequence, generate_paged
+from .batch import PagedGenerationResult, generate_paged
+from .engine import PagedEngine, PagedStats, Sequence
 from .free_queue import Block, FreeBlockQueue
 from .kv_cache_manager import KVCacheManager, SlotReservation
 from .paged_cache import DecodeStore, PagedKVCache, PrefillStore

@@ -15,6 +15,10 @@ backend object or a name; `TorchBackend` (the plain-PyTorch teaching implementat
 `kvlab.paged.torch_attention`) is the default. Stage 5 adds a Triton kernel as one more entry of
 `BACKENDS`.
 
+Pool layout: a backend object reads pools of one layout, its `layout` attribute ("token-major",
+the default, or "head-major", `kvlab.kernels.pool_layout`); factories take the layout. The cache
+allocates its pool in the backend's layout.
+
 Contract every backend keeps (tests/test_poisoned_pool.py holds each backend to it): shapes and
 dtypes as documented on `TorchBackend`; slots a sequence does not own, past its seq_len or in the
 padding of its block table, never reach its output, even when they hold NaN or Inf.
@@ -26,6 +30,7 @@ from typing import Callable, Protocol, Union
 
 import torch
 
+from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
 from .torch_attention import paged_decode_attention, paged_prefill_attention, write_kv
 
 __all__ = ["AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend"]
@@ -50,6 +55,9 @@ class AttentionBackend(Protocol):
 class TorchBackend:
     """Paged attention in plain PyTorch: gather each sequence's blocks, then attend.
 
+    Args:
+        layout: the pool layout it reads, "token-major" (default) or "head-major".
+
     Shapes (one layer):
         write_kv: key, value [num_tokens, num_key_value_heads, head_dim], cache dtype;
             slot_mapping [num_tokens] int64 (slot = block_id * block_size + offset).
@@ -63,42 +71,64 @@ class TorchBackend:
 
     name = "torch"
 
+    def __init__(self, layout: str = TOKEN_MAJOR):
+        self.layout = check_layout(layout)
+
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
-        write_kv(k_cache, v_cache, key, value, slot_mapping)
+        write_kv(k_cache, v_cache, key, value, slot_mapping, layout=self.layout)
 
     def prefill(self, query, k_cache, v_cache, block_table, seq_len, query_positions, scale):
         return paged_prefill_attention(query, k_cache, v_cache, block_table, seq_len,
-                                       query_positions=query_positions, scale=scale)
+                                       query_positions=query_positions, scale=scale,
+                                       layout=self.layout)
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale):
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                      layout=self.layout)
 
     def __repr__(self) -> str:
-        return "TorchBackend()"
+        return f"TorchBackend(layout={self.layout!r})"
 
 
-# Name -> factory. A factory (not an instance) so a backend that needs an optional package (Triton)
-# imports it only when chosen.
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchBackend}
+def _triton_backend(layout: str = TOKEN_MAJOR) -> AttentionBackend:
+    """Stage 5's kernels (`kvlab.kernels.backend`); imports Triton only when chosen."""
+    try:
+        from ..kernels.backend import TritonBackend
+    except ImportError as error:
+        raise ValueError(f"the triton attention backend needs Triton ({error}); install it with "
+                         "`pip install triton` (Linux), or use the torch backend") from None
+    return TritonBackend(layout)
+
+
+# Name -> factory(layout). A factory (not an instance) so a backend that needs an optional package
+# (Triton) imports it only when chosen.
+BACKENDS: dict[str, Callable[..., AttentionBackend]] = {"torch": TorchBackend,
+                                                         "triton": _triton_backend}
 
 BackendLike = Union[str, AttentionBackend, None]
 
 
-def resolve_backend(backend: BackendLike = None) -> AttentionBackend:
+def resolve_backend(backend: BackendLike = None, layout: str | None = None) -> AttentionBackend:
     """The backend object for a name in `BACKENDS`, a backend object, or None (the torch default).
 
+    Args:
+        backend: a name, an object, or None.
+        layout: the pool layout wanted; None = the object's own (token-major for a name or None).
+
     Raises:
-        ValueError: an unknown name, or an object missing write_kv, prefill or decode.
+        ValueError: an unknown name or layout, an object missing write_kv, prefill or decode, or an
+            object whose `layout` differs from `layout`.
     """
-    if backend is None:
-        return TorchBackend()
-    if isinstance(backend, str):
-        try:
-            return BACKENDS[backend]()
-        except KeyError:
-            raise ValueError(f"unknown attention backend {backend!r}; choose from "
-                             f"{', '.join(BACKENDS)}") from None
+    if backend is None or isinstance(backend, str):
+        name = backend or "torch"
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose from "
+                             f"{', '.join(BACKENDS)}")
+        return BACKENDS[name](check_layout(layout or TOKEN_MAJOR))
     missing = [m for m in ("write_kv", "prefill", "decode") if not callable(getattr(backend, m, None))]
     if missing:
         raise ValueError(f"{backend!r} is not an attention backend: it has no {', '.join(missing)}")
+    own = getattr(backend, "layout", TOKEN_MAJOR)
+    if layout is not None and check_layout(layout) != own:
+        raise ValueError(f"{backend!r} reads {own} pools, but the pool is {layout}")
     return backend

@@ -34,7 +34,7 @@ from .backends import BackendLike
 from .block_table import cdiv
 from .paged_cache import PagedKVCache
 
-__all__ = ["Sequence", "PagedStats", "PagedEngine", "PagedGenerationResult", "generate_paged"]
+__all__ = ["Sequence", "PagedStats", "PagedEngine"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -201,8 +201,8 @@ class PagedEngine:
         self._record_memory()
         if decode_batch:
             self._decode(decode_batch, decode_slots)
-        for seq, slots in admitted:
-            self._prefill(seq, slots)
+        for seq, slots, start in admitted:
+            self._prefill(seq, slots, start)
         self.stats.num_cow_copies = self.cache.manager.num_cow_copies
 
     def _reserve_decode_slots(self) -> list[int]:
@@ -212,12 +212,16 @@ class PagedEngine:
         while index < len(self.running):
             seq = self.running[index]
             try:
-                slots.append(int(self.cache.append_slots(seq.seq_id, 1)))
+                slots.append(self._reserve_decode_slot(seq))
                 index += 1
             except NoFreeBlocksError:
                 # May be `seq` itself when it is the newest: then the loop ends.
                 self._preempt(self.running[-1])
         return slots
+
+    def _reserve_decode_slot(self, seq: Sequence) -> int:
+        """The slot of the token this step feeds back (stage 6 also names the token, to cache it)."""
+        return int(self.cache.append_slots(seq.seq_id, 1))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's blocks, queue it first to prefill again."""
@@ -227,8 +231,10 @@ class PagedEngine:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)  # several preempted in one step keep their relative order
 
-    def _admit(self) -> list[tuple[Sequence, torch.Tensor]]:
-        """Take waiting sequences (first come, first served) while blocks and max_num_seqs allow."""
+    def _admit(self) -> list[tuple[Sequence, torch.Tensor, int]]:
+        """Take waiting sequences (first come, first served) while blocks and max_num_seqs allow.
+
+        Returns (sequence, slots to prefill, position where prefill starts) per admitted one."""
         admitted = []
         num_seqs = len(self.running)
         while self.waiting:
@@ -237,13 +243,20 @@ class PagedEngine:
             if num_seqs + family_size > self.max_num_seqs:
                 break
             try:
-                slots = self.cache.allocate(seq.seq_id, len(seq.tokens))
+                slots, start = self._allocate(seq)
             except NoFreeBlocksError:
                 break  # the head waits for blocks; no overtaking, so it cannot starve
             self.waiting.popleft()
-            admitted.append((seq, slots))
+            admitted.append((seq, slots, start))
             num_seqs += family_size
         return admitted
+
+    def _allocate(self, seq: Sequence) -> tuple[torch.Tensor, int]:
+        """Blocks for all of a sequence's tokens; (their slots, 0: prefill starts at position 0).
+
+        Stage 6's prefix cache overrides this: tokens found in the cache need no slots, and prefill
+        starts after them (vLLM's num_computed_tokens)."""
+        return self.cache.allocate(seq.seq_id, len(seq.tokens)), 0
 
     def _decode(self, batch: list[Sequence], slots: list[int]) -> None:
         """One forward pass: the newest token of each sequence at its position, flat [num_seqs]."""
@@ -256,14 +269,15 @@ class PagedEngine:
         for seq, row in zip(batch, logits):
             self._append_token(seq, self._next_token(seq, row))
 
-    def _prefill(self, seq: Sequence, slots: torch.Tensor) -> None:
-        """Run all of a sequence's tokens (prompt, + output after a preemption); sample the next."""
+    def _prefill(self, seq: Sequence, slots: torch.Tensor, start: int = 0) -> None:
+        """Run a sequence's tokens from `start` on (prompt, + output after a preemption) at their
+        absolute positions, attending over all of them; sample the next token."""
         tokens = seq.tokens
         device = self.model.device
         store = self.cache.prefill_store(seq.seq_id, slots)
-        logits = self.model(torch.tensor(tokens, device=device),
-                            torch.arange(len(tokens), device=device), store)[-1]
-        self.stats.num_prefill_tokens += len(tokens)
+        logits = self.model(torch.tensor(tokens[start:], device=device),
+                            torch.arange(start, len(tokens), device=device), store)[-1]
+        self.stats.num_prefill_tokens += len(tokens) - start
         family = [seq] + seq.siblings_to_fork
         for sibling in seq.siblings_to_fork:  # share the prompt's blocks, copy nothing
             self.cache.fork(seq.seq_id, sibling.seq_id)
@@ -291,102 +305,3 @@ class PagedEngine:
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, manager.num_used_blocks)
         saved = manager.num_logical_blocks - manager.num_used_blocks
         stats.blocks_saved_by_sharing = max(stats.blocks_saved_by_sharing, saved)
-
-
-# ---- one call for a whole batch ------------------------------------------------------------------
-
-@dataclasses.dataclass
-class PagedGenerationResult:
-    """Output of `generate_paged`.
-
-    Attributes:
-        token_ids: per prompt, the generated ids of its first completion ([] if rejected).
-        completions: per prompt, the generated ids of each of its n completions.
-        errors: per prompt, None or the message of the ValueError (e.g. RequestTooLongError)
-            that rejected it.
-        stats: preemptions, peak blocks in use, blocks saved by sharing, copy-on-write copies.
-        cache: the PagedKVCache used (every block is free again at the end).
-    """
-
-    token_ids: list[list[int]]
-    completions: list[list[list[int]]]
-    errors: list[str | None]
-    stats: PagedStats
-    cache: PagedKVCache
-
-
-def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
-                   max_new_tokens: int | Seq[int], block_size: int = 16,
-                   num_blocks: int | None = None, max_model_len: int | None = None, n: int = 1,
-                   eos_token_id: int | None = None, max_num_seqs: int = 256,
-                   first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
-                   seed: int = 0, seeds: Seq[int | None] | None = None,
-                   attention_backend: BackendLike = None) -> PagedGenerationResult:
-    """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
-
-    Args:
-        model: the decoder.
-        prompts: token ids of each prompt (lengths may differ).
-        max_new_tokens: tokens per completion, one int for all or one per prompt.
-        block_size: tokens per block.
-        num_blocks: pool size; default enough for every completion at full length (nothing is
-            preempted). A small pool forces preemption.
-        max_model_len: longest request allowed; default min(max_position_embeddings, the longest
-            request) when num_blocks is None, else min(max_position_embeddings, num_blocks x
-            block_size).
-        n: completions per prompt (parallel sampling, prompt blocks shared).
-        eos_token_id: stop a completion after this token.
-        max_num_seqs: most sequences running at once.
-        first_tokens: per prompt None or n forced first tokens, one per completion.
-        temperature, seed: sampling (0 = greedy); see `PagedEngine`.
-        seeds: per prompt None or its own sampling seed (see `PagedEngine.add_request`).
-        attention_backend: see `kvlab.paged.backends`.
-
-    Returns:
-        PagedGenerationResult. A rejected prompt (too long, empty, bad token ids: any ValueError
-        of `add_request`) gets [] and an error message; the other prompts are generated as if
-        they were alone: one bad request never takes down the others.
-
-    Raises:
-        KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
-        ValueError: malformed arguments of the whole call (no prompts, mismatched list lengths,
-            max_model_len > max_position_embeddings, bad sizes).
-    """
-    if len(prompts) == 0:
-        raise ValueError("generate_paged needs at least one prompt")
-    if isinstance(max_new_tokens, int):
-        max_new_tokens = [max_new_tokens] * len(prompts)
-    if len(max_new_tokens) != len(prompts):
-        raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
-    if first_tokens is not None and len(first_tokens) != len(prompts):
-        raise ValueError(f"{len(first_tokens)} first_tokens entries for {len(prompts)} prompts")
-    if seeds is not None and len(seeds) != len(prompts):
-        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    max_new_tokens = [check_int("max_new_tokens", new, 1) for new in max_new_tokens]
-    check_int("n (at most max_num_seqs)", n, 1, check_int("max_num_seqs", max_num_seqs, 1))
-    limit = model.config.max_position_embeddings
-    lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
-    if max_model_len is None:
-        max_model_len = min(limit, max(lengths) if num_blocks is None else num_blocks * block_size)
-    if num_blocks is None:
-        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
-        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
-
-    engine = PagedEngine(model, num_blocks, block_size, max_model_len, max_num_seqs,
-                         eos_token_id, temperature, seed, attention_backend)
-    request_ids: list[int | None] = []
-    errors: list[str | None] = []
-    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
-        forced = None if first_tokens is None else first_tokens[index]
-        own_seed = None if seeds is None else seeds[index]
-        try:
-            request_ids.append(engine.add_request(prompt, new, n, forced, own_seed))
-            errors.append(None)
-        except ValueError as error:  # rejected at once (RequestTooLongError too); others still run
-            request_ids.append(None)
-            errors.append(f"prompt {index}: {error}")
-    engine.run()
-    completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
-                   for rid in request_ids]
-    return PagedGenerationResult([c[0] for c in completions], completions, errors,
-                                 engine.stats, engine.cache)

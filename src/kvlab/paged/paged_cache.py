@@ -29,6 +29,7 @@ from ..errors import KVCacheOutOfMemory
 from ..requests import check_index, check_int, check_model_len
 from .backends import BackendLike, resolve_backend
 from .kv_cache_manager import KVCacheManager
+from ..kernels.pool_layout import TOKEN_MAJOR, pool_shape
 from .torch_attention import gather_kv
 
 __all__ = ["PagedKVCache", "PrefillStore", "DecodeStore"]
@@ -45,12 +46,17 @@ class PagedKVCache:
             ("bf16", see `kvlab.dtypes`).
         max_model_len: if given, check at start-up that one request this long fits in the pool.
         attention_backend: how the forward pass attends over the blocks: a name in
-            `kvlab.paged.backends.BACKENDS` ("torch"), a backend object, or None for the
-            plain-PyTorch `TorchBackend`.
+            `kvlab.paged.backends.BACKENDS` ("torch", "triton"), a backend object, or None for
+            the plain-PyTorch `TorchBackend`.
+        layout: the pool's physical layout, chosen here, once: "token-major" [num_blocks,
+            block_size, num_key_value_heads, head_dim] or "head-major" [num_blocks,
+            num_key_value_heads, block_size, head_dim] (`kvlab.kernels.pool_layout`, stage 5).
+            None: the backend object's own layout, token-major for a name.
 
     Attributes:
         k_caches, v_caches: one tensor per layer, [num_blocks, block_size, num_key_value_heads,
-            head_dim], zero-filled.
+            head_dim] (or head-major, see `layout`), zero-filled.
+        layout: the pool's layout.
         manager: the `KVCacheManager` (block tables, ref counts, free block queue).
         block_bytes: bytes of one block id over all layers, K and V.
         allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
@@ -60,17 +66,19 @@ class PagedKVCache:
         scale: attention score scale, 1 / sqrt(head_dim).
 
     Raises:
-        ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, or an
-            unknown attention backend.
+        ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, an
+            unknown attention backend or layout, or a backend object of another layout.
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request, or (CUDA) the device
             has no room for the pool; the message gives the numbers.
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
                  dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
-                 max_model_len: int | None = None, attention_backend: BackendLike = None):
+                 max_model_len: int | None = None, attention_backend: BackendLike = None,
+                 layout: str | None = None):
         self.manager = KVCacheManager(num_blocks, block_size)  # validates the two sizes
-        self.backend = resolve_backend(attention_backend)
+        self.backend = resolve_backend(attention_backend, layout)
+        self.layout = getattr(self.backend, "layout", TOKEN_MAJOR)
         self.scale = config.head_dim ** -0.5
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.device = torch_dtype(dtype), torch.device(device)
@@ -82,7 +90,8 @@ class PagedKVCache:
             check_pool_fits(num_blocks, block_size, max_model_len, self.block_bytes)
         self.max_model_len = max_model_len
 
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = pool_shape(self.layout, num_blocks, block_size, config.num_key_value_heads,
+                           config.head_dim)
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else None
         try:
@@ -105,8 +114,9 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16,
                   max_model_len: int | None = None,
-                  attention_backend: BackendLike = None) -> "PagedKVCache":
-        """A pool with the model's shape, dtype and device.
+                  attention_backend: BackendLike = None,
+                  layout: str | None = None) -> "PagedKVCache":
+        """A pool with the model's shape, dtype and device (other arguments: see the class).
 
         Raises:
             ValueError: max_model_len above the model's max_position_embeddings (both numbers in
@@ -115,7 +125,8 @@ class PagedKVCache:
         if max_model_len is not None:
             max_model_len = check_model_len(model.config, max_model_len)
         return cls(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
-                   max_model_len=max_model_len, attention_backend=attention_backend)
+                   max_model_len=max_model_len, attention_backend=attention_backend,
+                   layout=layout)
 
     # ---- the step-by-step API (block ids from the manager, bytes moved here) -----------------
 
@@ -169,6 +180,11 @@ class PagedKVCache:
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pool tensors of one layer. Raises ValueError outside [0, num_hidden_layers)."""
+        layer_index = check_index("layer_index", layer_index, len(self.k_caches))
+        return self.k_caches[layer_index], self.v_caches[layer_index]
+
     # ---- KV stores for a forward pass --------------------------------------------------------
 
     def prefill_store(self, seq_id: Hashable, slot_mapping: torch.Tensor) -> "PrefillStore":
@@ -178,7 +194,14 @@ class PagedKVCache:
 
     def decode_store(self, seq_ids: Sequence[Hashable],
                      slot_mapping: torch.Tensor) -> "DecodeStore":
-        """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token."""
+        """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token.
+
+        Raises:
+            ValueError: slot_mapping does not hold one slot per sequence. KeyError: unknown seq_id.
+        """
+        if slot_mapping.shape != (len(seq_ids),):
+            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} for "
+                             f"{len(seq_ids)} sequences: give one slot per sequence")
         block_tables, seq_lens = self.block_tables_tensor(seq_ids)
         return DecodeStore(self, slot_mapping, block_tables, seq_lens)
 
@@ -213,11 +236,11 @@ class PagedKVCache:
         Raises:
             KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers).
         """
-        layer_index = check_index("layer_index", layer_index, len(self.k_caches))
+        k_cache, v_cache = self.layer(layer_index)
         block_table = self._tensor(self.manager.block_ids(seq_id))
         num_tokens = self.manager.num_tokens(seq_id)
-        return (gather_kv(self.k_caches[layer_index], block_table, num_tokens),
-                gather_kv(self.v_caches[layer_index], block_table, num_tokens))
+        return (gather_kv(k_cache, block_table, num_tokens, self.layout),
+                gather_kv(v_cache, block_table, num_tokens, self.layout))
 
     # ---- accounting: exact bytes, counted, never estimated -----------------------------------
 
@@ -279,7 +302,7 @@ class PrefillStore:
 
     def attend(self, layer_index, query, key, value, positions):
         cache = self.cache
-        k_cache, v_cache = cache.k_caches[layer_index], cache.v_caches[layer_index]
+        k_cache, v_cache = cache.layer(layer_index)
         cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
         return cache.backend.prefill(query, k_cache, v_cache, self.block_table, self.seq_len,
                                      positions, cache.scale)
@@ -300,7 +323,7 @@ class DecodeStore:
 
     def attend(self, layer_index, query, key, value, positions):
         cache = self.cache
-        k_cache, v_cache = cache.k_caches[layer_index], cache.v_caches[layer_index]
+        k_cache, v_cache = cache.layer(layer_index)
         cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
         return cache.backend.decode(query, k_cache, v_cache, self.block_tables, self.seq_lens,
                                     cache.scale)

@@ -19,6 +19,10 @@ block_id * block_size + offset. Three operations cover a forward pass:
 This implementation copies the blocks into a contiguous tensor before attending; a real kernel
 reads them in place, block by block. Same numbers, less memory traffic: that is stage 5.
 
+Every function takes the pool's `layout` (`kvlab.kernels.pool_layout`): "token-major" (above, the
+default) or "head-major", [num_blocks, num_key_value_heads, block_size, head_dim]. A head-major
+pool is read through its token-major view (`token_major_view`, a transpose: no copy).
+
 Slots a sequence does not own (past its seq_len in its last block, or in the padding of its block
 table) may hold anything another request left there, NaN included; they are masked out of both the
 scores and the values (see `grouped_attention`), so they can never reach the output.
@@ -29,43 +33,90 @@ from __future__ import annotations
 import torch
 
 from ..attention import grouped_attention
+from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
 
-__all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention"]
+__all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention",
+           "token_major_view"]
+
+
+def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
+    """Refuse any entry outside [low, high] (ValueError naming the first one and the range).
+
+    These are the public entry points of the teaching path, so they check what a kernel would
+    trust: a negative slot or block id would index from the end of the pool, and a seq_len past a
+    block table would silently read fewer tokens. (One host sync per call; the Triton kernel of
+    stage 5 skips it.)
+    """
+    if values.numel() == 0:
+        return
+    bad = (values < low) | (values > high)
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {int(values[bad][0])}")
+
+
+def token_major_view(pool: torch.Tensor, layout: str = TOKEN_MAJOR) -> torch.Tensor:
+    """The pool as [num_blocks, block_size, num_key_value_heads, head_dim]: itself, or (for a
+    head-major pool) a transposed view of the same memory. Raises ValueError for an unknown layout."""
+    return pool if check_layout(layout) == TOKEN_MAJOR else pool.transpose(1, 2)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, layout: str = TOKEN_MAJOR) -> None:
     """Store token i's key and value at slot `slot_mapping[i]` of one layer's pool (in place).
 
     Args:
-        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
+        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer
+            (or head-major, see `layout`).
         key, value: [num_tokens, num_key_value_heads, head_dim], same dtype as the cache.
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
+        layout: "token-major" or "head-major".
+
+    Raises:
+        ValueError: a slot outside [0, num_blocks * block_size).
     """
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    # A view, not a copy: writing into the flat view writes into the pool.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    num_blocks, block_size = token_major_view(k_cache, layout).shape[:2]
+    _check_range("slot_mapping", slot_mapping, 0, num_blocks * block_size - 1)
+    if check_layout(layout) == TOKEN_MAJOR:
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        # A view, not a copy: writing into the flat view writes into the pool.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        return
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, offsets] = key      # [num_tokens, H_kv, D] lands in [block, :, offset]
+    v_cache[blocks, :, offsets] = value
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """One sequence's keys (or values) in position order, copied out of its blocks.
 
     Args:
-        cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer of the pool.
+        cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer of the pool
+            (or head-major, see `layout`).
         block_table: [num_blocks_of_sequence] int64 block ids in logical order.
         seq_len: tokens the sequence holds (<= len(block_table) * block_size).
+        layout: "token-major" or "head-major".
 
     Returns:
         [seq_len, num_key_value_heads, head_dim], a new contiguous tensor.
+
+    Raises:
+        ValueError: a block id outside the pool, or seq_len outside [0, len(block_table) *
+            block_size].
     """
+    cache = token_major_view(cache, layout)
+    _check_range("block_table", block_table, 0, cache.shape[0] - 1)
+    _check_range("seq_len", torch.tensor([seq_len]), 0, block_table.numel() * cache.shape[1])
     blocks = cache[block_table]  # [n, block_size, H_kv, D]: advanced indexing copies
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_len: int,
-                            query_positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                            query_positions: torch.Tensor, scale: float | None = None,
+                            layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """Causal attention of many query tokens of one sequence over its blocks (prefill).
 
     The query tokens' own K/V must already be written (`write_kv`). Query tokens may be the whole
@@ -78,18 +129,23 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         seq_len: tokens of the sequence in the cache, keys at positions 0 .. seq_len - 1.
         query_positions: [num_tokens] int64, all < seq_len.
         scale: score scale; default 1 / sqrt(head_dim).
+        layout: the pool's layout, "token-major" or "head-major".
 
     Returns:
         [num_tokens, num_attention_heads, head_dim], dtype of query.
+
+    Raises:
+        ValueError: as `gather_kv`, or a query position outside [0, seq_len).
     """
-    keys = gather_kv(k_cache, block_table, seq_len)
-    values = gather_kv(v_cache, block_table, seq_len)
+    _check_range("query_positions", query_positions, 0, seq_len - 1)
+    keys = gather_kv(k_cache, block_table, seq_len, layout)
+    values = gather_kv(v_cache, block_table, seq_len, layout)
     return grouped_attention(query, keys, values, query_positions=query_positions, scale=scale)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """One query token per sequence, each attending over its own blocks (a batched decode step).
 
     Block tables of different lengths are padded to one width. Padding entries are ordinary block
@@ -105,12 +161,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables: [num_seqs, max_blocks_per_seq] int64, padded.
         seq_lens: [num_seqs] int64, tokens of each sequence in the cache (>= 1).
         scale: score scale; default 1 / sqrt(head_dim).
+        layout: the pool's layout, "token-major" or "head-major".
 
     Returns:
         [num_seqs, num_attention_heads, head_dim], dtype of query.
+
+    Raises:
+        ValueError: a block id outside the pool, or a seq_len outside [1, max_blocks_per_seq *
+            block_size] (a sequence with no token has nothing to attend to).
     """
+    k_cache, v_cache = token_major_view(k_cache, layout), token_major_view(v_cache, layout)
     num_seqs, width = block_tables.shape
     block_size = k_cache.shape[1]
+    _check_range("block_tables", block_tables, 0, k_cache.shape[0] - 1)
+    _check_range("seq_lens", seq_lens, 1, width * block_size)
     # Gather the whole padded batch at once: [num_seqs, width * block_size, H_kv, D].
     keys = k_cache[block_tables].reshape(num_seqs, width * block_size, *k_cache.shape[2:])
     values = v_cache[block_tables].reshape(num_seqs, width * block_size, *v_cache.shape[2:])

@@ -13,10 +13,18 @@ Modules, in reading order:
 * `prefix_cache`: `PrefixCache` (hash -> block, exact check), `CachingBlockPool` (LRU eviction).
 * `manager`: `PrefixCachingKVCacheManager` (`lookup`, `allocate_with_prefix`, the n - 1 cap,
   statistics: hit rate, blocks saved, prefill tokens skipped, evictions).
+* `engine`: `PrefixCachingEngine` (stage 4's engine admitting through the cache, prefill from
+  the hit on) and `generate_with_prefix_cache`.
 * `trace_hit_rate`: the same classes replayed on the Mooncake traces' block hashes, no tensors:
   unbounded vs LRU hit rate against pool capacity.
 * `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
   multi-turn chats).
+* `cli` (`kvlab generate --cache prefix`) and `report_row` (the `paged+prefix` row of
+  `kvlab report` on a Mooncake trace).
+
+For a scheduler (stage 7), the manager's interface is small: `can_admit` / `blocks_to_admit`,
+`allocate_with_prefix` (returns num_cached_tokens and the slots to prefill), `append_slots(seq_id,
+n, token_ids)`, `fork`, `free`, `preempt`, `prefix_stats`.
 """
 
 from .block_hash import (ROOT_HASH, extra_keys_for, hash_block, hash_full_blocks, sha256, short)

@@ -47,7 +47,7 @@ __all__ = ["PrefixCacheStats", "PrefixAllocation", "PrefixCachingKVCacheManager"
 
 @dataclasses.dataclass
 class PrefixCacheStats:
-    """What the prefix cache saved. Tokens and blocks, never bytes (x bytes_per_token / block_bytes).
+    """What the prefix cache saved, in tokens and blocks (x bytes_per_token / block_bytes = bytes).
 
     Attributes:
         num_lookups: prompts looked up (one per admission, re-admissions after preemption too).

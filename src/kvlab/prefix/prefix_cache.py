@@ -23,7 +23,9 @@ only if its stored token ids and extra keys equal the request's, and its parent 
 entry the lookup matched one block earlier. By induction every token of the prefix is checked,
 so even a colliding hash function can only cost a miss, never hand out another prompt's K/V. The
 parent is compared by entry identity, not block id: a recycled parent block gets a new entry, so
-children cached under its old contents no longer match.
+children cached under its old contents no longer match. The price is a rare false *miss*: when the
+same block was computed twice (two blocks with equal hashes), a lookup that matched one copy does
+not continue into children cached under the other copy. A miss only costs compute.
 (SGLang's RadixAttention gets the same exactness differently: its radix tree is keyed by the token
 ids themselves, so there is no hash to collide.)
 """
@@ -69,7 +71,7 @@ class PrefixCache:
 
     Args:
         verify: True (default) confirms every hit against token ids, extra keys and the parent
-            entry. False trusts the hash alone, as vLLM does; only for showing what a collision does.
+            entry. False trusts the hash alone, as vLLM does (only to show what a collision does).
 
     """
 
@@ -196,7 +198,8 @@ class CachingBlockPool(BlockPool):
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (evictable, and hittable)."""
-        return sum(1 for entry in self.cache.entries() if self.blocks[entry.block_id].ref_count == 0)
+        blocks = self.blocks
+        return sum(1 for entry in self.cache.entries() if blocks[entry.block_id].ref_count == 0)
 
     def block_counts(self) -> dict[str, int]:
         """{'free': free and not cached, 'cached': free and cached, 'in_use': held}; they add up to

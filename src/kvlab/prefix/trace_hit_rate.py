@@ -51,6 +51,7 @@ class TraceHitRate:
         num_query_tokens: prompt tokens looked up.
         num_hit_tokens: prompt tokens found in the cache = prefill tokens saved.
         num_evictions: cached blocks reused for other tokens.
+        hit_tokens: per request replayed, in order, the prompt tokens it found (0 if too big).
     """
 
     capacity_blocks: int | None
@@ -60,6 +61,7 @@ class TraceHitRate:
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
     num_evictions: int = 0
+    hit_tokens: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -91,6 +93,7 @@ def unbounded_hit_rate(requests: Iterable[MooncakeRequest],
         result.num_requests += 1
         result.num_query_tokens += request.input_length
         result.num_hit_tokens += hits * block_size
+        result.hit_tokens.append(hits * block_size)
     return result
 
 
@@ -111,6 +114,7 @@ def lru_hit_rate(requests: Iterable[MooncakeRequest], capacity_blocks: int,
         keys = request.block_keys(block_size)
         if len(keys) > capacity_blocks:
             result.num_too_big += 1
+            result.hit_tokens.append(0)
             continue
         chain = []
         parent = None
@@ -129,6 +133,7 @@ def lru_hit_rate(requests: Iterable[MooncakeRequest], capacity_blocks: int,
         result.num_requests += 1
         result.num_query_tokens += request.input_length
         result.num_hit_tokens += len(chain) * block_size
+        result.hit_tokens.append(len(chain) * block_size)
     result.num_evictions = pool.num_evictions
     return result
 

@@ -1,0 +1,151 @@
+# Stage 5 exercise, generated from solutions/stage5_paged_attention.py by scripts/make_exercises.py.
+# Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 5`.
+
+"""Stage 5 exercise: the inner loop of a paged decode-attention kernel, in Triton.
+
+One decode step: each sequence has one new query token (all its query heads) and attends over its
+own keys and values, which sit in a block pool [num_blocks, block_size, num_kv_heads, head_dim],
+scattered over the blocks its block table lists (vLLM paper, Kwon et al., SOSP 2023, section 4.1).
+`paged_decode_kernel` below gives one program one KV head of one sequence, and the query heads that
+share it (GQA) as the rows of one tile, and walks the sequence TILE tokens at a time. Two pieces
+of its loop are yours:
+
+* `lookup_rows`: the block-table lookup. Position p lives in block `block_table[p // block_size]`
+  at offset `p % block_size`; which row of the pool (seen flat, one row per token slot and KV
+  head) holds it?
+* `online_softmax_update`: fold one tile of scores and values into the running max, running sum
+  and running output (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1),
+  so attention is computed in one pass without storing all the scores.
+
+`kvlab check 5` runs your kernel in Triton's CPU interpreter (TRITON_INTERPRET=1, set below when
+there is no GPU) against a float64 reference. Compare yours afterwards with the library kernel,
+`kernels/paged_attention.py` (`_attend_tokens`), which adds split-KV, fp16/bf16 and two layouts.
+
+Units: positions and block_size are tokens; block ids index the pool's first axis; every float
+here is float32.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's CPU interpreter; set before import
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def lookup_rows(block_table_ptr, positions, owned, kv_head, BLOCK_SIZE: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr):
+    """Pool rows of KV head `kv_head` for a tile of positions of one sequence.
+
+    Args:
+        block_table_ptr: pointer to the sequence's block table (int32 block ids, logical order).
+        positions: [TILE] int32 positions in the sequence.
+        owned: [TILE] bool, False for positions at or past the sequence's length (their block
+            table entries may not exist: do not read them).
+        kv_head: the KV head this program reads.
+
+    Returns:
+        [TILE] int64: the row of each position in the pool seen as
+        [num_blocks * BLOCK_SIZE * NUM_KV_HEADS, head_dim], i.e.
+        (block_id * BLOCK_SIZE + offset) * NUM_KV_HEADS + kv_head. Any value where not owned.
+    """
+    raise NotImplementedError("TODO(stage 5): load each position's block id from the block table (a masked tl.load: only where owned), cast it to int64 before any multiply (big pools overflow int32), then slot = block_id * BLOCK_SIZE + offset and row = slot * NUM_KV_HEADS + kv_head")
+
+
+@triton.jit
+def online_softmax_update(m, l, acc, scores, values):
+    """Fold one tile into the running softmax: returns the new (m, l, acc).
+
+    Args:
+        m: [ROWS] running max of the scores seen so far (-inf before the first tile).
+        l: [ROWS] running sum of exp(score - m).
+        acc: [ROWS, HEAD_DIM] running sum of exp(score - m) * value.
+        scores: [ROWS, TILE] this tile's scores; -inf where a slot is not the sequence's.
+        values: [TILE, HEAD_DIM] this tile's values (0 where not the sequence's).
+
+    At the end, acc / l is the attention output. The first tile of a sequence always holds at
+    least one real score, so m is finite from then on.
+    """
+    raise NotImplementedError("TODO(stage 5): a new max per row; alpha = exp(old max - new max) rescales l and acc; p = exp(scores - new max); add p's row sums to l and p @ values (tl.dot) to acc")
+
+
+@triton.jit
+def paged_decode_kernel(out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr,
+                        scale, max_blocks, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                        GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads): the GROUP query heads of one KV head of one sequence."""
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_g, offs_d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    real_row = offs_g < GROUP  # rows padding the group to the 16 rows tl.dot needs
+    q_rows = seq * NUM_KV_HEADS * GROUP + heads
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=real_row[:, None],
+                other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(0, seq_len, TILE):
+        positions = start + tl.arange(0, TILE)
+        owned = positions < seq_len
+        rows = lookup_rows(block_tables_ptr + seq * max_blocks, positions, owned, kv_head,
+                           BLOCK_SIZE, NUM_KV_HEADS)
+        ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        # Masked loads: a slot that is not this sequence's may hold NaN, and 0 x NaN = NaN.
+        k = tl.load(k_pool_ptr + ptrs, mask=owned[:, None], other=0.0)
+        v = tl.load(v_pool_ptr + ptrs, mask=owned[:, None], other=0.0)
+        scores = tl.where(owned[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        m, l, acc = online_softmax_update(m, l, acc, scores, v)
+    tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None],
+             mask=real_row[:, None])
+
+
+def launch(kernel, grid, *args, **constants) -> None:
+    """kernel[grid](*args, **constants); a TODO left in a kernel comes back as the
+    NotImplementedError it is, so `kvlab check` shows its hint. (The interpreter wraps errors
+    raised in a kernel; the GPU compiler refuses `raise` and quotes the line.)"""
+    try:
+        kernel[grid](*args, **constants)
+    except Exception as error:
+        cause = error
+        while cause is not None and not isinstance(cause, NotImplementedError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        todo = re.search(r"TODO\(stage 5\): [^\"]*", str(error))
+        if todo:
+            raise NotImplementedError(todo.group(0)) from None
+        raise
+
+
+def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, tile: int = 16) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its blocks.
+
+    Args:
+        query: [num_seqs, num_heads, head_dim] float32 (head_dim a power of two >= 16).
+        k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous.
+        block_tables: [num_seqs, max_blocks] int32, padded with any block id.
+        seq_lens: [num_seqs] int32, >= 1.
+        tile: tokens per loop iteration (a power of two >= 16).
+
+    Returns:
+        [num_seqs, num_heads, head_dim] float32; head h reads KV head h // (num_heads / num_kv_heads).
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pool.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    launch(paged_decode_kernel, (num_seqs, num_kv_heads), out, query, k_pool, v_pool,
+           block_tables, seq_lens, head_dim ** -0.5, block_tables.shape[1],
+           NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+           BLOCK_SIZE=block_size, HEAD_DIM=head_dim, TILE=tile)
+    return out

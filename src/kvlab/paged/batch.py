@@ -1,0 +1,117 @@
+"""One call for a whole batch: `generate_paged` runs prompts through a `PagedEngine` to the end.
+
+It sizes the pool (by default big enough that nothing is preempted), queues every prompt, rejects
+the ones that can never be served without stopping the others, runs the engine and collects the
+completions and the engine's counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence as Seq
+
+from ..model import LlamaForCausalLM
+from ..requests import check_int
+from .backends import BackendLike
+from .block_table import cdiv
+from .engine import PagedEngine, PagedStats
+from .paged_cache import PagedKVCache
+
+__all__ = ["PagedGenerationResult", "generate_paged"]
+
+
+@dataclasses.dataclass
+class PagedGenerationResult:
+    """Output of `generate_paged`.
+
+    Attributes:
+        token_ids: per prompt, the generated ids of its first completion ([] if rejected).
+        completions: per prompt, the generated ids of each of its n completions.
+        errors: per prompt, None or the message of the ValueError (e.g. RequestTooLongError)
+            that rejected it.
+        stats: preemptions, peak blocks in use, blocks saved by sharing, copy-on-write copies.
+        cache: the PagedKVCache used (every block is free again at the end).
+    """
+
+    token_ids: list[list[int]]
+    completions: list[list[list[int]]]
+    errors: list[str | None]
+    stats: PagedStats
+    cache: PagedKVCache
+
+
+def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
+                   max_new_tokens: int | Seq[int], block_size: int = 16,
+                   num_blocks: int | None = None, max_model_len: int | None = None, n: int = 1,
+                   eos_token_id: int | None = None, max_num_seqs: int = 256,
+                   first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
+                   seed: int = 0, seeds: Seq[int | None] | None = None,
+                   attention_backend: BackendLike = None) -> PagedGenerationResult:
+    """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
+
+    Args:
+        model: the decoder.
+        prompts: token ids of each prompt (lengths may differ).
+        max_new_tokens: tokens per completion, one int for all or one per prompt.
+        block_size: tokens per block.
+        num_blocks: pool size; default enough for every completion at full length (nothing is
+            preempted). A small pool forces preemption.
+        max_model_len: longest request allowed; default min(max_position_embeddings, the longest
+            request) when num_blocks is None, else min(max_position_embeddings, num_blocks x
+            block_size).
+        n: completions per prompt (parallel sampling, prompt blocks shared).
+        eos_token_id: stop a completion after this token.
+        max_num_seqs: most sequences running at once.
+        first_tokens: per prompt None or n forced first tokens, one per completion.
+        temperature, seed: sampling (0 = greedy); see `PagedEngine`.
+        seeds: per prompt None or its own sampling seed (see `PagedEngine.add_request`).
+        attention_backend: see `kvlab.paged.backends`.
+
+    Returns:
+        PagedGenerationResult. A rejected prompt (too long, empty, bad token ids: any ValueError
+        of `add_request`) gets [] and an error message; the other prompts are generated as if
+        they were alone: one bad request never takes down the others.
+
+    Raises:
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
+        ValueError: malformed arguments of the whole call (no prompts, mismatched list lengths,
+            max_model_len > max_position_embeddings, bad sizes).
+    """
+    if len(prompts) == 0:
+        raise ValueError("generate_paged needs at least one prompt")
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    if len(max_new_tokens) != len(prompts):
+        raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
+    if first_tokens is not None and len(first_tokens) != len(prompts):
+        raise ValueError(f"{len(first_tokens)} first_tokens entries for {len(prompts)} prompts")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    max_new_tokens = [check_int("max_new_tokens", new, 1) for new in max_new_tokens]
+    check_int("n (at most max_num_seqs)", n, 1, check_int("max_num_seqs", max_num_seqs, 1))
+    limit = model.config.max_position_embeddings
+    lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
+    if max_model_len is None:
+        max_model_len = min(limit, max(lengths) if num_blocks is None else num_blocks * block_size)
+    if num_blocks is None:
+        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
+        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+
+    engine = PagedEngine(model, num_blocks, block_size, max_model_len, max_num_seqs,
+                         eos_token_id, temperature, seed, attention_backend)
+    request_ids: list[int | None] = []
+    errors: list[str | None] = []
+    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+        forced = None if first_tokens is None else first_tokens[index]
+        own_seed = None if seeds is None else seeds[index]
+        try:
+            request_ids.append(engine.add_request(prompt, new, n, forced, own_seed))
+            errors.append(None)
+        except ValueError as error:  # rejected at once (RequestTooLongError too); others still run
+            request_ids.append(None)
+            errors.append(f"prompt {index}: {error}")
+    engine.run()
+    completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
+                   for rid in request_ids]
+    return PagedGenerationResult([c[0] for c in completions], completions, errors,
+                                 engine.stats, engine.cache)

@@ -1,0 +1,131 @@
+"""Stage 5: the inner loop of a paged decode-attention kernel, run in Triton's interpreter on CPU.
+
+Grades `stage5_paged_attention.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
+`kvlab check 5`. Each helper is tried alone through a tiny kernel first, then the whole kernel
+against float64 attention on ragged sequences in shuffled blocks, padded with a block of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlab.grading import assert_close, assert_equal
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+# Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+# TRITON_INTERPRET=1); with one, on the GPU, where tl.dot on float32 uses TF32 (about 1e-3).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = 2e-3 if DEVICE == "cuda" else 1e-5
+
+
+@pytest.fixture(scope="module")
+def ex(load_stage):
+    return load_stage("stage5_paged_attention.py")
+
+
+@triton.jit
+def _rows_kernel(out_ptr, table_ptr, seq_len, kv_head, LOOKUP: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr):
+    positions = tl.arange(0, TILE)
+    owned = positions < seq_len
+    rows = LOOKUP(table_ptr, positions, owned, kv_head, BLOCK_SIZE, NUM_KV_HEADS)
+    tl.store(out_ptr + positions, rows, mask=owned)
+
+
+@pytest.mark.parametrize("table, seq_len, block_size, num_kv_heads, kv_head", [
+    ([7, 2], 6, 4, 1, 0),
+    ([3, 0, 5], 9, 4, 2, 1),
+    ([4, 1, 6, 2, 0], 5, 1, 3, 2),
+])
+def test_lookup_rows_by_hand(ex, table, seq_len, block_size, num_kv_heads, kv_head):
+    out = torch.full((16,), -1, dtype=torch.int64, device=DEVICE)
+    ex.launch(_rows_kernel, (1,), out, torch.tensor(table, dtype=torch.int32, device=DEVICE),
+              seq_len, kv_head,
+              LOOKUP=ex.lookup_rows, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, TILE=16)
+    expected = [(table[p // block_size] * block_size + p % block_size) * num_kv_heads + kv_head
+                for p in range(seq_len)]
+    assert_equal(out[:seq_len].tolist(), expected,
+                 f"lookup_rows(block_table={table}, positions 0..{seq_len - 1}, "
+                 f"block_size={block_size}, num_kv_heads={num_kv_heads}, kv_head={kv_head}) "
+                 f"[row = (block_id * block_size + offset) * num_kv_heads + kv_head]")
+
+
+@triton.jit
+def _softmax_kernel(out_ptr, scores_ptr, values_ptr, num_keys, UPDATE: tl.constexpr,
+                    TILE: tl.constexpr):
+    rows, dims = tl.arange(0, 16), tl.arange(0, 16)
+    m = tl.full([16], float("-inf"), tl.float32)
+    l = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, 16], tl.float32)
+    for start in range(0, num_keys, TILE):
+        keys = start + tl.arange(0, TILE)
+        real = keys < num_keys
+        scores = tl.load(scores_ptr + rows[:, None] * num_keys + keys[None, :],
+                         mask=real[None, :], other=float("-inf"))
+        values = tl.load(values_ptr + keys[:, None] * 16 + dims[None, :], mask=real[:, None],
+                         other=0.0)
+        m, l, acc = UPDATE(m, l, acc, scores, values)
+    tl.store(out_ptr + rows[:, None] * 16 + dims[None, :], acc / l[:, None])
+
+
+@pytest.mark.parametrize("num_keys", [5, 16, 37])
+def test_online_softmax_update_equals_softmax(ex, num_keys):
+    gen = torch.Generator().manual_seed(num_keys)
+    scores = 4 * torch.randn(16, num_keys, generator=gen)  # spread out: the max moves between tiles
+    values = torch.randn(num_keys, 16, generator=gen)
+    out = torch.full((16, 16), float("nan"), device=DEVICE)
+    ex.launch(_softmax_kernel, (1,), out, scores.to(DEVICE), values.to(DEVICE), num_keys,
+              UPDATE=ex.online_softmax_update, TILE=16)
+    expected = (scores.double().softmax(-1) @ values.double()).float()
+    assert_close(out.cpu(), expected, f"online softmax over {num_keys} keys in tiles of 16 "
+                                      f"(acc / l vs softmax(scores) @ values)",
+                 atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed):
+    """Query, token-major pools poisoned with NaN outside the sequences, block tables, lengths,
+    and the float64 answer."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 1
+    k_pool = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_pool = torch.full_like(k_pool, float("nan"))
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    nan_block, free = free[0], free[1:]
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    tables, expected = [], []
+    for i, n in enumerate(seq_lens):
+        count = math.ceil(n / block_size)
+        table, free = free[:count], free[count:]
+        keys, values = torch.randn(2, n, num_kv_heads, head_dim, generator=gen)
+        positions = torch.arange(n)
+        rows = torch.tensor(table)[positions // block_size]
+        k_pool[rows, positions % block_size], v_pool[rows, positions % block_size] = keys, values
+        q = query[i].double().view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("hgd,thd->hgt", q, keys.double()) / math.sqrt(head_dim)
+        attended = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values.double())
+        expected.append(attended.reshape(-1, head_dim).float())
+        tables.append(table)
+    width = max(map(len, tables)) + 1
+    block_tables = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables],
+                                dtype=torch.int32)
+    return (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+            torch.stack(expected))
+
+
+@pytest.mark.parametrize("seq_lens, block_size, num_kv_heads, group", [
+    ([1, 16, 17, 40], 8, 2, 4),
+    ([5, 3], 1, 1, 8),
+    ([33, 2], 16, 2, 1),
+])
+def test_decode_matches_float64_attention(ex, seq_lens, block_size, num_kv_heads, group):
+    query, k_pool, v_pool, block_tables, lens, expected = decode_case(
+        seq_lens, block_size, num_kv_heads, group, head_dim=16, seed=len(seq_lens) + block_size)
+    out = ex.paged_decode(*(t.to(DEVICE) for t in (query, k_pool, v_pool, block_tables, lens)))
+    assert_close(out.cpu(), expected, f"paged_decode(seq_lens={seq_lens}, block_size={block_size}, "
+                                f"{num_kv_heads} KV heads x group {group}; blocks shuffled, "
+                                f"padding and unused slots NaN)", atol=TOLERANCE, rtol=TOLERANCE)

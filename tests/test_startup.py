@@ -1,0 +1,52 @@
+"""Start-up cost of the CLI, checked by what it imports (timings would be flaky on a shared CPU).
+
+Measured ratio (see /work/wt/notes/core.md): `kvlab generate --model tiny --prompt "The"
+--max-new-tokens 20` takes about 1.3x `python -c "import torch"`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def modules_after(code: str) -> set[str]:
+    script = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return set(out.stdout.split())
+
+
+def test_the_cli_and_kvlab_size_with_a_named_gpu_do_not_import_torch():
+    # Without --gpu/--gpu-mem, `kvlab size` asks torch.cuda for a local GPU: that one needs torch.
+    loaded = modules_after("from kvlab.cli import build_parser, main\n"
+                           "build_parser().parse_args(['report'])\n"
+                           "import contextlib, io\n"
+                           "with contextlib.redirect_stdout(io.StringIO()):\n"
+                           "    main(['size', 'llama-3.1-8b', '--gpu', 'H100-80GB', '--json'])")
+    assert "torch" not in loaded
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_generate_does_not_pull_in_torch_dynamo(cache):
+    # A meta-device model skeleton initialises through torch._refs, which imports torch._dynamo:
+    # about 2 s of every start-up for nothing.
+    loaded = modules_after("from kvlab.cli import main\n"
+                           "import contextlib, io\n"
+                           "with contextlib.redirect_stdout(io.StringIO()):\n"
+                           f"    main(['generate', '--model', 'tiny', '--prompt-ids', '1,2',"
+                           f" '--max-new-tokens', '2', '--cache', '{cache}'])")
+    assert "torch" in loaded and "torch._dynamo" not in loaded
+
+
+def test_generate_uses_one_thread_for_a_tiny_model():
+    import torch
+
+    from kvlab.checkpoint import load_model
+    from kvlab.cli import _default_threads
+
+    assert _default_threads(load_model("tiny"), 8) == 1
+    big = torch.nn.Linear(8000, 8000, bias=False)  # 64 million parameters
+    assert _default_threads(big, 8) == 8

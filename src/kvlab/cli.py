@@ -421,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_report)
 
+    from .cli_serve import add_serve_parser
+
+    add_serve_parser(commands, _positive_int, _positive_float)
+
     chk = commands.add_parser("check", help="check your exercise for a stage")
     chk.add_argument("stage", nargs="?", default="all", help="stage number, or 'all' (default)")
     chk.add_argument("--target", default="exercises",

@@ -1,0 +1,174 @@
+"""`kvlab serve`: replay a trace through each KV-cache strategy under one memory budget.
+
+    kvlab serve --trace AzureLLMInferenceTrace_conv.csv --simulate --model llama-3.1-70b \\
+        --gpu H100-80GB --tp 4 --speedup 10
+    kvlab serve --trace AzureLLMInferenceTrace_conv.csv --model tiny --kv-budget 0.004 \\
+        --num-requests 200 --shrink 8 --speedup 100
+
+Simulation mode (`--simulate`) times each step with the roofline cost model of the named card;
+model mode runs the real model on the CPU (or `--device cuda`) with real cache tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_serve_parser"]
+
+
+def add_serve_parser(commands, positive_int, positive_float) -> None:
+    """Register the `serve` subcommand on an argparse subparsers object (imports nothing heavy:
+    `kvlab size` must not pay for torch)."""
+    p = commands.add_parser("serve", help="serve a trace with every KV-cache strategy (stage 7)")
+    p.add_argument("--trace", required=True,
+                   help="Azure trace .csv (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake "
+                        ".jsonl")
+    p.add_argument("--strategy", choices=("contiguous", "paged", "prefix", "all"), default="all")
+    p.add_argument("--simulate", action="store_true",
+                   help="no tensors: step times from the card's roofline (default: run the model)")
+    p.add_argument("--model", default=None,
+                   help="preset or HF config/checkpoint folder (default: llama-3.1-70b with "
+                        "--simulate, else tiny)")
+    p.add_argument("--gpu", default=None, help="card for the cost model and the default budget "
+                                               "(default H100-80GB with --simulate)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel GPUs")
+    p.add_argument("--kv-budget", type=positive_float, metavar="GIB", default=None,
+                   help="KV memory per GPU in GiB (default with --gpu: "
+                        "gpu_memory_utilization x card - weights)")
+    p.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="weights and KV dtype (default: bf16 simulated, the model's own otherwise)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest request; longer ones are rejected (default 4096 simulated, the "
+                        "model's limit otherwise)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-requests", type=positive_int, default=None,
+                   help="replay only the first N requests of the trace")
+    p.add_argument("--speedup", type=positive_float, default=1.0,
+                   help="arrivals N times faster than the trace (the load of N such services)")
+    p.add_argument("--rate", type=positive_float, default=None,
+                   help="replace the trace's arrival times by a Poisson process of this many "
+                        "requests/s")
+    p.add_argument("--shrink", type=positive_int, default=1,
+                   help="divide prompt and output lengths by N (the tiny model on a CPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="model mode only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .serving import request as req
+    from .serving.metrics import format_rows
+    from .serving.runner import STRATEGIES
+    from .serving.traces import load_trace
+
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    rows = load_trace(args.trace, args.num_requests)
+    if not rows:
+        raise ValueError(f"{args.trace}: no requests in the trace")
+    requests = req.from_sizes(rows)
+    workload = f"{args.trace}: {len(requests):,} requests"
+    if args.shrink > 1:
+        requests = req.shrink(requests, args.shrink)
+        workload += f", lengths / {args.shrink}"
+    if args.rate is not None:
+        requests = req.poisson_arrivals(requests, args.rate, seed=args.seed)
+        workload += f", Poisson arrivals at {args.rate:g} req/s"
+    elif args.speedup != 1:
+        requests = req.speed_up(requests, args.speedup)
+        workload += f", arrivals {args.speedup:g}x faster"
+
+    if args.simulate:
+        setup, results = _simulate(args, requests, strategies)
+    else:
+        setup, results = _run_model(args, requests, strategies)
+    if args.json:
+        print(json.dumps({**setup, "workload": workload,
+                          "rows": [r.row() for r in results]}, indent=2))
+        return 0
+    print(f"{setup['description']}\nworkload {workload}; max_model_len {setup['max_model_len']:,}, "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
+          f"{args.max_num_batched_tokens:,}, block_size {args.block_size}\n")
+    print(format_rows(results))
+    wall = sum(r.wall_s for r in results)
+    events = sum(r.events_per_s * r.wall_s for r in results)
+    print(f"\nreplayed in {wall:.1f} s ({events / wall:,.0f} request-steps/s); times are "
+          f"{setup['clock']}")
+    if results and results[0].reject_examples:
+        print(f"rejected, e.g. {results[0].reject_examples[0]}")
+    return 0
+
+
+def _simulate(args, requests, strategies):
+    from .config import load_config
+    from .serving.cost_model import CostModel, get_card
+    from .serving.runner import SimulatedExecutor, serve, simulated_manager
+    from .serving.scheduler import SchedulerConfig
+    from .sizing import format_bytes, kv_bytes_per_token, weights_bytes
+
+    config = load_config(args.model or "llama-3.1-70b")
+    dtype = args.dtype or "bf16"
+    card = get_card(args.gpu or "H100-80GB")
+    cost = CostModel(config, card, args.tp, dtype)
+    per_token = kv_bytes_per_token(config, dtype, args.tp)
+    if args.kv_budget is not None:
+        budget = int(args.kv_budget * 2**30)
+    else:
+        budget = int(args.gpu_memory_utilization * card.memory_bytes) - weights_bytes(
+            config, dtype, args.tp)
+        if budget <= 0:
+            weights = weights_bytes(config, dtype, args.tp)
+            raise ValueError(f"{config.name} ({dtype}) weights take {weights:,} B per GPU, more "
+                             f"than {args.gpu_memory_utilization} x {card.name}; raise --tp")
+    max_model_len = args.max_model_len or 4096
+    scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    results = [serve(requests, simulated_manager(name, budget, per_token, max_model_len,
+                                                 args.block_size),
+                     SimulatedExecutor(cost), scheduler, per_token) for name in strategies]
+    description = (f"simulated: {cost.describe()}\nKV budget {format_bytes(budget)} per GPU = "
+                   f"{budget // per_token:,} tokens of {format_bytes(per_token)}")
+    setup = {"mode": "simulate", "model": config.name, "dtype": dtype, "gpu": card.name,
+             "tp": args.tp, "kv_budget_bytes": budget, "kv_bytes_per_token": per_token,
+             "max_model_len": max_model_len, "description": description,
+             "clock": "the roofline cost model's (a lower bound; see kvlab.serving.cost_model)"}
+    return setup, results
+
+
+def _run_model(args, requests, strategies):
+    import torch
+
+    from .checkpoint import load_model
+    from .serving.request import synthetic_prompt_ids
+    from .serving.runner import model_strategy, serve
+    from .serving.scheduler import SchedulerConfig
+    from .sizing import format_bytes
+
+    if args.kv_budget is None:
+        raise ValueError("model mode needs --kv-budget GIB (the KV memory of the cache tensors); "
+                         "or add --simulate")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    dtype = dtypes[args.dtype] if args.dtype else torch.float32
+    model = load_model(args.model or "tiny", dtype=dtype, device=args.device)
+    limit = model.config.max_position_embeddings
+    max_model_len = min(args.max_model_len or limit, limit)
+    for request in requests:
+        request.prompt_token_ids = synthetic_prompt_ids(request, model.config.vocab_size,
+                                                        args.seed)
+    budget = int(args.kv_budget * 2**30)
+    scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    results = []
+    for name in strategies:
+        kv, executor = model_strategy(name, model, budget, max_model_len, args.block_size)
+        results.append(serve(requests, kv, executor, scheduler, executor.bytes_per_token))
+    description = (f"model mode: {model.config.name} ({str(dtype).removeprefix('torch.')}) on "
+                   f"{args.device}, KV budget {format_bytes(budget)}")
+    setup = {"mode": "model", "model": model.config.name, "dtype": str(dtype), "gpu": None,
+             "device": args.device, "kv_budget_bytes": budget, "max_model_len": max_model_len,
+             "description": description, "clock": f"measured wall-clock time on {args.device}"}
+    return setup, results

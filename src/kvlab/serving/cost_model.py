@@ -1,0 +1,139 @@
+"""Simulation mode's clock: how long one step takes on a named card, from a roofline.
+
+A forward pass must at least (a) read every weight once and every cached K/V its requests attend
+over, at the card's memory bandwidth, and (b) do its arithmetic at the card's peak FLOP rate. The
+step takes the longer of the two (the roofline model, Williams et al., CACM 2009):
+
+    bytes = weights per GPU + KV bytes per token per GPU x (tokens attended over + tokens written)
+    flops = 2 x parameters per GPU x tokens computed
+            + 4 x layers x query heads per GPU x head_dim x (query, key) pairs attended
+    step  = max(bytes / bandwidth, flops / peak FLOP/s) + step_overhead_s
+
+Decode steps are memory-bound (a few hundred tokens cannot use the FLOPs that reading 70 GB of
+weights pays for); long prefills are compute-bound. Under tensor parallelism each of `tp` GPUs holds
+1/tp of the weights and KV heads and does 1/tp of the work in lockstep.
+
+What it leaves out (so real steps are slower): kernels reach 60-90 % of peak bandwidth, not 100 %;
+tensor-parallel all-reduces; sampling, scheduling and Python overheads (use `step_overhead_s`);
+activations traffic. It is a lower bound, used to put the strategies on one clock, not a prediction
+of a real server's latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import LlamaConfig
+from ..sizing import GPU_MEMORY_GIB, SizingError, dtype_bytes, kv_bytes_per_token, weights_bytes
+
+__all__ = ["Card", "CARDS", "get_card", "CostModel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """A GPU's three roofline numbers.
+
+    Attributes:
+        name: as in `kvlab.sizing.GPU_MEMORY_GIB`.
+        memory_bytes: HBM capacity (bytes).
+        bandwidth_bytes_per_s: peak HBM bandwidth (bytes/s).
+        flops_per_s: peak dense bf16/fp16 tensor-core FLOP/s (no sparsity).
+    """
+
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    flops_per_s: float
+
+
+def _card(name: str, bandwidth_tb_s: float, dense_tflops: float) -> Card:
+    return Card(name, GPU_MEMORY_GIB[name] * 2**30, bandwidth_tb_s * 1e12, dense_tflops * 1e12)
+
+
+# Vendor datasheet figures (SXM / OAM parts): bandwidth in TB/s, dense bf16 TFLOP/s.
+CARDS: dict[str, Card] = {card.name: card for card in [
+    _card("A100-40GB", 1.555, 312),   # NVIDIA A100 datasheet
+    _card("A100-80GB", 2.039, 312),   # NVIDIA A100 datasheet (SXM)
+    _card("H100-80GB", 3.35, 989),    # NVIDIA H100 datasheet (SXM)
+    _card("H200", 4.8, 989),          # NVIDIA H200 datasheet (SXM)
+    _card("L4", 0.3, 121),            # NVIDIA L4 datasheet
+    _card("MI300X", 5.3, 1307),       # AMD Instinct MI300X datasheet
+]}
+
+
+def get_card(name: str) -> Card:
+    """The card preset of that name (case-insensitive).
+
+    Raises:
+        SizingError: unknown card (the message lists the known ones).
+    """
+    for key, card in CARDS.items():
+        if key.lower() == name.lower():
+            return card
+    raise SizingError(f"no roofline figures for GPU {name!r}; known: {', '.join(CARDS)}")
+
+
+class CostModel:
+    """Step time of one model on `tp` cards of one kind.
+
+    Args:
+        config: the model's shape.
+        card: the `Card`.
+        tp: tensor-parallel GPUs.
+        dtype: weights and KV dtype name ('bf16', 'fp16', 'fp8', 'fp32').
+        step_overhead_s: fixed time added to every step (scheduling, sampling, launch), seconds.
+
+    Raises:
+        SizingError: an impossible tp or unknown dtype.
+    """
+
+    def __init__(self, config: LlamaConfig, card: Card, tp: int = 1, dtype: str = "bf16",
+                 step_overhead_s: float = 0.0):
+        self.config, self.card, self.tp, self.dtype = config, card, tp, dtype
+        self.step_overhead_s = step_overhead_s
+        self.weights_bytes = weights_bytes(config, dtype, tp)
+        self.params_per_gpu = self.weights_bytes // dtype_bytes(dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(config, dtype, tp)
+        # FLOPs per (query token, key token) pair: QK^T and PV, 2 each per multiply-add.
+        self.flops_per_pair = (4 * config.num_hidden_layers * (config.num_attention_heads // tp)
+                               * config.head_dim)
+
+    def describe(self) -> str:
+        """One line naming the card, tp and what a step costs at minimum."""
+        card = self.card
+        return (f"{self.tp} x {card.name} ({card.bandwidth_bytes_per_s / 1e12:g} TB/s, "
+                f"{card.flops_per_s / 1e12:g} dense TFLOP/s each), {self.config.name} {self.dtype}: "
+                f"weights {self.weights_bytes / 1e9:.1f} GB per GPU, so a step takes >= "
+                f"{self.weights_bytes / card.bandwidth_bytes_per_s * 1e3:.2f} ms")
+
+    def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int) -> float:
+        """Seconds for one forward pass.
+
+        Args:
+            num_batched_tokens: tokens computed (prefill + decode), each written to the cache.
+            kv_tokens_read: cached tokens the attention reads, summed over requests.
+            attention_pairs: (query, key) pairs attended, summed over requests.
+        """
+        if num_batched_tokens == 0:
+            return 0.0
+        card = self.card
+        moved = (self.weights_bytes
+                 + (kv_tokens_read + num_batched_tokens) * self.kv_bytes_per_token)
+        flops = (2 * self.params_per_gpu * num_batched_tokens
+                 + self.flops_per_pair * attention_pairs)
+        return (max(moved / card.bandwidth_bytes_per_s, flops / card.flops_per_s)
+                + self.step_overhead_s)
+
+    def step_time_of(self, scheduled) -> float:
+        """`step_time` of a `SchedulerOutput.scheduled` list, before `update` (progress unchanged).
+
+        A request computing n new tokens after c cached ones reads c + n keys and attends
+        n x c + n (n + 1) / 2 (query, key) pairs (causal).
+        """
+        tokens = kv = pairs = 0
+        for request, num_new in scheduled:
+            computed = request.num_computed_tokens
+            tokens += num_new
+            kv += computed
+            pairs += num_new * computed + num_new * (num_new + 1) // 2
+        return self.step_time(tokens, kv, pairs)

@@ -1,0 +1,217 @@
+"""What a replay measured, per strategy: concurrency, memory, preemptions, latency, throughput.
+
+Definitions (all times in seconds on the replay's clock: the cost model's in simulation, the
+wall clock in model mode unless a cost model is given):
+
+* running: requests holding KV memory during a step. peak = the most; mean = time-weighted over
+  the steps (a step of 30 ms counts 30 times a step of 1 ms).
+* kv_usage: token slots held / token slots in the budget (vLLM's `kv_cache_usage`), time-weighted
+  mean and peak. kv_used counts tokens whose K/V are computed (a prefix block shared by several
+  requests is counted for each).
+* TTFT (time to first token) = first token time - arrival time; TPOT (time per output token) =
+  (finish - first token) / (output tokens - 1), for requests with more than one output token.
+  Percentiles interpolate linearly between order statistics (numpy's default method).
+* output_tokens_per_s = output tokens of finished requests / (last finish - first arrival).
+* prefix_hit_rate = prompt tokens found in the prefix cache / prompt tokens looked up, over every
+  admission (None for a strategy without a prefix cache).
+* events_per_s = (request, step) pairs processed per second of replay wall time: the simulator's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from .request import Request
+
+__all__ = ["percentile", "StepSeries", "ServeResult", "summarize", "ROW_KEYS", "format_rows",
+           "plot_memory"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclasses.dataclass
+class StepSeries:
+    """One entry per step: end time (s), duration (s), running requests, waiting requests,
+    token slots reserved, tokens computed (held)."""
+
+    time_s: list[float] = dataclasses.field(default_factory=list)
+    duration_s: list[float] = dataclasses.field(default_factory=list)
+    running: list[int] = dataclasses.field(default_factory=list)
+    waiting: list[int] = dataclasses.field(default_factory=list)
+    reserved_tokens: list[int] = dataclasses.field(default_factory=list)
+    used_tokens: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, end_s: float, duration_s: float, running: int, waiting: int, reserved: int,
+               used: int) -> None:
+        self.time_s.append(end_s)
+        self.duration_s.append(duration_s)
+        self.running.append(running)
+        self.waiting.append(waiting)
+        self.reserved_tokens.append(reserved)
+        self.used_tokens.append(used)
+
+    def time_mean(self, values: Sequence[float]) -> float:
+        total = sum(self.duration_s)
+        if total == 0:
+            return float(sum(values) / len(values)) if values else 0.0
+        return sum(v * d for v, d in zip(values, self.duration_s)) / total
+
+
+# The keys of one row of `kvlab serve`, in print order.
+ROW_KEYS = ("strategy", "requests", "finished", "rejected", "peak_running", "mean_running",
+            "preemptions", "kv_usage_mean", "kv_usage_peak", "output_tokens_per_s", "ttft_p50_s",
+            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "prefix_hit_rate")
+
+
+@dataclasses.dataclass
+class ServeResult:
+    """The figures of one strategy on one workload (see the module docstring for definitions).
+
+    Memory fields in tokens can be turned into bytes with `bytes_per_token` (per GPU).
+    """
+
+    strategy: str
+    requests: int
+    finished: int
+    rejected: int
+    peak_running: int
+    mean_running: float
+    preemptions: int
+    recomputed_tokens: int
+    kv_usage_mean: float
+    kv_usage_peak: float
+    output_tokens: int
+    output_tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    prefix_hit_rate: float | None
+    duration_s: float
+    num_steps: int
+    capacity_tokens: int
+    bytes_per_token: int
+    wall_s: float
+    events_per_s: float
+    reject_examples: list[str]
+    series: StepSeries = dataclasses.field(repr=False)
+    served_requests: list[Request] = dataclasses.field(repr=False, default_factory=list)
+
+    def row(self) -> dict:
+        """The `kvlab serve` row: ROW_KEYS plus the replay's size and speed."""
+        out = {key: getattr(self, key) for key in ROW_KEYS}
+        out.update(recomputed_tokens=self.recomputed_tokens, output_tokens=self.output_tokens,
+                   duration_s=self.duration_s, num_steps=self.num_steps,
+                   capacity_tokens=self.capacity_tokens, bytes_per_token=self.bytes_per_token,
+                   wall_s=self.wall_s, events_per_s=self.events_per_s,
+                   reject_examples=self.reject_examples)
+        return out
+
+
+def summarize(strategy: str, requests: Sequence[Request], series: StepSeries, preemptions: int,
+              recomputed_tokens: int, hit_tokens: int | None, queried_tokens: int,
+              capacity_tokens: int, bytes_per_token: int, wall_s: float,
+              events: int) -> ServeResult:
+    """Turn a finished replay (its requests, after serving, and its step series) into figures."""
+    finished = [r for r in requests if r.finish_s is not None]
+    rejected = [r for r in requests if r.reject_reason is not None]
+    ttft = [r.first_token_s - r.arrival_s for r in finished]
+    tpot = [(r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+            for r in finished if r.num_output_tokens > 1]
+    output_tokens = sum(r.num_output_tokens for r in finished)
+    start = min((r.arrival_s for r in requests), default=0.0)
+    end = max((r.finish_s for r in finished), default=start)
+    usage = [reserved / capacity_tokens for reserved in series.reserved_tokens]
+    hit_rate = None if hit_tokens is None else (hit_tokens / queried_tokens
+                                                if queried_tokens else 0.0)
+    return ServeResult(
+        strategy=strategy, requests=len(requests), finished=len(finished), rejected=len(rejected),
+        peak_running=max(series.running, default=0),
+        mean_running=series.time_mean(series.running), preemptions=preemptions,
+        recomputed_tokens=recomputed_tokens, kv_usage_mean=series.time_mean(usage),
+        kv_usage_peak=max(usage, default=0.0), output_tokens=output_tokens,
+        output_tokens_per_s=output_tokens / (end - start) if end > start else 0.0,
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
+        prefix_hit_rate=hit_rate, duration_s=end - start, num_steps=len(series.time_s),
+        capacity_tokens=capacity_tokens, bytes_per_token=bytes_per_token, wall_s=wall_s,
+        events_per_s=events / wall_s if wall_s > 0 else 0.0,
+        reject_examples=[f"request {r.request_id}: {r.reject_reason}" for r in rejected[:3]],
+        series=series, served_requests=list(requests))
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def format_rows(results: Sequence[ServeResult]) -> str:
+    """A plain-text table, one row per strategy (ratios shown as %)."""
+    headers = ("strategy", "finished", "rejected", "peak run", "mean run", "preempt",
+               "KV use mean", "KV use peak", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+               "TPOT p99", "prefix hit")
+    lines = []
+    for r in results:
+        percent = [None if v is None else f"{v:.1%}" for v in
+                   (r.kv_usage_mean, r.kv_usage_peak, r.prefix_hit_rate)]
+        lines.append([r.strategy, _cell(r.finished), _cell(r.rejected), _cell(r.peak_running),
+                      _cell(r.mean_running), _cell(r.preemptions), _cell(percent[0]),
+                      _cell(percent[1]), _cell(r.output_tokens_per_s),
+                      *(_cell(v) + ("" if v is None or math.isnan(v) else " s") for v in
+                        (r.ttft_p50_s, r.ttft_p99_s, r.tpot_p50_s, r.tpot_p99_s)),
+                      _cell(percent[2])])
+    widths = [max(len(str(row[i])) for row in [headers, *lines]) for i in range(len(headers))]
+    table = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))) for row in [headers, *lines]]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(table)
+
+
+def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 2000):
+    """KV memory held (% of the budget) and running requests over time, one line per strategy.
+
+    Args:
+        results: `ServeResult`s of one workload.
+        axes: two matplotlib axes, or None to make a figure.
+        max_points: plot at most this many steps per line (every k-th step), so a 300,000-step
+            replay draws quickly.
+
+    Returns:
+        the two axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    for r in results:
+        s = r.series
+        every = max(1, len(s.time_s) // max_points)
+        times = s.time_s[::every]
+        axes[0].plot(times, [100 * t / r.capacity_tokens for t in s.reserved_tokens[::every]],
+                     label=r.strategy, lw=1)
+        axes[1].plot(times, s.running[::every], label=r.strategy, lw=1)
+    axes[0].set_ylabel("KV held (% of budget)")
+    axes[1].set_ylabel("running requests")
+    axes[1].set_xlabel("time (s)")
+    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return axes

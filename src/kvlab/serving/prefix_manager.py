@@ -1,0 +1,112 @@
+"""The paged + prefix-cached strategy: stage 6's manager behind the scheduler's `KVManager`.
+
+`kvlab.prefix.PrefixCachingKVCacheManager` keeps stage 4's block pool and adds a cache of full
+blocks keyed by a hash chained through the parent block (vLLM v1's automatic prefix caching). At
+admission the scheduler's request is looked up block by block: the leading blocks found are shared
+(ref count + 1) and never computed, and only the rest is prefilled. A finished request's blocks go
+back to the free queue but keep their hash until reused (LRU eviction), so the next request with
+the same prefix still finds them.
+
+The manager hashes token ids. In model mode those are the request's real ids. In simulation there
+are no ids, so the trace's prefix information stands in for them: token p of a prompt whose
+512-token block p // 512 has trace id h gets the id h x 512 + p % 512 (equal exactly where the
+trace says two prompts share that block; this is `kvlab.traces.mooncake.expand_hash_ids` at block
+size 1). Prompts without block ids (the Azure trace) and every output token get an id of their own
+request (-1 - request_id), so they never hit another request's blocks; that is the honest
+assumption when a trace says nothing about sharing.
+"""
+
+from __future__ import annotations
+
+from ..errors import NoFreeBlocksError
+from ..paged.block_table import cdiv
+from ..prefix.manager import PrefixCachingKVCacheManager
+from .kv_managers import KVManager
+from .request import Request
+
+__all__ = ["PrefixManager"]
+
+
+class PrefixManager(KVManager):
+    """Paged blocks with automatic prefix caching.
+
+    Args:
+        manager: the `PrefixCachingKVCacheManager` (in model mode: the one the `PagedKVCache` the
+            model reads uses, so blocks found in the cache really hold those tokens' K/V).
+        max_model_len: longest request accepted (the pool must hold one; checked here).
+
+    Raises:
+        ValueError: the pool cannot hold one max_model_len request.
+    """
+
+    name = "paged+prefix"
+    has_prefix_cache = True
+
+    def __init__(self, manager: PrefixCachingKVCacheManager, max_model_len: int):
+        self.manager, self.max_model_len = manager, max_model_len
+        self.block_size = manager.block_size
+        self.capacity_tokens = manager.pool.num_blocks * self.block_size
+        if cdiv(max_model_len, self.block_size) > manager.pool.num_blocks:
+            raise ValueError(f"a max_model_len={max_model_len} request needs "
+                             f"{cdiv(max_model_len, self.block_size)} blocks of {self.block_size}"
+                             f" tokens, the pool has {manager.pool.num_blocks}; lower "
+                             f"max_model_len or give the cache more memory")
+
+    def allocate(self, request: Request, token_budget: int) -> int | None:
+        # The whole prompt (+ outputs after a preemption) is reserved at admission, the cached
+        # part shared; chunks computed in later steps find their slots already there.
+        tokens = token_ids(request, 0, request.num_tokens)
+        try:
+            allocation = self.manager.allocate_with_prefix(request.request_id, tokens)
+        except NoFreeBlocksError:
+            return None
+        return allocation.num_cached_tokens
+
+    def append(self, request: Request, num_new_tokens: int) -> bool:
+        table = self.manager.tables[request.request_id]
+        end = request.num_computed_tokens + num_new_tokens
+        if end <= table.num_tokens:
+            return True  # the rest of a prompt reserved at admission
+        start = table.num_tokens
+        try:
+            self.manager.append_slots(request.request_id, end - start,
+                                      token_ids(request, start, end))
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request.request_id)
+
+    def preempt(self, request: Request) -> int:
+        return self.manager.preempt(request.request_id)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """Slots of blocks held by requests; cached blocks that nobody holds are free memory."""
+        return self.manager.num_used_blocks * self.block_size
+
+
+def token_ids(request: Request, start: int, end: int) -> list[int]:
+    """Ids of tokens start .. end - 1 of a request: its real ids where it has them (model mode, or
+    a prompt given with ids), else the stand-ins described in the module docstring."""
+    own = -1 - request.request_id
+    known = request.prompt_token_ids
+    if known is not None:
+        known = known + request.output_token_ids  # outputs are known in model mode only
+        return known[start:end] + [own] * (end - max(start, len(known)))
+    size, hashes = request.hash_block_size, request.block_hashes
+    ids: list[int] = []
+    position = start
+    prompt_end = min(end, request.prompt_len)
+    while position < prompt_end:
+        block = position // size if hashes else len(hashes)
+        if block < len(hashes):  # a block the trace names: ids shared with every prompt that has it
+            block_end = min(prompt_end, (block + 1) * size)
+            base = hashes[block] * size
+            ids += range(base + position % size, base + position % size + block_end - position)
+        else:
+            block_end = prompt_end
+            ids += [own] * (block_end - position)
+        position = block_end
+    return ids + [own] * (end - max(start, request.prompt_len))

@@ -1,0 +1,212 @@
+"""A request as the server sees it: what arrived, and how far it has got.
+
+The fields follow vLLM v1's `Request`: a request owns its token count and its progress, and the
+scheduler only compares two numbers to decide what to run next:
+
+* `num_tokens`: tokens the request has so far, prompt + output tokens sampled;
+* `num_computed_tokens`: of those, the tokens whose K/V are in the cache.
+
+A prefill is the case `num_computed_tokens` far behind `num_tokens`, a decode step the case of one
+token behind. After a preemption by recompute (Kwon et al., SOSP 2023, section 4.5) the computed
+count drops to 0 and the request catches up again, prompt and output alike. That one rule covers
+prefill, chunked prefill, decode, prefix-cache hits and recomputation.
+
+Helpers here turn trace rows (`kvlab.workload.Request`: sizes and arrival times) into requests,
+replace arrival times by a Poisson process, and give token ids to requests for model mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+from typing import Iterable, Sequence
+
+__all__ = ["Request", "RequestState", "from_sizes", "poisson_arrivals", "speed_up",
+           "shrink", "synthetic_prompt_ids"]
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"      # arrived and queued (again, after a preemption)
+    RUNNING = "running"      # holds KV memory and is scheduled step after step
+    FINISHED = "finished"    # produced max_output_tokens; its memory is free
+    REJECTED = "rejected"    # can never fit (reason in `reject_reason`); never queued
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request: sizes in tokens, arrival time in seconds, and its progress while served.
+
+    Args:
+        request_id: unique id (the KV manager's sequence id).
+        arrival_s: arrival time, seconds from the start of the replay.
+        prompt_len: prompt tokens (>= 1).
+        max_output_tokens: tokens to generate (>= 1; the server stops after them, as a benchmark
+            that ignores end-of-sequence does).
+        prompt_token_ids: the prompt's ids (model mode), or None (simulation).
+        block_hashes: optional ids of the prompt's consecutive blocks of `hash_block_size` tokens
+            (a trace's prefix information: equal ids at equal positions = a shared prefix).
+        hash_block_size: tokens per entry of `block_hashes` (0 when there are none).
+
+    Raises:
+        ValueError: a non-positive length, a negative arrival time, or prompt ids of the wrong
+            length.
+    """
+
+    request_id: int
+    arrival_s: float
+    prompt_len: int
+    max_output_tokens: int
+    prompt_token_ids: list[int] | None = None
+    block_hashes: tuple[int, ...] = ()
+    hash_block_size: int = 0
+    # ---- progress, written by the scheduler ----
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0   # prompt tokens found in the prefix cache at the last admission
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    reject_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.max_output_tokens < 1:
+            raise ValueError(f"request {self.request_id}: prompt_len={self.prompt_len} and "
+                             f"max_output_tokens={self.max_output_tokens} must both be >= 1")
+        if not self.arrival_s >= 0:
+            raise ValueError(f"request {self.request_id}: arrival_s={self.arrival_s} must be >= 0")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"request {self.request_id}: {len(self.prompt_token_ids)} prompt ids "
+                             f"for prompt_len={self.prompt_len}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the request has now: prompt + outputs sampled so far."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def total_len(self) -> int:
+        """Most tokens it can reach: prompt + max_output_tokens (what max_model_len bounds)."""
+        return self.prompt_len + self.max_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_output_tokens >= self.max_output_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Ids of tokens start .. end - 1 (prompt then output); model mode only."""
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def fresh_copy(self) -> "Request":
+        """The same request, not yet served (to replay one workload through several strategies)."""
+        return Request(self.request_id, self.arrival_s, self.prompt_len, self.max_output_tokens,
+                       self.prompt_token_ids, self.block_hashes, self.hash_block_size)
+
+
+def from_sizes(sizes: Iterable, prompt_ids: bool = False, vocab_size: int = 0,
+               seed: int = 0) -> list[Request]:
+    """Requests from trace rows (anything with prompt_len, output_len, arrival_s; e.g.
+    `kvlab.workload.Request`), in arrival order.
+
+    Rows with 0 output tokens are served as 1 (a server always returns at least one token).
+    Optional attributes `block_hashes` / `hash_block_size` are carried over. With prompt_ids=True
+    every request gets `synthetic_prompt_ids` (vocab_size needed).
+    """
+    requests = []
+    for index, row in enumerate(sizes):
+        request = Request(index, float(getattr(row, "arrival_s", 0.0)), int(row.prompt_len),
+                          max(1, int(row.output_len)),
+                          block_hashes=tuple(getattr(row, "block_hashes", ()) or ()),
+                          hash_block_size=int(getattr(row, "hash_block_size", 0) or 0))
+        if prompt_ids:
+            request.prompt_token_ids = synthetic_prompt_ids(request, vocab_size, seed)
+        requests.append(request)
+    requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    return requests
+
+
+def poisson_arrivals(requests: Sequence[Request], rate: float, seed: int = 0) -> list[Request]:
+    """The same requests arriving as a Poisson process of `rate` requests per second.
+
+    Gaps between arrivals are exponential with mean 1 / rate (the usual open-loop benchmark load,
+    e.g. vLLM's `benchmark_serving --request-rate`). The first request arrives at 0.
+
+    Raises:
+        ValueError: rate <= 0.
+    """
+    if not rate > 0:
+        raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
+    rng, now, out = random.Random(seed), 0.0, []
+    for index, request in enumerate(requests):
+        copy = request.fresh_copy()
+        copy.arrival_s = now
+        out.append(copy)
+        now += rng.expovariate(rate)
+    return out
+
+
+def speed_up(requests: Sequence[Request], factor: float) -> list[Request]:
+    """Arrival times divided by `factor`: the trace's bursts, `factor` times denser (the load of
+    `factor` such services sent to one deployment). Sizes are unchanged.
+
+    Raises:
+        ValueError: factor <= 0.
+    """
+    if not factor > 0:
+        raise ValueError(f"speed-up factor must be > 0, got {factor}")
+    out = []
+    for request in requests:
+        copy = request.fresh_copy()
+        copy.arrival_s = request.arrival_s / factor
+        out.append(copy)
+    return out
+
+
+def shrink(requests: Sequence[Request], factor: int) -> list[Request]:
+    """Prompt and output lengths divided by `factor` (rounded, at least 1), arrival times kept.
+
+    For the tiny model on a CPU, whose max_position_embeddings is 1,024: the traffic keeps its shape
+    (long tail, bursts) at a size a CPU runs in seconds. Prefix block hashes are kept, with their
+    block size divided too (it must stay a whole number of tokens).
+
+    Raises:
+        ValueError: factor < 1, or a hash block size it does not divide.
+    """
+    if not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"shrink factor must be a positive integer, got {factor!r}")
+    out = []
+    for r in requests:
+        if r.hash_block_size % factor:
+            raise ValueError(f"shrink factor {factor} does not divide the hash block size "
+                             f"{r.hash_block_size}")
+        out.append(Request(r.request_id, r.arrival_s, max(1, round(r.prompt_len / factor)),
+                           max(1, round(r.max_output_tokens / factor)), None, r.block_hashes,
+                           r.hash_block_size // factor))
+    return out
+
+
+def synthetic_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
+    """Token ids for a request known only by its length (model mode on a trace).
+
+    Ids are drawn uniformly from [0, vocab_size). With block hashes, the tokens of each hashed block
+    are drawn from a generator seeded by (seed, position, hash), so two prompts that share a prefix
+    of blocks in the trace share exactly those token ids, and the prefix cache can find them. The
+    rest of the prompt is drawn from a generator seeded by (seed, request_id).
+
+    Raises:
+        ValueError: vocab_size < 1.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    ids: list[int] = []
+    size = request.hash_block_size
+    for position, block_hash in enumerate(request.block_hashes if size else ()):
+        rng = random.Random(f"{seed}/{position}/{block_hash}")
+        ids += [rng.randrange(vocab_size) for _ in range(size)]
+        if len(ids) >= request.prompt_len:
+            break
+    rng = random.Random(f"{seed}/request/{request.request_id}")
+    ids += [rng.randrange(vocab_size) for _ in range(request.prompt_len - len(ids))]
+    return ids[:request.prompt_len]

@@ -1,0 +1,209 @@
+"""One scheduler for every KV-cache strategy: admit, run and preempt requests, one step at a time.
+
+Iteration-level scheduling (Orca, Yu et al., OSDI 2022): the batch is rebuilt at every step, so a
+request joins as soon as memory allows and leaves the moment it finishes, instead of the whole batch
+waiting for its longest member. Each step has two budgets, as in vLLM:
+
+* `max_num_batched_tokens`: tokens computed in one forward pass (decode tokens + prefill tokens).
+  A prompt bigger than what is left is computed in chunks over several steps (chunked prefill,
+  vLLM v1's default; Agrawal et al., Sarathi-Serve, OSDI 2024).
+* `max_num_seqs`: requests running at once.
+
+`schedule()` (after vLLM v1's scheduler, cut to its core):
+
+1. Running requests, oldest first, each get the tokens it has not computed yet (1 for a decode,
+   a chunk for a prefill) while the token budget lasts. When the KV manager has no room, the
+   *newest* running request is preempted by recompute (Kwon et al., SOSP 2023, section 4.5): its
+   memory is freed and it goes to the front of the waiting queue. Serving the oldest first means the
+   oldest always progress, so the server never livelocks.
+2. If nothing was preempted this step, waiting requests are admitted first come, first served,
+   while the manager has room, max_num_seqs allows and token budget is left. The head of the queue
+   that does not fit waits; nothing overtakes it, so it cannot starve. (Admitting right after a
+   preemption would only hand the freed memory to a newer request.)
+
+`update()` then records what the step computed: a request whose every token is computed has just
+produced its next token; one that reached max_output_tokens finishes and frees its memory.
+
+The scheduler talks to memory only through `KVManager`: the same code runs the contiguous
+reservation, the paged pool and the paged pool with a prefix cache, in model mode and simulation.
+Requests that can never fit are rejected on arrival, with the reason, and never enter the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .kv_managers import KVManager
+from .request import Request, RequestState
+
+__all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The step budgets (vLLM's names).
+
+    Attributes:
+        max_num_seqs: most requests running at once (vLLM's default 256).
+        max_num_batched_tokens: most tokens computed in one step (vLLM v1 uses 8,192 for online
+            serving on large GPUs, 2,048 elsewhere; a prompt beyond it is prefilled in chunks).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        scheduled: (request, num_new_tokens) in execution order: running requests first, then the
+            ones admitted this step. Tokens num_computed_tokens .. + num_new_tokens - 1 of each.
+        admitted: requests admitted this step (new, or back after a preemption).
+        preempted: requests preempted this step (their memory is already freed).
+        num_batched_tokens: sum of num_new_tokens.
+    """
+
+    scheduled: list[tuple[Request, int]]
+    admitted: list[Request]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+
+class Scheduler:
+    """Continuous batching under a KV manager and the step budgets.
+
+    Args:
+        kv: the strategy's `KVManager`.
+        config: `SchedulerConfig`.
+
+    Attributes:
+        waiting: arrived requests not running, in service order (preempted ones at the front).
+        running: requests holding memory, oldest admission first.
+        rejected / finished: requests that ended, in the order they ended.
+        num_preemptions: preemptions so far.
+    """
+
+    def __init__(self, kv: KVManager, config: SchedulerConfig = SchedulerConfig()):
+        self.kv, self.config = kv, config
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.rejected: list[Request] = []
+        self.finished: list[Request] = []
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.num_queried_tokens = 0   # tokens looked up in the prefix cache at admissions
+        self.num_hit_tokens = 0       # of those, tokens found cached
+
+    # ---- arrivals -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> bool:
+        """Queue an arrived request; False if it can never fit (state REJECTED, reason set)."""
+        reason = self.kv.reject_reason(request)
+        if reason is not None:
+            request.state, request.reject_reason = RequestState.REJECTED, reason
+            self.rejected.append(request)
+            return False
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch: keep the running requests going, preempting when memory is
+        short, then admit waiting ones (see the module docstring)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        running, append = self.running, self.kv.append
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            # num_tokens - num_computed_tokens, written out: this loop runs for every token served.
+            num_new = min(request.prompt_len + request.num_output_tokens
+                          - request.num_computed_tokens, budget)
+            while not append(request, num_new):
+                victim = running.pop()   # the newest; may be `request` itself
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # `request` preempted itself: it was the newest, nothing is left after it
+
+        admitted: list[Request] = []
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached = self.kv.allocate(request, budget)
+            if cached is None:
+                break  # the head waits for memory; no overtaking
+            num_new = request.num_tokens - cached  # >= 1: a hit never covers the last token
+            num_new = min(num_new, budget)
+            self.waiting.popleft()
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += cached
+            request.state = RequestState.RUNNING
+            request.num_computed_tokens = request.num_cached_tokens = cached
+            self.running.append(request)
+            admitted.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, admitted, preempted,
+                               self.config.max_num_batched_tokens - budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop its KV, queue it first; it will recompute every token."""
+        self.num_recomputed_tokens += self.kv.preempt(request)
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        request.num_computed_tokens = 0
+        request.state = RequestState.WAITING
+        self.waiting.appendleft(request)  # several in one step keep their relative order
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int] | None,
+               now_s: float) -> list[Request]:
+        """Record the step: computed tokens, and one new token for every request that computed all
+        of its tokens. Returns the requests that finished (their memory is freed).
+
+        Args:
+            output: this step's `SchedulerOutput`.
+            sampled: request_id -> sampled token id (model mode), or None (simulation: only the
+                count of tokens matters).
+            now_s: time at the end of the step (first-token and finish times).
+        """
+        done = []
+        for request, num_new in output.scheduled:
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no token yet
+            if sampled is not None:
+                request.output_token_ids.append(sampled[request.request_id])
+            request.num_output_tokens += 1
+            if request.first_token_s is None:
+                request.first_token_s = now_s
+            if request.num_output_tokens >= request.max_output_tokens:
+                request.state, request.finish_s = RequestState.FINISHED, now_s
+                self.kv.free(request)
+                done.append(request)
+        if done:
+            self.running = [r for r in self.running if r.state is RequestState.RUNNING]
+            self.finished += done
+        return done

@@ -1,0 +1,69 @@
+"""Read a request trace for `kvlab serve`, by shipped name or by file, in either real format.
+
+* Azure LLM inference trace 2023 (`.csv`, `TIMESTAMP,ContextTokens,GeneratedTokens`; Patel et al.,
+  Splitwise, ISCA 2024; CC BY 4.0): read by `kvlab.traces.load_azure_trace`.
+* Mooncake traces (`.jsonl`, arrival, lengths and the ids of 512-token prompt blocks; Qin et al.,
+  FAST 2025; Apache-2.0): read by `kvlab.traces.load_mooncake_trace`. The block ids travel with
+  each request, so a prefix cache sees the trace's real sharing.
+
+Both readers reject a malformed line with `file:line` and the bad value. Requests longer than
+max_model_len are *kept* here: the server rejects them on arrival and counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..traces.azure import TraceFormatError, azure_trace_path, load_azure_trace
+from ..traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace, mooncake_trace_path
+
+__all__ = ["TraceRow", "load_trace", "SHIPPED_TRACES"]
+
+# Names of the traces that ship with kvlab -> their files.
+SHIPPED_TRACES = {
+    "azure-conv": lambda: azure_trace_path("conv"),
+    "azure-code": lambda: azure_trace_path("code"),
+    "mooncake-conversation": lambda: mooncake_trace_path("conversation"),
+    "mooncake-synthetic": lambda: mooncake_trace_path("synthetic"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRow:
+    """One request of a trace: sizes in tokens, arrival in seconds from the trace's start, and
+    the ids of its prompt blocks of `hash_block_size` tokens (none for the Azure trace)."""
+
+    prompt_len: int
+    output_len: int
+    arrival_s: float
+    block_hashes: tuple[int, ...] = ()
+    hash_block_size: int = 0
+
+
+def load_trace(trace: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """Requests of a trace, in file order (at most `limit`).
+
+    Args:
+        trace: a shipped name (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic)
+            or a path to a `.csv` (Azure format) or `.jsonl` (Mooncake format) file.
+        limit: read at most this many requests (>= 1).
+
+    Raises:
+        FileNotFoundError: no such file.
+        TraceFormatError: an unknown extension, or a malformed line (message: file:line: what).
+        ValueError: limit < 1.
+    """
+    path = SHIPPED_TRACES[str(trace)]() if str(trace) in SHIPPED_TRACES else Path(trace)
+    if not path.exists():
+        raise FileNotFoundError(f"no trace file {path} (shipped traces: "
+                                f"{', '.join(SHIPPED_TRACES)})")
+    if path.suffix == ".csv":
+        return [TraceRow(r.prompt_len, r.output_len, r.arrival_s)
+                for r in load_azure_trace(path, limit)]
+    if path.suffix == ".jsonl":
+        return [TraceRow(r.input_length, r.output_length, r.arrival_s, r.hash_ids,
+                         TRACE_BLOCK_SIZE)
+                for r in load_mooncake_trace(path, limit=limit).requests]
+    raise TraceFormatError(f"{path}: unknown trace format {path.suffix!r}; expected .csv (Azure "
+                           f"LLM inference trace) or .jsonl (Mooncake)")

@@ -1,0 +1,272 @@
+"""Stage 7: one scheduler for every strategy. Memory conserved, budgets held, every admissible
+request served, model-mode tokens equal to solo no-cache generation (chunked prefill and preemption
+included), simulation and model mode deciding alike, traces checked line by line."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from kvlab.cli import main
+from kvlab.config import LlamaConfig, load_config
+from kvlab.generate import generate
+from kvlab.model import LlamaForCausalLM
+from kvlab.serving import (CostModel, PagedManager, Request, RequestState, Scheduler,
+                           SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
+                           percentile, poisson_arrivals, serve, simulated_manager, speed_up)
+from kvlab.serving.traces import load_trace
+from kvlab.traces import TraceFormatError
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     max_position_embeddings=128, name="test-tiny")
+BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # K and V x layers x KV heads x head_dim x float32
+COST = CostModel(CONFIG, get_card("H100-80GB"), dtype="fp32", step_overhead_s=1e-3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG).eval()
+
+
+def workload(num=12, seed=3, max_prompt=40, max_output=12, with_ids=True, spread_s=0.02,
+             shared_prefix=0):
+    """Random requests; the first `shared_prefix` prompt tokens of every other one are common."""
+    rng = random.Random(seed)
+    common = [rng.randrange(CONFIG.vocab_size) for _ in range(shared_prefix)]
+    requests = []
+    for i in range(num):
+        prompt = rng.randint(1, max_prompt)
+        ids = [rng.randrange(CONFIG.vocab_size) for _ in range(prompt)]
+        if i % 2 == 0 and shared_prefix:
+            ids = common + ids
+        requests.append(Request(i, rng.uniform(0, spread_s), len(ids), rng.randint(1, max_output),
+                                ids if with_ids else None))
+    return requests
+
+
+def decisions(result_requests):
+    return [(r.request_id, r.first_token_s, r.finish_s, r.num_preemptions, r.state)
+            for r in sorted(result_requests, key=lambda r: r.request_id)]
+
+
+# ---- scheduler invariants, driven step by step ----------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["contiguous", "paged", "prefix"])
+def test_budgets_held_every_step_and_memory_all_free_at_the_end(strategy):
+    config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24)
+    kv = simulated_manager(strategy, 6 * 64 * 100, 100, max_model_len=64, block_size=4)
+    scheduler = Scheduler(kv, config)
+    requests = workload(40, with_ids=False)
+    for request in requests:
+        scheduler.add_request(request)
+    steps = 0
+    while scheduler.has_unfinished():
+        output = scheduler.schedule()
+        assert output.num_batched_tokens == sum(n for _, n in output.scheduled)
+        assert output.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(scheduler.running) <= config.max_num_seqs
+        assert kv.num_reserved_tokens <= kv.capacity_tokens
+        assert all(r.state is RequestState.RUNNING for r in scheduler.running)
+        scheduler.update(output, None, float(steps))
+        steps += 1
+        assert steps < 10_000
+    assert kv.num_reserved_tokens == 0
+    if strategy != "contiguous":
+        assert kv.manager.num_free_blocks == kv.manager.pool.num_blocks
+        assert kv.manager.tables == {}
+    else:
+        assert kv.holders == set()
+    assert all(r.num_output_tokens == r.max_output_tokens for r in requests)
+
+
+def test_preemption_takes_the_newest_and_admits_nothing_in_that_step():
+    kv = simulated_manager("paged", 4 * 4 * 10, 10, max_model_len=16, block_size=4)  # 4 blocks
+    scheduler = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    a, b, c, d = (Request(i, 0.0, 4, 8) for i in range(4))
+    for request in (a, b, c, d):
+        scheduler.add_request(request)
+    first = scheduler.schedule()  # each takes one full block (4 prompt tokens): the pool is full
+    assert [r.request_id for r in first.admitted] == [0, 1, 2, 3]
+    scheduler.update(first, None, 1.0)
+    scheduler.add_request(Request(4, 1.0, 1, 1))
+    second = scheduler.schedule()  # every one needs a new block, none is free
+    assert [r.request_id for r in second.preempted] == [3, 2]  # newest first: d for a, c for b
+    assert [r.request_id for r, _ in second.scheduled] == [0, 1]
+    assert second.admitted == []  # nothing admitted right after a preemption
+    assert [r.request_id for r in scheduler.waiting] == [2, 3, 4]  # preempted first, in order
+    assert c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert c.state is RequestState.WAITING and a.state is RequestState.RUNNING
+
+
+def test_a_request_that_can_never_fit_is_rejected_and_never_stalls_the_others():
+    requests = workload(10, with_ids=False)
+    requests.insert(3, Request(99, 0.0, 60, 10))  # 70 tokens > max_model_len 64
+    for strategy in ("contiguous", "paged", "prefix"):
+        kv = simulated_manager(strategy, 2 * 64 * 100, 100, max_model_len=64, block_size=4)
+        result = serve(requests, kv, SimulatedExecutor(COST))
+        assert (result.finished, result.rejected) == (10, 1)
+        assert "70 tokens > max_model_len=64" in result.reject_examples[0]
+
+
+def test_contiguous_holds_fewer_requests_than_paged_on_the_same_budget():
+    requests = workload(60, with_ids=False, spread_s=0.0)
+    budget = 4 * 64 * 100  # four max_model_len slabs, or 64 blocks of 4
+    results = {s: serve(requests, simulated_manager(s, budget, 100, 64, 4), SimulatedExecutor(COST))
+               for s in ("contiguous", "paged")}
+    assert results["contiguous"].peak_running == 4
+    assert results["paged"].peak_running > 4 * 2
+    assert results["paged"].ttft_p99_s < results["contiguous"].ttft_p99_s
+
+
+# ---- model mode ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy,budget_tokens",
+                         [("contiguous", 3 * 64), ("paged", 30 * 4), ("prefix", 18 * 4)])
+def test_model_mode_tokens_equal_solo_generation(model, strategy, budget_tokens):
+    requests = workload(12, max_prompt=28, max_output=24, shared_prefix=12)
+    kv, executor = model_strategy(strategy, model, budget_tokens * BYTES_PER_TOKEN, 64,
+                                  block_size=4)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)  # forces chunked prefill
+    result = serve(requests, kv, executor, config)
+    assert result.finished == len(requests)
+    if strategy != "contiguous":
+        assert result.preemptions > 0  # the pool of 30 blocks is too small for the traffic
+    if strategy == "prefix":
+        assert result.prefix_hit_rate > 0.05
+    served = {r.request_id: r for r in result.served_requests}
+    for request in requests:
+        solo = generate(model, request.prompt_token_ids, request.max_output_tokens,
+                        cache="none").token_ids
+        assert served[request.request_id].output_token_ids == solo, request.request_id
+
+
+def test_simulation_and_model_mode_make_the_same_decisions(model):
+    requests = workload(12)  # no shared prefix: simulation's stand-in ids then hit alike
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20)
+    for strategy, budget_tokens in (("contiguous", 3 * 64), ("paged", 30 * 4),
+                                    ("prefix", 30 * 4)):
+        budget = budget_tokens * BYTES_PER_TOKEN
+        kv, executor = model_strategy(strategy, model, budget, 64, block_size=4, cost_model=COST)
+        real = serve(requests, kv, executor, config)
+        simulated = serve(requests, simulated_manager(strategy, budget, BYTES_PER_TOKEN, 64, 4),
+                          SimulatedExecutor(COST), config)
+        assert decisions(real.served_requests) == decisions(simulated.served_requests)
+        assert real.series.running == simulated.series.running
+        assert real.series.reserved_tokens == simulated.series.reserved_tokens
+        assert real.preemptions == simulated.preemptions
+
+
+def test_paged_manager_refuses_a_pool_smaller_than_one_request():
+    with pytest.raises(ValueError, match="max_model_len=64 request needs 16 blocks"):
+        simulated_manager("paged", 10 * 4 * 100, 100, max_model_len=64, block_size=4)
+    with pytest.raises(ValueError, match="no slab"):
+        simulated_manager("contiguous", 63 * 100, 100, max_model_len=64)
+
+
+# ---- arrivals, cost model, metrics --------------------------------------------------------------
+
+def test_poisson_arrivals_have_the_asked_rate_and_are_repeatable():
+    requests = workload(4000, with_ids=False)
+    arrived = poisson_arrivals(requests, rate=50.0, seed=1)
+    assert [r.arrival_s for r in arrived] == [r.arrival_s for r in
+                                             poisson_arrivals(requests, 50.0, seed=1)]
+    mean_gap = arrived[-1].arrival_s / (len(arrived) - 1)
+    assert mean_gap == pytest.approx(1 / 50.0, rel=0.05)
+    assert [r.arrival_s for r in speed_up(arrived, 2.0)] == [r.arrival_s / 2 for r in arrived]
+
+
+def test_cost_model_roofline_by_hand():
+    config = load_config("llama-3.1-70b")
+    cost = CostModel(config, get_card("H100-80GB"), tp=4, dtype="bf16")
+    weights = cost.weights_bytes
+    # decode: 100 requests holding 1,000 tokens each -> memory-bound
+    per_token = 2 * 80 * 2 * 128 * 2  # 2 KV heads per GPU at tp=4, bf16
+    assert cost.kv_bytes_per_token == per_token
+    seconds = cost.step_time(100, 100 * 1000, 100 * 1001)
+    assert seconds == pytest.approx((weights + 100 * 1001 * per_token) / 3.35e12)
+    # a 8,192-token prefill -> compute-bound
+    pairs = 8192 * 8193 // 2
+    flops = 2 * cost.params_per_gpu * 8192 + 4 * 80 * 16 * 128 * pairs
+    assert cost.step_time(8192, 0, pairs) == pytest.approx(flops / 989e12)
+
+
+def test_percentile_matches_numpy():
+    numpy = pytest.importorskip("numpy")
+    values = [random.Random(i).expovariate(1.0) for i in range(101)]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(numpy.percentile(values, q)))
+    assert math.isnan(percentile([], 50))
+
+
+# ---- traces and the command ----------------------------------------------------------------------
+
+def test_simulation_stand_in_ids_share_exactly_the_blocks_the_trace_shares():
+    from kvlab.serving.prefix_manager import token_ids
+
+    a = Request(0, 0.0, 1100, 5, block_hashes=(7, 8, 9), hash_block_size=512)
+    b = Request(1, 0.0, 1030, 5, block_hashes=(7, 8, 4), hash_block_size=512)
+    ids_a, ids_b = token_ids(a, 0, 1100), token_ids(b, 0, 1030)
+    assert len(ids_a) == 1100 and len(ids_b) == 1030
+    assert ids_a[:1024] == ids_b[:1024] and ids_a[1024:1030] != ids_b[1024:1030]
+    assert token_ids(a, 1000, 1105) == ids_a[1000:] + [-1] * 5  # outputs: the request's own id
+    plain = Request(2, 0.0, 40, 3)
+    assert token_ids(plain, 0, 43) == [-3] * 43
+
+
+def test_malformed_traces_are_rejected_with_file_and_line(tmp_path):
+    csv = tmp_path / "t.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,5\n"
+                   "2023-11-16 18:15:47.00,ten,5\n")
+    with pytest.raises(TraceFormatError, match=r"t\.csv:3: ContextTokens='ten'"):
+        load_trace(csv)
+    jsonl = tmp_path / "m.jsonl"
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}\n'
+    for bad, message in [("{not json\n", "not a JSON object"),
+                         ('{"timestamp": 5, "input_length": 0, "output_length": 1}\n',
+                          "input_length=0 must be >= 1"),
+                         ('{"timestamp": 1, "input_length": 3, "output_length": 1, '
+                          '"hash_ids": ["a"]}\n', "hash_ids")]:
+        jsonl.write_text(good + bad)
+        with pytest.raises(TraceFormatError, match=rf"m\.jsonl:2: .*{message}"):
+            load_trace(jsonl)
+    jsonl.write_text(good)
+    [row] = load_trace(jsonl)
+    assert (row.prompt_len, row.output_len, row.block_hashes, row.hash_block_size) == \
+        (600, 3, (1, 2), 512)
+
+
+def test_cli_serve_simulate_json(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    rows = [f"2023-11-16 18:15:{10 + i // 10:02d}.{i % 10}000000,{100 + 37 * i % 900},{5 + i % 50}"
+            for i in range(200)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    assert main(["serve", "--trace", str(trace), "--simulate", "--model", "llama-3.1-8b",
+                 "--gpu", "L4", "--kv-budget", "1", "--max-model-len", "2048", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [row["strategy"] for row in out["rows"]] == ["contiguous", "paged", "paged+prefix"]
+    for row in out["rows"]:
+        assert row["finished"] == 200 and row["rejected"] == 0
+        for key in ("peak_running", "mean_running", "preemptions", "kv_usage_mean",
+                    "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                    "tpot_p99_s", "prefix_hit_rate"):
+            assert key in row
+    contiguous, paged, prefix = out["rows"]
+    # The Azure format carries no prefix information: hits only re-find a preempted request's own
+    # blocks.
+    assert prefix["prefix_hit_rate"] == 0.0 or prefix["preemptions"] > 0
+    assert contiguous["peak_running"] == (2**30 // (2048 * 131072))  # 4 slabs of 2,048 tokens
+    assert paged["peak_running"] > contiguous["peak_running"]
+
+
+def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5}\n')
+    assert main(["serve", "--trace", str(trace), "--simulate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad.jsonl:1: missing field 'output_length'" in err

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stage 5 on a CUDA GPU, as one prepared run (< 6 minutes on an H100/H200-class card):
-#   1. the kernel tests, including those marked `cuda` (real shapes, fp16/bf16, both layouts);
+#   1. the stage-5 tests, compiled on the GPU this time: every kernel case, those marked `cuda`
+#      (real shapes, fp16/bf16, both layouts), the backend in the tiny model, exercise 5;
 #   2. the whole benchmark (python -m kvlab.kernels.bench_paged_attention);
 # everything goes into one archive, results/<card>/stage5_gpu.tar.gz, with the logs.
 # Usage: bash scripts/run_stage5_gpu.sh [OUT_DIR]
@@ -12,6 +13,7 @@ mkdir -p "$out"
 unset TRITON_INTERPRET  # the real compiler, not the interpreter
 # A failing test is recorded in the log, and the benchmark still runs.
 timeout 240 python -m pytest -o addopts="" -q tests/test_triton_paged_attention.py \
+    tests/test_triton_backend.py tests/exercises/test_stage5.py \
     2>&1 | tee "$out/stage5_tests.log" || echo "TESTS FAILED" | tee -a "$out/stage5_tests.log"
 # Stopped early, the benchmark still leaves bench_paged_attention.partial.json (every point so far).
 timeout 300 python -m kvlab.kernels.bench_paged_attention --out "$out" 2>&1 | tee "$out/stage5_bench.log" \

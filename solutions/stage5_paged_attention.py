@@ -126,14 +126,16 @@ def launch(kernel, grid, *args, **constants) -> None:
     try:
         kernel[grid](*args, **constants)
     except Exception as error:
-        cause = error
-        while cause is not None and not isinstance(cause, NotImplementedError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
-        todo = re.search(r"TODO\(stage 5\): [^\"]*", str(error))
-        if todo:
-            raise NotImplementedError(todo.group(0)) from None
+        chain = [error]
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        for cause in chain:
+            if isinstance(cause, NotImplementedError):
+                raise cause from None
+        for cause in chain:
+            todo = re.search(r"TODO\(stage 5\): [^\"]*", str(cause))
+            if todo:
+                raise NotImplementedError(todo.group(0)) from None
         raise
 
 

@@ -433,3 +433,13 @@ def test_report_kv_cache_dtype_and_gpu(capsys):
     assert data["kv_budget_bytes"] == int(0.9 * 48 * GiB) - 2 * 8_030_261_248
     assert contiguous_row(data)["kv_bytes_per_token"] == 65_536
     assert data["model"] == "llama-3.1-8b (weights bf16, KV cache fp8)"
+
+
+def test_generate_seeded_sampling_is_the_same_through_every_cache(hf_checkpoint, capsys):
+    common = ["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3",
+              "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "11"]
+    outputs = [run_json(capsys, *common, "--cache", cache)["token_ids"]
+               for cache in ("none", "contiguous", "paged")]
+    assert outputs[0] == outputs[1] == outputs[2]
+    other_seed = run_json(capsys, *common[:-1], "12", "--cache", "paged")["token_ids"]
+    assert other_seed != outputs[0]  # the seed, not the cache, decides the samples

@@ -172,6 +172,12 @@ def test_paged_cache_checks_block_ids_layers_and_batches(small_config):
         cache.block_tables_tensor([])
     with pytest.raises(ValueError, match="num_new_tokens must be an integer >= 0, got -10"):
         cache.append_slots("a", -10)
+    with pytest.raises(ValueError, match=r"slot_mapping of shape \(2,\) for 1 sequences"):
+        cache.decode_store(["a"], torch.tensor([3, 4]))
+    store = cache.prefill_store("a", torch.tensor([0, 1, 2]))
+    kv = torch.zeros(3, 2, 8)
+    with pytest.raises(ValueError, match=r"layer_index must be an integer in \[0, 1\], got -1"):
+        store.attend(-1, torch.zeros(3, 4, 8), kv, kv, torch.arange(3))
     assert cache.manager.num_tokens("a") == 3 and cache.manager.num_free_blocks == 3
 
 

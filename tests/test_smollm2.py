@@ -2,8 +2,9 @@
 
 kvlab's decoder on the dequantized weights must give transformers' `LlamaForCausalLM` logits (read
 from the same file by transformers' GGUF loader) within 1e-4 in float32, and the same greedy tokens
-through every KV-cache path. Without the file these tests skip, except in CI (CI=true), where
-.ci/run fetches the model first, so a missing file is a failure there.
+through every KV-cache path (no cache, contiguous, paged with PyTorch or Triton attention).
+Without the file these tests skip, except in CI (CI=true), where .ci/run fetches the model first,
+so a missing file is a failure there.
 """
 
 from __future__ import annotations
@@ -85,10 +86,16 @@ def hf_greedy(theirs, prompts):
     return out[0, len(prompts["chat"]):].tolist()
 
 
-@pytest.mark.parametrize("path_kind", ["none", "contiguous", "paged"])
+@pytest.mark.parametrize("path_kind", ["none", "contiguous", "paged", "paged-triton"])
 def test_greedy_tokens_equal_transformers(ours, prompts, hf_greedy, path_kind):
+    """paged-triton: stage 5's Triton kernels as the paged cache's attention (the interpreter on
+    a CPU, ~16 s here for 8 tokens)."""
     prompt = prompts["chat"]
-    mine = generate(ours, prompt, NEW_TOKENS, cache=path_kind, max_model_len=64).token_ids
+    cache, _, backend = path_kind.partition("-")
+    if backend:
+        pytest.importorskip("triton")
+    mine = generate(ours, prompt, NEW_TOKENS, cache=cache, max_model_len=64,
+                    attention_backend=backend or None).token_ids
     assert mine == hf_greedy
     assert load_tokenizer(MODEL).decode(mine).startswith("The capital of France is")
 

@@ -15,11 +15,15 @@ from kvlab.paged import PagedKVCache, generate_paged, resolve_backend
 
 pytest.importorskip("triton")
 
+# CPU: Triton's interpreter (tests/conftest.py); with a GPU, the compiled kernels on it, in
+# float32 so that both paths compute the same greedy tokens.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def generate_json(capsys, *argv):
     code = main(["generate", "--model", "tiny", "--prompt", "The for statement is used to",
                  "--max-new-tokens", "16", "--cache", "paged", "--block-size", "4", "--json",
-                 *argv])
+                 "--device", DEVICE, "--dtype", "fp32", *argv])
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)["token_ids"]
@@ -42,7 +46,7 @@ def test_cli_attention_needs_the_paged_cache(capsys):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny"), load_tokenizer("tiny")
+    return load_model("tiny", device=DEVICE), load_tokenizer("tiny")
 
 
 def test_engine_batch_with_preemption_same_tokens_torch_and_triton(tiny):
@@ -75,7 +79,7 @@ def test_head_major_pool_shape_and_torch_reference_equal_to_token_major(tiny):
 def test_write_then_gather_reads_back_the_keys_in_both_layouts(tiny, name):
     model, _ = tiny
     keys = torch.randn(7, model.config.num_key_value_heads, model.config.head_dim,
-                       generator=torch.Generator().manual_seed(5))
+                       generator=torch.Generator().manual_seed(5)).to(DEVICE)
     gathered = {}
     for layout in (TOKEN_MAJOR, HEAD_MAJOR):
         cache = PagedKVCache.for_model(model, num_blocks=6, block_size=3,

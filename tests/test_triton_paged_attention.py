@@ -26,6 +26,13 @@ pa = pytest.importorskip("kvlab.kernels.paged_attention")  # needs Triton
 from kvlab.kernels.write_kv import write_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+# TRITON_INTERPRET=1); on a machine with one, the same tests run compiled, on the GPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
 
 
 def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed):
@@ -83,6 +90,7 @@ def to_layout(pool, layout):
 
 
 def assert_matches(out, expected, dtype, what):
+    out = out.cpu()
     assert not out.isnan().any(), f"{what}: output not fully written, or poison leaked in"
     error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
     assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]}"
@@ -111,14 +119,15 @@ def test_decode_matches_float64_reference_with_and_without_split(case_index):
     query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
         seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed=100 + case_index)
     expected = reference_decode(query, k_pool, v_pool, tables, seq_lens, block_size)
-    k_cache, v_cache = to_layout(k_pool, layout), to_layout(v_pool, layout)
+    k_cache, v_cache = on_device(to_layout(k_pool, layout), to_layout(v_pool, layout))
+    query, block_tables, lens = on_device(query, block_tables, lens)
     results = {}
     for num_splits in (1, 3):
         out = torch.full_like(query, float("nan"))
         pa.paged_attention_decode(query, k_cache, v_cache, block_tables, lens, layout=layout,
                                   num_splits=num_splits, out=out, tile=16)
         assert_matches(out, expected, dtype, f"{num_splits} split(s)")
-        results[num_splits] = out.double()
+        results[num_splits] = out.double().cpu()
     torch.testing.assert_close(results[1], results[3], rtol=0,
                                atol=2 * TOLERANCE[dtype] * expected.abs().max().item())
 
@@ -126,8 +135,8 @@ def test_decode_matches_float64_reference_with_and_without_split(case_index):
 def test_default_tile_and_splits_match_reference():
     query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
         [70, 3], 16, 2, 4, 64, torch.float32, seed=7)
-    out = pa.paged_attention_decode(query, k_pool, v_pool, block_tables, lens.long())
     expected = reference_decode(query, k_pool, v_pool, tables, [70, 3], 16)
+    out = pa.paged_attention_decode(*on_device(query, k_pool, v_pool, block_tables, lens.long()))
     assert out.shape == query.shape and out.dtype == query.dtype
     assert_matches(out, expected, torch.float32, "defaults")
 
@@ -137,14 +146,14 @@ def test_block_full_of_nan_never_reaches_the_output(layout):
     # The correctness issue's small case: 6 blocks x 4 tokens, 4 query / 2 KV heads, head_dim 8;
     # block 0 is full of NaN, then 2 tokens are written into slots 0-1 (block 0, offsets 0-1).
     pool_shape = (6, 4, 2, 8) if layout == TOKEN_MAJOR else (6, 2, 4, 8)
-    k_cache = torch.full(pool_shape, float("nan"))
-    v_cache = torch.full(pool_shape, float("nan"))
+    k_cache = torch.full(pool_shape, float("nan"), device=DEVICE)
+    v_cache = torch.full(pool_shape, float("nan"), device=DEVICE)
     gen = torch.Generator().manual_seed(11)
     key, value = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
-    write_kv(k_cache, v_cache, key, value, torch.tensor([0, 1]), layout=layout)
+    write_kv(k_cache, v_cache, *on_device(key, value, torch.tensor([0, 1])), layout=layout)
     query = torch.randn(1, 4, 8, generator=gen)
-    out = pa.paged_attention_decode(query, k_cache, v_cache, torch.tensor([[0]]),
-                                    torch.tensor([2]), layout=layout)
+    out = pa.paged_attention_decode(*on_device(query, k_cache, v_cache, torch.tensor([[0]]),
+                                               torch.tensor([2])), layout=layout)
     q = query[0].double().view(2, 2, 8)
     scores = torch.einsum("hgd,thd->hgt", q, key.double()) / math.sqrt(8)
     expected = torch.einsum("hgt,thd->hgd", scores.softmax(-1), value.double()).reshape(1, 4, 8)
@@ -157,13 +166,13 @@ def test_write_kv_stores_at_slots_and_skips_minus_one(layout):
     gen = torch.Generator().manual_seed(12)
     num_blocks, block_size, num_kv_heads, head_dim = 5, 3, 3, 12
     token_major = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    k_cache, v_cache = to_layout(token_major, layout), to_layout(-token_major, layout)
+    k_cache, v_cache = on_device(to_layout(token_major, layout), to_layout(-token_major, layout))
     before_k, before_v = k_cache.clone(), v_cache.clone()
     key = torch.randn(4, num_kv_heads, head_dim, generator=gen)
     value = torch.randn(4, num_kv_heads, head_dim, generator=gen)
     slots = torch.tensor([7, -1, 0, 14], dtype=torch.int32)
-    write_kv(k_cache, v_cache, key, value, slots, layout=layout)
-    expected_k, expected_v = before_k.clone(), before_v.clone()
+    write_kv(k_cache, v_cache, *on_device(key, value, slots), layout=layout)
+    expected_k, expected_v = before_k.cpu(), before_v.cpu()
     for token, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
@@ -173,18 +182,20 @@ def test_write_kv_stores_at_slots_and_skips_minus_one(layout):
                 cache[block, offset] = new[token]
             else:
                 cache[block, :, offset] = new[token]
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache.cpu(), expected_k) and torch.equal(v_cache.cpu(), expected_v)
 
 
 def test_bad_inputs_raise_clear_errors(monkeypatch):
     query, k_pool, v_pool, block_tables, lens, _ = scatter_case(
         [5, 2], 4, 2, 2, 8, torch.float32, seed=13)
+    cpu_inputs = (query, k_pool, v_pool, block_tables, lens)
+    query, k_pool, v_pool, block_tables, lens = on_device(*cpu_inputs)
     decode = pa.paged_attention_decode
     assert block_tables.shape[1] == 3  # 2 blocks + 1 padding entry: room for 12 tokens
     with pytest.raises(ValueError, match="seq_lens must be in 1..12"):
-        decode(query, k_pool, v_pool, block_tables, torch.tensor([13, 2]))
+        decode(query, k_pool, v_pool, block_tables, torch.tensor([13, 2], device=DEVICE))
     with pytest.raises(ValueError, match="seq_lens must be in 1..12"):
-        decode(query, k_pool, v_pool, block_tables, torch.tensor([0, 2]))
+        decode(query, k_pool, v_pool, block_tables, torch.tensor([0, 2], device=DEVICE))
     with pytest.raises(ValueError, match="block ids must be in 0..4"):
         decode(query, k_pool, v_pool, block_tables + 10, lens)
     with pytest.raises(ValueError, match="cannot be grouped"):
@@ -196,10 +207,11 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="int32 or int64"):
         decode(query, k_pool, v_pool, block_tables.float(), lens)
     with pytest.raises(ValueError, match="slots must be -1"):
-        write_kv(k_pool, v_pool, query[:, :2], query[:, :2], torch.tensor([3, 40]))
-    monkeypatch.setattr(pa, "INTERPRETED", False)
+        write_kv(k_pool, v_pool, query[:, :2], query[:, :2],
+                 torch.tensor([3, 40], device=DEVICE))
+    monkeypatch.setattr(pa, "INTERPRETED", False)  # CPU tensors, no interpreter: refused
     with pytest.raises(ValueError, match="need a CUDA GPU, or TRITON_INTERPRET=1"):
-        decode(query, k_pool, v_pool, block_tables, lens)
+        decode(*cpu_inputs)
 
 
 def test_split_heuristic_fills_the_card_only_when_needed():

@@ -180,6 +180,11 @@ class PagedKVCache:
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pool tensors of one layer. Raises ValueError outside [0, num_hidden_layers)."""
+        layer_index = check_index("layer_index", layer_index, len(self.k_caches))
+        return self.k_caches[layer_index], self.v_caches[layer_index]
+
     # ---- KV stores for a forward pass --------------------------------------------------------
 
     def prefill_store(self, seq_id: Hashable, slot_mapping: torch.Tensor) -> "PrefillStore":
@@ -189,7 +194,14 @@ class PagedKVCache:
 
     def decode_store(self, seq_ids: Sequence[Hashable],
                      slot_mapping: torch.Tensor) -> "DecodeStore":
-        """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token."""
+        """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token.
+
+        Raises:
+            ValueError: slot_mapping does not hold one slot per sequence. KeyError: unknown seq_id.
+        """
+        if slot_mapping.shape != (len(seq_ids),):
+            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} for "
+                             f"{len(seq_ids)} sequences: give one slot per sequence")
         block_tables, seq_lens = self.block_tables_tensor(seq_ids)
         return DecodeStore(self, slot_mapping, block_tables, seq_lens)
 
@@ -224,11 +236,11 @@ class PagedKVCache:
         Raises:
             KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers).
         """
-        layer_index = check_index("layer_index", layer_index, len(self.k_caches))
+        k_cache, v_cache = self.layer(layer_index)
         block_table = self._tensor(self.manager.block_ids(seq_id))
         num_tokens = self.manager.num_tokens(seq_id)
-        return (gather_kv(self.k_caches[layer_index], block_table, num_tokens, self.layout),
-                gather_kv(self.v_caches[layer_index], block_table, num_tokens, self.layout))
+        return (gather_kv(k_cache, block_table, num_tokens, self.layout),
+                gather_kv(v_cache, block_table, num_tokens, self.layout))
 
     # ---- accounting: exact bytes, counted, never estimated -----------------------------------
 
@@ -290,7 +302,7 @@ class PrefillStore:
 
     def attend(self, layer_index, query, key, value, positions):
         cache = self.cache
-        k_cache, v_cache = cache.k_caches[layer_index], cache.v_caches[layer_index]
+        k_cache, v_cache = cache.layer(layer_index)
         cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
         return cache.backend.prefill(query, k_cache, v_cache, self.block_table, self.seq_len,
                                      positions, cache.scale)
@@ -311,7 +323,7 @@ class DecodeStore:
 
     def attend(self, layer_index, query, key, value, positions):
         cache = self.cache
-        k_cache, v_cache = cache.k_caches[layer_index], cache.v_caches[layer_index]
+        k_cache, v_cache = cache.layer(layer_index)
         cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
         return cache.backend.decode(query, k_cache, v_cache, self.block_tables, self.seq_lens,
                                     cache.scale)

@@ -1,0 +1,114 @@
+"""What each stage of the GPU tour runs, found from the repository so new stages join by themselves.
+
+* tests: the test files that use the `cuda` mark (`pytest -m cuda` over them);
+* benchmarks: every `kernels/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
+  for the dry run), e.g. stage 5's `bench_paged_attention.py`;
+* notebooks: every `notebooks/NN_*.ipynb`, one process each (a notebook that fills the GPU never
+  starves the next one).
+
+A stage is a command line plus a folder for its files and a time limit in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from xml.etree import ElementTree
+
+__all__ = ["Stage", "cuda_test_files", "benchmark_modules", "notebook_files", "plan_stages",
+           "summarize_junit"]
+
+_CUDA_MARK = re.compile(r"\bmark\.cuda\b")
+_MAIN = re.compile(r"^def main\(", re.MULTILINE)
+# Seconds per stage on a GPU (the whole tour is budgeted separately, see runner.plan).
+TIMEOUTS = {"environment": 60, "tests": 150, "benchmark": 240, "notebook": 150}
+
+
+@dataclasses.dataclass
+class Stage:
+    """name: shown in progress and the summary; command: argv; out: its folder; timeout_s: limit;
+    kind: 'environment', 'tests', 'benchmark' or 'notebook'."""
+
+    name: str
+    kind: str
+    command: list[str]
+    out: Path
+    timeout_s: int
+    status: str = "not run"
+    seconds: float = 0.0
+
+
+def cuda_test_files(repo: Path) -> list[Path]:
+    """tests/**/test_*.py files that mention `mark.cuda` (so pytest collects only those)."""
+    return sorted(path for path in (repo / "tests").rglob("test_*.py")
+                  if _CUDA_MARK.search(path.read_text(errors="replace")))
+
+
+def benchmark_modules(repo: Path) -> list[str]:
+    """Module names (kvlab.kernels.<stem>) of kernels/bench_*.py files that define main()."""
+    return [f"kvlab.kernels.{path.stem}" for path in sorted((repo / "kernels").glob("bench_*.py"))
+            if _MAIN.search(path.read_text(errors="replace"))]
+
+
+def notebook_files(repo: Path, only: list[str] | None = None) -> list[Path]:
+    """notebooks/NN_*.ipynb in order; `only`: keep those whose name starts with one of these."""
+    found = sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        found = [path for path in found if any(path.name.startswith(prefix) for prefix in only)]
+    return found
+
+
+def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | None = None,
+                skip: tuple[str, ...] = ()) -> list[Stage]:
+    """Every stage, in the order they run: environment, tests, benchmarks, notebooks."""
+    python = sys.executable
+    dry = ["--dry-run"] if dry_run else []
+    stages = [Stage("environment", "environment",
+                    [python, "-m", "kvlab.tour.environment", "--out", str(out / "environment"),
+                     *dry], out / "environment", TIMEOUTS["environment"])]
+    tests = cuda_test_files(repo)
+    if tests:
+        stages.append(Stage(
+            "cuda tests", "tests",
+            [python, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-m", "cuda",
+             "-rs", f"--junitxml={out / 'tests' / 'junit.xml'}", *map(str, tests)],
+            out / "tests", TIMEOUTS["tests"]))
+    for module in benchmark_modules(repo):
+        stages.append(Stage(module.rsplit(".", 1)[1], "benchmark",
+                            [python, "-m", module, "--out", str(out / "benchmarks"),
+                             *(["--toy"] if dry_run else [])],
+                            out / "benchmarks", TIMEOUTS["benchmark"]))
+    for path in notebook_files(repo, notebooks):
+        stages.append(Stage(path.stem, "notebook",
+                            [python, "-m", "kvlab.tour.notebook_runner", str(path),
+                             "--out", str(out / "notebooks"), *dry],
+                            out / "notebooks", TIMEOUTS["notebook"]))
+    return [stage for stage in stages if stage.kind not in skip]
+
+
+def summarize_junit(path: Path) -> str:
+    """Markdown: counts and one row per test from pytest's JUnit XML (missing file: says so)."""
+    if not path.is_file():
+        return "# CUDA tests\n\nNo JUnit report was written (the stage did not finish).\n"
+    root = ElementTree.parse(path).getroot()
+    rows, counts = [], {"passed": 0, "failed": 0, "skipped": 0}
+    for case in root.iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        counts[outcome] += 1
+        reason = ""
+        if outcome != "passed":
+            detail = next(iter(case), None)
+            reason = (detail.get("message") or "")[:120].replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {case.get('classname')}.{case.get('name')} | {outcome} | "
+                    f"{float(case.get('time', 0)):.2f} | {reason} |")
+    lines = ["# CUDA tests (`pytest -m cuda`)", "",
+             f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped.",
+             "", "| test | outcome | seconds | reason |", "|---|---|---|---|", *rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,171 @@
+"""The GPU tour harness: notebook cells run without Jupyter, and the whole dry run end to end.
+
+The dry run is the same harness as the GPU tour (every stage, every notebook, one archive) on the
+CPU with toy sizes and Triton's interpreter, so it cannot rot between GPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlab.tour import notebook_runner
+from kvlab.tour.notebook_runner import (code_cells, executed_notebook, format_notebook_summary,
+                                        run_notebook, strip_magics)
+from kvlab.tour.stages import benchmark_modules, cuda_test_files, notebook_files, plan_stages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_notebook(path: Path, *sources: str) -> Path:
+    title = {"cell_type": "markdown", "metadata": {}, "source": ["# Stage 9 — a test notebook\n"]}
+    cells = [title]
+    cells += [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+               "source": source.splitlines(keepends=True)} for source in sources]
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                "nbformat_minor": 5}))
+    return path
+
+
+def test_strip_magics():
+    code, skipped = strip_magics("x = 1\n%timeit f()\nif x:\n    !ls\ny = 2")
+    assert skipped == ["%timeit f()", "!ls"]
+    namespace: dict = {}
+    exec(code, namespace)
+    assert (namespace["x"], namespace["y"]) == (1, 2)
+    assert strip_magics("%%bash\necho hi") == ("", ["%%bash"])
+
+
+def test_cells_run_in_one_namespace_like_a_kernel(tmp_path):
+    path = write_notebook(
+        tmp_path / "nb.ipynb",
+        "import os\nx = 6 * 7\nprint('x is', x)",
+        "x + 1",                       # last expression: an execute_result
+        "x;",                          # a trailing semicolon hides it
+        "display('shown', 3)\n%matplotlib inline",
+        "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2])",
+        "open('written_here.txt', 'w').write(os.getcwd())",
+        "1 / 0",
+        "print('never runs')")
+    run = run_notebook(path)
+    assert [cell.status for cell in run.cells] == ["ok"] * 6 + ["error", "not run"]
+    assert run.cells[0].text == "x is 42\n"
+    assert run.cells[1].outputs[0]["data"]["text/plain"] == "43"
+    assert run.cells[2].outputs == []
+    assert [o["data"]["text/plain"] for o in run.cells[3].outputs] == ["'shown'", "3"]
+    assert run.magics_skipped == ["%matplotlib inline"]
+    assert any("image/png" in o.get("data", {}) for o in run.cells[4].outputs)
+    assert (tmp_path / "written_here.txt").read_text() == str(tmp_path)  # ran in its folder
+    assert run.cells[6].outputs[-1]["ename"] == "ZeroDivisionError"
+    assert run.status == "error" and run.title == "Stage 9 — a test notebook"
+
+    executed = executed_notebook(run)
+    counts = [cell["execution_count"] for cell in executed["cells"] if cell["cell_type"] == "code"]
+    assert counts == [1, 2, 3, 4, 5, 6, 7, None]
+    summary = format_notebook_summary(run)
+    assert "7 of 8 code cells" in summary and "| 6 | error |" in summary
+
+
+def test_missing_interactive_package_skips_the_cell_only(tmp_path):
+    path = write_notebook(tmp_path / "nb.ipynb", "import ipywidgets_absent_here as w",
+                          "print('next')")
+    original = notebook_runner.INTERACTIVE_ONLY
+    try:
+        notebook_runner.INTERACTIVE_ONLY = ("ipywidgets_absent_here",)
+        run = run_notebook(path)
+    finally:
+        notebook_runner.INTERACTIVE_ONLY = original
+    assert run.cells[0].status.startswith("skipped (ipywidgets_absent_here not installed")
+    assert run.cells[1].text == "next\n" and run.status == "ok"
+
+
+def test_dry_run_selects_setup_and_gpu_cells(tmp_path):
+    path = write_notebook(tmp_path / "nb.ipynb", "import torch", "y = 1",
+                          "if torch.cuda.is_available():\n    pass\nelse:\n    print('no GPU')")
+    run = run_notebook(path, dry_run=True)
+    assert [cell.status for cell in run.cells] == ["ok", "not run", "ok"]
+    summary = format_notebook_summary(run)
+    assert "## GPU cells: what they printed" in summary and "no GPU" in summary
+
+
+def test_timeout_stops_the_notebook(tmp_path):
+    path = write_notebook(tmp_path / "nb.ipynb", "import time\ntime.sleep(30)", "print(1)")
+    start = time.perf_counter()
+    run = run_notebook(path, timeout_s=1)
+    assert time.perf_counter() - start < 10
+    assert run.cells[0].outputs[-1]["ename"] == "TimeoutError"
+    assert run.cells[1].status == "not run"
+
+
+def test_benchmark_results_are_reused_not_rerun(tmp_path, monkeypatch):
+    import kvlab.kernels.bench_paged_attention as bench
+
+    monkeypatch.setattr(bench, "main", bench.main)  # restored after the test
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps({"goal": {"pct_of_copy": 1.0}}))
+    notebook_runner._reuse_results([f"bench_paged_attention={saved}"])
+    from kvlab.kernels.bench_paged_attention import main as run_benchmark
+
+    assert run_benchmark(["--out", "anywhere"]) == {"goal": {"pct_of_copy": 1.0}}
+
+
+def test_stages_are_found_from_the_repository(tmp_path):
+    assert ROOT / "tests" / "test_triton_paged_attention.py" in cuda_test_files(ROOT)
+    assert "kvlab.kernels.bench_paged_attention" in benchmark_modules(ROOT)
+    names = [path.name for path in notebook_files(ROOT)]
+    assert names == sorted(names) and names[0].startswith("00_")
+    assert [p.name for p in notebook_files(ROOT, ["02", "04"])] == \
+        [n for n in names if n[:2] in ("02", "04")]
+    stages = plan_stages(ROOT, tmp_path, dry_run=True)
+    assert [stage.kind for stage in stages[:2]] == ["environment", "tests"]
+    assert all("--dry-run" in s.command or "--toy" in s.command for s in stages
+               if s.kind != "tests")
+    assert {stage.name for stage in stages if stage.kind == "notebook"} == \
+        {Path(n).stem for n in names}
+
+
+def test_dry_run_end_to_end(tmp_path):
+    """The prepared command, as CI runs it: every stage ok, every summary written, one archive."""
+    out = tmp_path / "tour"
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tour.py"), "--dry-run",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (out / "SUMMARY.md").read_text()
+    assert "not measured on a GPU" in summary
+    assert "| environment | ok |" in summary and "| cuda tests | ok |" in summary
+    assert "| bench_paged_attention | ok |" in summary
+    for path in notebook_files(ROOT):
+        assert f"| {path.stem} | ok |" in summary, path.name
+        executed = json.loads((out / "notebooks" / path.name).read_text())
+        assert len(code_cells(executed)) == len(code_cells(json.loads(path.read_text())))
+        assert (out / "notebooks" / f"{path.stem}.md").is_file()
+    environment = json.loads((out / "environment" / "environment.json").read_text())
+    assert environment["device"] == "cpu" and environment["copy_gb_s"] > 0
+    assert "passed" in (out / "tests" / "tests.md").read_text()
+    assert "== 1/" in done.stdout and "archive:" in done.stdout  # progress printed
+    with tarfile.open(tmp_path / "tour.tar.gz") as archive:
+        names = archive.getnames()
+    assert "tour/SUMMARY.md" in names and "tour/environment/environment.json" in names
+    assert "tour/benchmarks/bench_paged_attention.json" in names
+    assert seconds < 120  # ~30 s on 2 busy cores; CI must stay quick
+
+
+def test_gpu_mode_refuses_without_a_gpu(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the real tour would run")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tour.py"),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA GPU here; use --dry-run" in done.stderr

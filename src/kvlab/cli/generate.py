@@ -8,12 +8,10 @@ Heavy modules (torch, the model) are imported inside `run`, so `kvlab size` neve
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 
-from ..sizing import format_bytes
 from .arguments import positive_int
+from .generate_output import print_generation, print_prefix_generation
 
 __all__ = ["register", "run", "default_threads"]
 
@@ -103,19 +101,18 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got "
                              f"{args.prompt_ids!r}") from None
-    if args.cache == "prefix":  # several prompts, so later ones can hit earlier ones' blocks
-        from ..prefix.cli import generate_command
-
-        return generate_command(args, model, tokenizer, prompts, _attention_backend(args))
-    if len(prompts) > 1:
+    if len(prompts) > 1 and args.cache != "prefix":
         raise ValueError(f"{len(prompts)} prompts given: several prompts in one call need "
                          f"--cache prefix")
-    prompt_ids = prompts[0]
-    result = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache,
-                      max_model_len=args.max_model_len, n=args.n, temperature=args.temperature,
-                      seed=args.seed, block_size=args.block_size,
-                      attention_backend=_attention_backend(args))
-    _print_generation(args, result, prompt_ids, tokenizer)
+    # --cache prefix takes the list, so later prompts can hit the blocks of earlier ones.
+    result = generate(model, prompts if args.cache == "prefix" else prompts[0],
+                      args.max_new_tokens, cache=args.cache, max_model_len=args.max_model_len,
+                      n=args.n, temperature=args.temperature, seed=args.seed,
+                      block_size=args.block_size, attention_backend=_attention_backend(args))
+    if args.cache == "prefix":
+        print_prefix_generation(args, result, prompts, tokenizer)
+    else:
+        print_generation(args, result, prompts[0], tokenizer)
     return 0
 
 
@@ -141,33 +138,3 @@ def _attention_backend(args: argparse.Namespace):
     from ..paged.backends import resolve_backend
 
     return resolve_backend(args.attention, args.kv_layout)
-
-
-def _print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
-    completions = result.completions
-    texts = [tokenizer.decode(ids) for ids in completions] if tokenizer is not None else None
-    stats = dataclasses.asdict(result.stats) if result.stats is not None else None
-    if args.json:
-        out = {"token_ids": completions[0], "text": texts[0] if texts else None}
-        if args.n > 1:
-            out["completions"] = [{"token_ids": ids, "text": texts[i] if texts else None}
-                                  for i, ids in enumerate(completions)]
-        if stats is not None:
-            out["stats"] = stats
-        print(json.dumps(out))
-        return
-    for i, ids in enumerate(completions):
-        prefix = f"[{i}] " if args.n > 1 else ""
-        if texts is not None:
-            print(prefix + (args.prompt[0] if args.prompt else tokenizer.decode(prompt_ids))
-                  + texts[i])
-        else:
-            print(prefix + " ".join(map(str, ids)))
-    if stats is not None:
-        block_bytes = result.cache.block_bytes
-        print(f"-- paged cache: block_size {args.block_size}, "
-              f"peak {stats['peak_blocks_in_use']} "
-              f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
-              f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
-              f"{stats['num_cow_copies']} copy-on-write copies, "
-              f"{stats['num_preemptions']} preemptions")

@@ -5,9 +5,9 @@ difference against transformers' load of the same file, and greedy decoding spee
     python scripts/measure_smollm2.py --new-tokens 32 [--json]
 
 Timings are wall-clock seconds on whatever machine runs this (print them with that machine's
-description); tokens/s = generated tokens / time for the whole request (prefill + decode). Decoding
-one token reads every weight once (135 M float32 numbers = 540 MB), so on a CPU it is bound by memory
-bandwidth, not arithmetic.
+description); tokens/s = generated tokens / time for the whole request (prefill + decode).
+Decoding one token reads every weight once (135 M float32 numbers = 540 MB), so on a CPU it is
+bound by memory bandwidth, not arithmetic.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Write small random Llama GGUF files with the `gguf` library's writer, as llama.cpp's converter does.
+"""Small random Llama GGUF files, written with the `gguf` library as llama.cpp's converter does.
 
 Used by tests/test_gguf_loader.py: no download, yet every piece of the loader is exercised (the
 quantized types, llama.cpp's q/k row permutation, tied and untied heads, the byte-level BPE
@@ -14,8 +14,9 @@ import numpy as np
 # Same shape family as conftest.TINY_HF_FIELDS: GQA, 4 query heads per KV head.
 SHAPE = dict(hidden=64, heads=8, kv_heads=2, intermediate=96, layers=2, context=64)
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def byte_level_vocab() -> tuple[list[str], list[str]]:

@@ -96,8 +96,8 @@ def test_weights_are_the_dequantized_values(synthetic):
     # 4-bit: 16 levels per block of 32 -> error up to half a step of the block's range.
     assert 0 < np.abs(rounded - q).max() < 0.1 * np.abs(q).max() + 0.2
     gate = tensors["model.layers.0.mlp.gate_proj.weight"]  # F16: rounding to 11 bits
-    torch.testing.assert_close(gate, torch.from_numpy(weights["model.layers.0.mlp.gate_proj.weight"]),
-                               atol=2e-3, rtol=2e-3)
+    written = torch.from_numpy(weights["model.layers.0.mlp.gate_proj.weight"])
+    torch.testing.assert_close(gate, written, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("kinds", [
@@ -130,7 +130,8 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def test_tensor_names():
-    assert gguf_tensor_name_to_hf("blk.12.attn_k.weight") == "model.layers.12.self_attn.k_proj.weight"
+    assert gguf_tensor_name_to_hf("blk.12.attn_k.weight") == \
+        "model.layers.12.self_attn.k_proj.weight"
     assert gguf_tensor_name_to_hf("token_embd.weight") == "model.embed_tokens.weight"
     assert gguf_tensor_name_to_hf("rope_freqs.weight") is None
     with pytest.raises(KeyError, match="blk.0.ssm_conv"):

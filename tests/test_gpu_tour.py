@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_notebook(path: Path, *sources: str) -> Path:
-    cells = [{"cell_type": "markdown", "metadata": {}, "source": ["# Stage 9 — a test notebook\n"]}]
+    title = {"cell_type": "markdown", "metadata": {}, "source": ["# Stage 9 — a test notebook\n"]}
+    cells = [title]
     cells += [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
                "source": source.splitlines(keepends=True)} for source in sources]
     path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,

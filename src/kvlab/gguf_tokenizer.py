@@ -59,7 +59,8 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
         raise ConfigError(f"{path}: tokenizer type {kind!r} is not byte-level BPE ('gpt2'), "
                           f"the only kind kvlab builds from GGUF metadata")
     tokens: list[str] = gguf_metadata(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(merge.split(" ", 1)) for merge in gguf_metadata(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(merge.split(" ", 1))
+              for merge in gguf_metadata(reader, "tokenizer.ggml.merges")]
     tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)},
                                      merges=merges, fuse_unk=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(gguf_metadata(reader, "tokenizer.ggml.pre", None))
@@ -104,7 +105,8 @@ class ChatTemplate:
 
         for index, message in enumerate(messages):
             if not {"role", "content"} <= set(message):
-                raise ValueError(f"message {index} needs 'role' and 'content', got {sorted(message)}")
+                raise ValueError(f"message {index} needs 'role' and 'content', "
+                                 f"got {sorted(message)}")
 
         def raise_exception(text: str) -> None:
             raise TemplateError(text)

@@ -270,7 +270,7 @@ def format_notebook_summary(run: NotebookRun) -> str:
 
 
 def _reuse_results(specs: list[str]) -> None:
-    """For NAME=JSON: kvlab.kernels.NAME.main(...) returns the saved results instead of rerunning."""
+    """For each NAME=JSON: kvlab.kernels.NAME.main(...) returns the saved results, not a rerun."""
     import importlib
 
     for spec in specs:

@@ -50,7 +50,8 @@ def install_wheels(folder: Path, names: list[str]) -> None:
                           capture_output=True, text=True)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        raise RuntimeError(f"pip install from {folder} failed: {lines[-1] if lines else done.returncode}")
+        reason = lines[-1] if lines else f"exit status {done.returncode}"
+        raise RuntimeError(f"pip install from {folder} failed: {reason}")
 
 
 def _card_slug() -> str:
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
                         help="repository root (holds notebooks/, tests/, kernels/)")
     args = parser.parse_args(argv)
     if not (args.repo / "notebooks").is_dir():
-        print(f"gpu tour: error: {args.repo} has no notebooks/ folder; pass --repo", file=sys.stderr)
+        print(f"gpu tour: error: {args.repo} has no notebooks/ folder; pass --repo",
+              file=sys.stderr)
         return 2
     if not args.dry_run:
         import torch

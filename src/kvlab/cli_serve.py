@@ -108,7 +108,7 @@ def _simulate(args, requests, strategies):
     from .serving.cost_model import CostModel, get_card
     from .serving.runner import SimulatedExecutor, serve, simulated_manager
     from .serving.scheduler import SchedulerConfig
-    from .sizing import format_bytes, kv_bytes_per_token, weights_bytes
+    from .sizing import default_kv_budget, format_bytes, kv_bytes_per_token, weights_bytes
 
     config = load_config(args.model or "llama-3.1-70b")
     dtype = args.dtype or "bf16"
@@ -117,9 +117,9 @@ def _simulate(args, requests, strategies):
     per_token = kv_bytes_per_token(config, dtype, args.tp)
     if args.kv_budget is not None:
         budget = int(args.kv_budget * 2**30)
-    else:
-        budget = int(args.gpu_memory_utilization * card.memory_bytes) - weights_bytes(
-            config, dtype, args.tp)
+    else:  # vLLM's default: gpu_memory_utilization x the card - the weights (per GPU)
+        budget = default_kv_budget(config, card.name, dtype=dtype, tp=args.tp,
+                                   gpu_memory_utilization=args.gpu_memory_utilization)
         if budget <= 0:
             weights = weights_bytes(config, dtype, args.tp)
             raise ValueError(f"{config.name} ({dtype}) weights take {weights:,} B per GPU, more "

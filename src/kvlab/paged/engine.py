@@ -212,15 +212,20 @@ class PagedEngine:
         while index < len(self.running):
             seq = self.running[index]
             try:
-                slots.append(self._reserve_decode_slot(seq))
+                slots.append(self._reserve_next_slot(seq))
                 index += 1
             except NoFreeBlocksError:
                 # May be `seq` itself when it is the newest: then the loop ends.
                 self._preempt(self.running[-1])
         return slots
 
-    def _reserve_decode_slot(self, seq: Sequence) -> int:
-        """The slot of the token this step feeds back (stage 6 also names the token, to cache it)."""
+    def _reserve_next_slot(self, seq: Sequence) -> int:
+        """The slot of the token `seq` feeds back this step (copy-on-write included). Stage 6's
+        prefix cache overrides this to name the token, so a block it fills is cached at once.
+
+        Raises:
+            NoFreeBlocksError: the pool is dry (nothing changed).
+        """
         return int(self.cache.append_slots(seq.seq_id, 1))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -243,7 +248,7 @@ class PagedEngine:
             if num_seqs + family_size > self.max_num_seqs:
                 break
             try:
-                slots, start = self._allocate(seq)
+                slots, start = self._allocate_prompt(seq)
             except NoFreeBlocksError:
                 break  # the head waits for blocks; no overtaking, so it cannot starve
             self.waiting.popleft()
@@ -251,7 +256,7 @@ class PagedEngine:
             num_seqs += family_size
         return admitted
 
-    def _allocate(self, seq: Sequence) -> tuple[torch.Tensor, int]:
+    def _allocate_prompt(self, seq: Sequence) -> tuple[torch.Tensor, int]:
         """Blocks for all of a sequence's tokens; (their slots, 0: prefill starts at position 0).
 
         Stage 6's prefix cache overrides this: tokens found in the cache need no slots, and prefill

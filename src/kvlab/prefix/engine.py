@@ -5,12 +5,12 @@ after the hit.
 forks for n > 1) on a `PrefixCachingKVCacheManager`. It overrides two small methods; the scheduler
 itself is inherited:
 
-* `_allocate` (admission) calls `allocate_with_prefix`, which shares the cached prefix blocks and
-  reserves slots only for the rest, and returns `num_cached_tokens` as the position where prefill
-  starts: the engine then runs only positions num_cached_tokens .. len(tokens) - 1, at their
-  absolute positions (RoPE needs them), attending over the cached blocks as if it had computed
-  them itself (vLLM's num_computed_tokens);
-* `_reserve_decode_slot` names the token it appends, so a block filled during decode is hashed
+* `_allocate_prompt` (admission) calls `allocate_with_prefix`, which shares the cached prefix
+  blocks and reserves slots only for the rest, and returns `num_cached_tokens` as the position
+  where prefill starts: the engine then runs only positions num_cached_tokens .. len(tokens) - 1,
+  at their absolute positions (RoPE needs them), attending over the cached blocks as if it had
+  computed them itself (vLLM's num_computed_tokens);
+* `_reserve_next_slot` names the token it appends, so a block filled during decode is hashed
   and cached the moment it is full.
 
 A preempted sequence is admitted again like any other, so it may hit the blocks it held itself
@@ -78,14 +78,14 @@ class PrefixCachingEngine(PagedEngine):
     def prefix_stats(self) -> PrefixCacheStats:
         return self.manager.prefix_stats
 
-    def _reserve_decode_slot(self, seq: Sequence) -> int:
+    def _reserve_next_slot(self, seq: Sequence) -> int:
         """The slot of the token fed back this step, named so a block it fills is cached at once."""
         reservation = self.manager.append_slots(seq.seq_id, 1, [seq.output[-1]])
         for src, dst in reservation.copies:  # copy-on-write of a shared partial block
             self.cache.copy_block(src, dst)
         return reservation.slots[0]
 
-    def _allocate(self, seq: Sequence) -> tuple[torch.Tensor, int]:
+    def _allocate_prompt(self, seq: Sequence) -> tuple[torch.Tensor, int]:
         """Share the cached prefix, reserve slots for the rest; prefill starts after the hit."""
         allocation = self.manager.allocate_with_prefix(seq.seq_id, seq.tokens,
                                                        self._salts[seq.seq_id[0]])

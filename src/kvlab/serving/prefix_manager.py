@@ -45,6 +45,7 @@ class PrefixManager(KVManager):
     def __init__(self, manager: PrefixCachingKVCacheManager, max_model_len: int):
         self.manager, self.max_model_len = manager, max_model_len
         self.block_size = manager.block_size
+        self._pool_blocks = manager.pool.blocks  # ref counts, read on the fast path of `append`
         self.capacity_tokens = manager.pool.num_blocks * self.block_size
         if cdiv(max_model_len, self.block_size) > manager.pool.num_blocks:
             raise ValueError(f"a max_model_len={max_model_len} request needs "
@@ -68,6 +69,14 @@ class PrefixManager(KVManager):
         if end <= table.num_tokens:
             return True  # the rest of a prompt reserved at admission
         start = table.num_tokens
+        if (len(table.block_ids) * self.block_size > end - 1 and end % self.block_size
+                and self._pool_blocks[table.block_ids[-1]].ref_count == 1):
+            # Fast path, most decode steps: the tokens fit in the last block and do not fill it,
+            # so there is no block to take and none to hash (only full blocks are cached). The
+            # manager still records the ids, which it hashes once the block is full.
+            table.num_tokens = end
+            self.manager._tokens[request.request_id] += token_ids(request, start, end)
+            return True
         try:
             self.manager.append_slots(request.request_id, end - start,
                                       token_ids(request, start, end))

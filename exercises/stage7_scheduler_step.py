@@ -1,0 +1,62 @@
+# Stage 7 exercise, generated from solutions/stage7_scheduler_step.py by scripts/make_exercises.py.
+# Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 7`.
+
+"""Stage 7 exercise: the admission and preemption decision of one scheduler step.
+
+A continuous-batching server rebuilds its batch at every step (Orca's iteration-level scheduling;
+vLLM v1's scheduler). Each step has two budgets: `max_num_batched_tokens` tokens computed in one
+forward pass, and `max_num_seqs` requests running at once. Memory is asked for through a KV manager
+(`kvlab.serving.KVManager`): `append(request, n)` and `allocate(request, token_budget)` answer
+False / None when there is no room now, and change nothing then.
+
+A request knows two numbers: `num_tokens` (prompt + outputs so far) and `num_computed_tokens`
+(those whose K/V are cached). A step gives each request min(num_tokens - num_computed_tokens,
+tokens left in the budget) new tokens: one for a decode, a chunk for a prefill.
+
+You write `schedule_step`, the decision of one step, with these rules:
+
+1. Running requests first, oldest first (list order), while token budget is left. When
+   `kv.append(request, n)` fails, preempt the *newest* running request (the last of the list; it
+   may be `request` itself), by recompute: `kv.preempt(victim)`, victim.num_computed_tokens = 0,
+   victim.num_preemptions += 1, and put it at the *front* of the waiting queue. Retry until the
+   append succeeds or `request` itself was preempted (then stop: nothing newer is left).
+2. Only if nothing was preempted in this step: admit waiting requests from the front while token
+   budget is left and fewer than max_num_seqs run. `cached = kv.allocate(request, budget)`; None
+   means the head waits, and nobody overtakes it. Otherwise it leaves the queue, joins the end of
+   `running`, its num_computed_tokens becomes `cached` (a prefix-cache hit) and it computes
+   min(num_tokens - cached, budget) tokens.
+
+`kvlab check 7` runs yours and `kvlab.serving.Scheduler` on the same states and compares every
+decision and the memory left. Read `src/kvlab/serving/scheduler.py` afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+
+def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> tuple[list, list, list]:
+    """Decide one step; updates `running`, `waiting` and the requests in place.
+
+    Args:
+        running: requests holding memory, oldest first (kvlab.serving.Request objects).
+        waiting: arrived requests not running, in service order (a deque).
+        kv: the KV manager (append / allocate / preempt).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens computed in this step.
+
+    Returns:
+        (scheduled, admitted, preempted): scheduled is a list of (request, num_new_tokens) in
+        execution order (running ones, then admitted ones); admitted and preempted are lists of
+        requests, in the order it happened.
+    """
+    budget = max_num_batched_tokens
+    scheduled: list = []
+    preempted: list = []
+    raise NotImplementedError("TODO(stage 7): index = 0; while index < len(running) and budget > 0: n = min( request.num_tokens - request.num_computed_tokens, budget); while not kv.append(request, n): victim = running.pop(); preempt it (kv.preempt, reset, waiting.appendleft) and stop if victim is request; else schedule (request, n), budget -= n, index += 1")
+
+    admitted: list = []
+    raise NotImplementedError("TODO(stage 7): only if not preempted: while waiting and budget > 0 and len(running) < max_num_seqs: cached = kv.allocate(waiting[0], budget); stop on None; else popleft, set num_computed_tokens = cached, append to running and admitted, schedule min(num_tokens - cached, budget) tokens and take them from the budget")
+    return scheduled, admitted, preempted

@@ -443,3 +443,21 @@ def test_generate_seeded_sampling_is_the_same_through_every_cache(hf_checkpoint,
     assert outputs[0] == outputs[1] == outputs[2]
     other_seed = run_json(capsys, *common[:-1], "12", "--cache", "paged")["token_ids"]
     assert other_seed != outputs[0]  # the seed, not the cache, decides the samples
+
+
+@pytest.mark.parametrize("argv", [
+    ("size", "llama-3.1-8b", "--batch", "-1"),
+    ("size", "llama-3.1-8b", "--dtype", "fp7"),
+    ("generate", "--max-new-tokens", "0"),
+    ("report", "--block-size", "0"),
+])
+def test_argument_errors_are_one_line_without_the_usage_block(capsys, argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith(f"kvlab {argv[0]}: error: argument ")
+
+
+def test_help_still_prints_the_full_usage(capsys):
+    code, out, _ = run(capsys, "size", "--help")
+    assert code == 0 and out.startswith("usage: kvlab size") and "--batch" in out

@@ -461,3 +461,10 @@ def test_argument_errors_are_one_line_without_the_usage_block(capsys, argv):
 def test_help_still_prints_the_full_usage(capsys):
     code, out, _ = run(capsys, "size", "--help")
     assert code == 0 and out.startswith("usage: kvlab size") and "--batch" in out
+
+
+@pytest.mark.parametrize("command", [("report",), ("serve", "--simulate")])
+def test_unknown_trace_name_lists_the_shipped_traces(capsys, command):
+    code, out, err = run(capsys, *command, "--trace", "azure")
+    assert code == 2 and err.count("\n") == 1
+    assert "azure: no such file, and not a shipped trace" in err and "azure-conv" in err and "mooncake-synthetic" in err

@@ -468,3 +468,11 @@ def test_unknown_trace_name_lists_the_shipped_traces(capsys, command):
     code, out, err = run(capsys, *command, "--trace", "azure")
     assert code == 2 and err.count("\n") == 1
     assert "azure: no such file, and not a shipped trace" in err and "azure-conv" in err and "mooncake-synthetic" in err
+
+
+def test_unknown_generate_model_names_every_kind_of_model(capsys):
+    code, out, err = run(capsys, "generate", "--model", "nope", "--prompt", "x",
+                         "--max-new-tokens", "1")
+    assert code == 2 and err.count("\n") == 1
+    for named in ("config.json", "--model tiny", "tiny-mha", "kvlab fetch smollm2-135m", "*.gguf"):
+        assert named in err

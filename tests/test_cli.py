@@ -476,3 +476,24 @@ def test_unknown_generate_model_names_every_kind_of_model(capsys):
     assert code == 2 and err.count("\n") == 1
     for named in ("config.json", "--model tiny", "tiny-mha", "kvlab fetch smollm2-135m", "*.gguf"):
         assert named in err
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
+def test_size_accepts_the_course_models(capsys, name, no_local_gpu):
+    from kvlab.config import COURSE_MODELS, load_config
+
+    data = run_json(capsys, "size", name)
+    expected = load_config(COURSE_MODELS[name] / "config.json")
+    assert data["model"] == name
+    assert data["kv_bytes_per_token"] == sizing.kv_bytes_per_token(expected, "bf16")
+
+
+def test_size_small_figures_have_no_redundant_or_zero_units(capsys, no_local_gpu):
+    from kvlab.config import COURSE_MODELS
+
+    code, out, _ = run(capsys, "size", str(COURSE_MODELS["tiny"] / "config.json"), "--tp", "8")
+    assert code == 0
+    assert "= 512 B\n" in out and "(512 B)" not in out
+    assert "weights per GPU (tp=8): 987,648 B (964.5 KiB)\n" in out and "0.0 GB" not in out
+    code, out, _ = run(capsys, "size", "llama-3.1-70b")
+    assert "141,107,412,992 B (131.42 GiB, 141.1 GB)" in out

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from .config import PRESETS, ConfigError, LlamaConfig, load_config
+from .config import COURSE_MODELS, PRESETS, ConfigError, LlamaConfig, load_config
 from .fetch import PRETRAINED, model_path
 from .input_files import MissingInputFileError, input_file_error, read_text
 from .model import LlamaForCausalLM
@@ -28,7 +28,7 @@ from .model import LlamaForCausalLM
 __all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "gguf_file",
            "load_model", "load_tokenizer", "load_chat_template", "eos_token_id", "save_model"]
 
-MODELS_DIR = Path(__file__).parent / "models"
+MODELS_DIR = COURSE_MODELS["tiny"].parent
 TINY_MODEL_DIR = MODELS_DIR / "tiny"
 TINY_MHA_MODEL_DIR = MODELS_DIR / "tiny-mha"
 _NAMED_MODELS = {"tiny": TINY_MODEL_DIR, "tiny-mha": TINY_MHA_MODEL_DIR}

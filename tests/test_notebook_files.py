@@ -4,8 +4,11 @@
 tests/test_browser.py checks the same in a real JupyterLab (the tab must not turn "modified").
 """
 
+import importlib.util
 import json
+import os
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -47,3 +50,81 @@ def test_images_in_readme_and_docs_exist():
         for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
             if "://" not in target:
                 assert (page.parent / target).is_file(), f"{page.name}: missing image {target}"
+
+
+def colab_first_cell() -> str:
+    """The first cell docs/colab.md gives (its first python block, dedented)."""
+    block = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "colab.md").read_text(), re.S)
+    return textwrap.dedent(block.group(1)).rstrip("\n")
+
+
+# Notebooks whose authors have not adopted the course's first cell yet (their own setup cell runs).
+OWN_SETUP_CELL = {"05_triton_paged_attention.ipynb", "06_prefix_caching.ipynb",
+                  "07_serving_under_load.ipynb"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_first_code_cell_is_the_one_colab_md_gives(path):
+    if path.name in OWN_SETUP_CELL:
+        pytest.skip(f"{path.name} keeps its own setup cell for now")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    first = next(cell for cell in cells if cell["cell_type"] == "code")
+    assert "".join(first["source"]) == colab_first_cell()
+
+
+REAL_FIND_SPEC = importlib.util.find_spec  # before any test replaces it
+
+
+def run_first_cell(monkeypatch, capsys, cwd, kvlab_installed):
+    """Execute the Colab cell in `cwd` with pip stubbed out; return (pip commands, printed text)."""
+    import subprocess
+
+    import torch
+
+    commands = []
+    real_find_spec = REAL_FIND_SPEC
+    # setup() sets TRITON_INTERPRET and torch's thread count: both are put back after the test.
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n, _real=torch.set_num_threads: None)
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("KVLAB_SOURCE", raising=False)
+    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        None if name == "kvlab" and not kvlab_installed else real_find_spec(name, *args)))
+    namespace = {}
+    exec(compile(colab_first_cell(), "first cell", "exec"), namespace)
+    return commands, capsys.readouterr().out, namespace
+
+
+def test_first_cell_installs_the_course_only_when_kvlab_is_missing(monkeypatch, capsys):
+    import sys
+
+    commands, out, namespace = run_first_cell(monkeypatch, capsys, ROOT / "notebooks", False)
+    assert commands == [[sys.executable, "-m", "pip", "install", "-q", str(ROOT)]]
+    assert out.startswith(f"kvlab is not installed here: pip install {ROOT} (the torch already")
+    assert "kvlab setup: " in out and namespace["env"].seed == 0
+
+    commands, out, _ = run_first_cell(monkeypatch, capsys, ROOT / "notebooks", True)
+    assert commands == [] and out.startswith("kvlab setup: ")
+
+
+def test_first_cell_outside_a_clone_installs_from_the_course_repository(monkeypatch, capsys,
+                                                                         tmp_path):
+    (tmp_path / "content").mkdir()  # Colab: the notebook alone, in /content
+    commands, out, _ = run_first_cell(monkeypatch, capsys, tmp_path / "content", False)
+    assert len(commands) == 1 and commands[0][-1].startswith("git+https://")
+    monkeypatch.setenv("KVLAB_SOURCE", "kvlab-0.1.0-py3-none-any.whl")
+    namespace = {}
+    exec(compile(colab_first_cell(), "first cell", "exec"), namespace)
+    assert commands[-1][-1] == "kvlab-0.1.0-py3-none-any.whl"
+
+
+def test_readme_stage_table_points_at_files_that_exist():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Where each stage's code lives", 1)[1].split("\n## ", 1)[0]
+    targets = re.findall(r"\]\(([^)#\s]+)\)", section)
+    assert len(targets) > 30, targets
+    missing = [target for target in targets if not (ROOT / target).exists()]
+    assert not missing, f"README stage table links to missing files: {missing}"
+    linked_notebooks = {target for target in targets if target.endswith(".ipynb")}
+    assert linked_notebooks == {f"notebooks/{path.name}" for path in NOTEBOOKS}

@@ -1,16 +1,12 @@
 """kvlab.plots.draw_block_tables draws what the cache holds: entries, owners, positions, ref counts."""
 
-import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.patches import Rectangle
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
-
-from kvlab.config import LlamaConfig  # noqa: E402
-from kvlab.paged import PagedKVCache  # noqa: E402
-from kvlab.plots import draw_block_tables  # noqa: E402
+from kvlab.config import LlamaConfig
+from kvlab.paged import PagedKVCache
+from kvlab.plots import draw_block_tables
 
 TOY = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                   num_attention_heads=1, num_key_value_heads=1, head_dim=1, name="toy")
@@ -25,21 +21,21 @@ def test_block_tables_and_pool_are_drawn_from_the_cache():
     pool.allocate("A", 6)    # blocks 0, 1 (1 holds positions 4, 5)
     pool.fork("A", "A2")     # shares both: ref count 2
     pool.allocate("C", 3)    # block 2
+    open_before = plt.get_fignums()
     fig = draw_block_tables(pool, "toy")
-    try:
-        labels = texts(fig)
-        assert [label for label in labels if "→" in label] == ["0→2", "0→0", "1→1", "0→0", "1→1"]
-        assert [label for label in labels if label.startswith("seq ")] == ["seq C", "seq A2", "seq A"]
-        assert "block 0\nref count 2" in labels and "block 1\nref count 2" in labels
-        assert "block 2" in labels and "block 5" in labels
-        positions = [label for label in labels if label.isdigit()]
-        assert positions == ["0", "1", "2", "3", "4", "5", "0", "1", "2"]  # blocks 0, 1, 2
-        hatched = [patch for patch in fig.axes[0].patches
-                   if isinstance(patch, Rectangle) and patch.get_hatch() == "//"]
-        assert len(hatched) == 6  # A's six tokens, shared with A2
-        assert fig.axes[0].get_title() == "toy"
-    finally:
-        plt.close(fig)
+    labels = texts(fig)
+    assert [label for label in labels if "→" in label] == ["0→2", "0→0", "1→1", "0→0", "1→1"]
+    assert [label for label in labels if label.startswith("seq ")] == ["seq C", "seq A2", "seq A"]
+    assert "block 0\nref count 2" in labels and "block 1\nref count 2" in labels
+    assert "block 2" in labels and "block 5" in labels
+    positions = [label for label in labels if label.isdigit()]
+    assert positions == ["0", "1", "2", "3", "4", "5", "0", "1", "2"]  # blocks 0, 1, 2
+    hatched = [patch for patch in fig.axes[0].patches
+               if isinstance(patch, Rectangle) and patch.get_hatch() == "//"]
+    assert len(hatched) == 6  # A's six tokens, shared with A2
+    assert fig.axes[0].get_title() == "toy"
+    assert plt.get_fignums() == [*open_before, fig.number]  # a pyplot figure: shown at cell end
+    plt.close(fig)
 
 
 def test_an_empty_cache_is_refused():

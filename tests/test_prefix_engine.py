@@ -104,3 +104,26 @@ def test_prefix_hits_with_the_triton_backend(model, layout):
             for name in ("torch", "triton")}
     assert runs["triton"].token_ids == runs["torch"].token_ids == no_cache(model, prompts, 5)
     assert runs["triton"].prefix_stats.num_hit_tokens == 8 + 8  # 9 shared tokens: 2 blocks
+
+
+def test_generate_entry_point_owns_the_prefix_cache(model):
+    # One entry point (issue 6): generate(cache="prefix") takes several prompts, gives each the
+    # tokens cache="paged" gives it alone, and reports the prefix cache's hits.
+    prompts = shared_prompts(9, [2, 5, 3])  # 9 shared tokens: 2 full blocks of 4
+    result = generate(model, prompts, 5, cache="prefix", block_size=4)
+    for prompt, completions in zip(prompts, result.prompt_completions):
+        assert completions == [generate(model, prompt, 5, cache="paged", block_size=4).token_ids]
+    assert result.token_ids == result.prompt_completions[0][0]
+    assert result.prefix_stats.num_hit_tokens == 2 * 8      # prompts 1 and 2 hit both blocks
+    assert result.prefix_stats.hit_rate == 16 / sum(map(len, prompts))
+    assert result.stats.num_prefill_tokens == sum(map(len, prompts)) - 16
+    one = generate(model, prompts[0], 5, cache="prefix", block_size=4)  # one prompt: no hits
+    assert one.token_ids == result.token_ids and one.prefix_stats.num_hit_tokens == 0
+
+
+def test_several_prompts_need_cache_prefix(model):
+    prompts = shared_prompts(4, [1, 2])
+    with pytest.raises(ValueError, match="2 prompts given.*cache='prefix'"):
+        generate(model, prompts, 3, cache="paged")
+    with pytest.raises(ValueError, match="token id"):
+        generate(model, [prompts[0], [999]], 3, cache="prefix")

@@ -45,8 +45,8 @@ def test_generate_uses_one_thread_for_a_tiny_model():
     import torch
 
     from kvlab.checkpoint import load_model
-    from kvlab.cli import _default_threads
+    from kvlab.cli.generate import default_threads
 
-    assert _default_threads(load_model("tiny"), 8) == 1
+    assert default_threads(load_model("tiny"), 8) == 1
     big = torch.nn.Linear(8000, 8000, bias=False)  # 64 million parameters
-    assert _default_threads(big, 8) == 8
+    assert default_threads(big, 8) == 8

@@ -3,6 +3,8 @@
     generate(model, prompt_ids, 20, cache="none")        # stage 1: recompute everything each step
     generate(model, prompt_ids, 20, cache="contiguous")  # stage 2: one max_model_len slab
     generate(model, prompt_ids, 20, cache="paged")       # stage 4: blocks from a shared pool
+    generate(model, [prompt_a, prompt_b], 20, cache="prefix")  # stage 6: later prompts hit
+                                                               # earlier prompts' full blocks
 
 Without a cache every step runs the whole sequence through the model again (cost grows with the
 position). With a cache the prompt is run once (prefill) and each later step feeds only the newest
@@ -25,12 +27,14 @@ from .contiguous import ContiguousKVCache
 from .model import LlamaForCausalLM
 from .paged import PagedKVCache, PagedStats, generate_paged
 from .paged.backends import BackendLike
+from .prefix.engine import generate_with_prefix_cache
+from .prefix.manager import PrefixCacheStats
 from .requests import check_int, check_model_len, check_request
 from .sampling import check_temperature, make_generator, next_token
 
 __all__ = ["GenerationResult", "generate", "CACHE_KINDS"]
 
-CACHE_KINDS = ("none", "contiguous", "paged")
+CACHE_KINDS = ("none", "contiguous", "paged", "prefix")
 
 
 @dataclasses.dataclass
@@ -42,52 +46,65 @@ class GenerationResult:
         completions: generated ids of each of the n completions ([token_ids] when n = 1).
         cache: the KV cache used (None without one).
         stats: the paged engine's counts (preemptions, peak blocks, blocks saved by sharing,
-            copy-on-write copies) for cache="paged", else None.
+            copy-on-write copies, prefill tokens run) for cache="paged" or "prefix", else None.
+        prefix_stats: prefix cache hit rate, blocks not computed, prefill tokens skipped and
+            evictions for cache="prefix", else None.
+        prompt_completions: the completions of every prompt, in the order given
+            ([completions] for one prompt).
     """
 
     token_ids: list[int]
     completions: list[list[int]] = dataclasses.field(default_factory=list)
     cache: ContiguousKVCache | PagedKVCache | None = None
     stats: PagedStats | None = None
+    prefix_stats: PrefixCacheStats | None = None
+    prompt_completions: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.completions:
             self.completions = [self.token_ids]
+        if not self.prompt_completions:
+            self.prompt_completions = [self.completions]
 
 
 @torch.inference_mode()
-def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
+def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+             max_new_tokens: int,
              cache: str = "none", max_model_len: int | None = None,
              eos_token_id: int | None = None, *, n: int = 1, temperature: float = 0.0,
              seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
              attention_backend: BackendLike = None) -> GenerationResult:
-    """Generate from one prompt: greedy by default, sampled with a temperature.
+    """Generate from one prompt (or, with the prefix cache, several): greedy by default.
 
     Args:
         model: the decoder.
-        prompt_ids: prompt token ids.
+        prompt_ids: prompt token ids; with cache='prefix' also a list of prompts, admitted in
+            the order given so that each can hit the full blocks of those before it.
         max_new_tokens: tokens to generate (fewer if `eos_token_id` comes first).
-        cache: 'none' (recompute everything each step), 'contiguous' (one max_model_len slab) or
+        cache: 'none' (recompute everything each step), 'contiguous' (one max_model_len slab),
             'paged' (blocks of `block_size` tokens; needed for n > 1, whose completions share
-            the prompt's blocks).
+            the prompt's blocks) or 'prefix' (paged + automatic prefix caching, stage 6;
+            `kvlab.prefix.engine`).
         max_model_len: longest sequence allowed (prompt + generated); default the model's
             max_position_embeddings, never more. The contiguous cache reserves exactly this many
             tokens; the paged pool is sized by `kvlab.paged.generate_paged`'s rule.
         eos_token_id: stop after this token.
-        n: completions of the prompt (cache='paged' only).
+        n: completions of each prompt (cache='paged' or 'prefix' only).
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
         seed: this request's sampling seed: the same prompt, seed and temperature give the same
             tokens through every cache (`kvlab.sampling`).
-        block_size, num_blocks, attention_backend: the paged cache's (cache='paged' only).
+            With cache='prefix' it seeds the engine instead: prompt i draws from the stream of
+            (seed, i), so two copies of one prompt still sample independently.
+        block_size, num_blocks, attention_backend: the paged cache's (cache='paged'/'prefix').
 
     Returns:
         GenerationResult with the generated ids (int), the cache object and, for the paged cache,
-        its stats.
+        its stats (and the prefix cache's hit statistics for cache='prefix').
 
     Raises:
         ValueError: bad request (see `kvlab.requests.check_request`), max_model_len above the
-            model's max_position_embeddings, unknown cache kind, n > 1 without cache='paged', a
-            bad temperature, seed or eos_token_id.
+            model's max_position_embeddings, unknown cache kind, n > 1 without a paged cache,
+            several prompts without cache='prefix', a bad temperature, seed or eos_token_id.
         RequestTooLongError (a ValueError): prompt + max_new_tokens > max_model_len.
         KVCacheOutOfMemory: the cache cannot be reserved.
     """
@@ -95,7 +112,13 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens:
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache kind {cache!r}; choose from {', '.join(CACHE_KINDS)}")
     limit = check_model_len(config, max_model_len)
-    check_request(prompt_ids, max_new_tokens, limit, config.vocab_size)
+    several = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (int, torch.Tensor))
+    prompts = list(prompt_ids) if several else [prompt_ids]
+    if several and cache != "prefix":
+        raise ValueError(f"{len(prompts)} prompts given: several prompts in one call need "
+                         f"cache='prefix' (later prompts hit the blocks of earlier ones)")
+    for prompt in prompts:
+        check_request(prompt, max_new_tokens, limit, config.vocab_size)
     temperature = check_temperature(temperature)
     seed = check_int("seed", seed, 0)
     if eos_token_id is not None:
@@ -110,6 +133,16 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens:
             raise ValueError(paged.errors[0])
         return GenerationResult(paged.token_ids[0], paged.completions[0], paged.cache,
                                 paged.stats)
+    if cache == "prefix":
+        prefix = generate_with_prefix_cache(
+            model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
+            max_model_len=max_model_len, n=n, eos_token_id=eos_token_id, temperature=temperature,
+            seed=seed, attention_backend=attention_backend)
+        for error in prefix.errors:  # cannot happen after check_request; nothing stays silent
+            if error:
+                raise ValueError(error)
+        return GenerationResult(prefix.token_ids[0], prefix.completions[0], prefix.cache,
+                                prefix.stats, prefix.prefix_stats, prefix.completions)
     if n != 1:
         raise ValueError(f"n={n} completions need cache='paged' (they share the prompt's "
                          f"blocks); cache={cache!r} generates one")

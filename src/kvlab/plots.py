@@ -31,7 +31,9 @@ def draw_block_tables(cache: "PagedKVCache", title: str = "") -> "Figure":
         title: the figure's title.
 
     Returns:
-        The figure (one axes, no ticks). In a notebook it is shown when the cell ends.
+        The figure (one axes, no ticks), a pyplot figure: a notebook shows it when the cell ends.
+        Assign the result (`figure = draw_block_tables(...)`) so it is not shown a second time as
+        the cell's value.
 
     Raises:
         ValueError: the cache holds no sequence (there would be nothing to draw).

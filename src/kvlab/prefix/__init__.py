@@ -19,8 +19,10 @@ Modules, in reading order:
   unbounded vs LRU hit rate against pool capacity.
 * `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
   multi-turn chats).
-* `cli` (`kvlab generate --cache prefix`) and `report_row` (the `paged+prefix` row of
-  `kvlab report` on a Mooncake trace).
+* `report_row` (the `paged+prefix` row of `kvlab report` on a Mooncake trace).
+
+`kvlab.generate.generate(..., cache="prefix")` (and so `kvlab generate --cache prefix`) runs
+several prompts through `generate_with_prefix_cache`.
 
 For a scheduler (stage 7), the manager's interface is small: `can_admit` / `blocks_to_admit`,
 `allocate_with_prefix` (returns num_cached_tokens and the slots to prefill), `append_slots(seq_id,

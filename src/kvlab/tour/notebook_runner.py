@@ -15,8 +15,9 @@ namespace, as a kernel would:
   meaning without a browser, so that cell is marked skipped and the notebook goes on.
 
 The executed copy (outputs in nbformat, so Jupyter can open it) and a Markdown summary go to DIR.
-`--dry-run` runs only the first code cell (imports and setup) and the cells that mention `cuda` (the
-GPU paths), which on a CPU take their no-GPU branch. `--reuse NAME=JSON` makes
+`--dry-run` runs only the setup cells (the first code cell; and the second too when the first is the
+course's install-and-setup cell, docs/colab.md, so the imports follow it) and the cells that mention
+`cuda` (the GPU paths), which on a CPU take their no-GPU branch. `--reuse NAME=JSON` makes
 `kvlab.kernels.NAME.main` return that JSON instead of running again (the tour runs each benchmark
 once, as its own stage, before the notebooks that call it).
 """
@@ -189,6 +190,16 @@ def _cell_timeout(signum, frame):
     raise TimeoutError("the notebook ran past the tour's time limit for it")
 
 
+# The first line of the course's first cell (docs/colab.md): install if needed, then setup().
+INSTALL_CELL_MARK = "# kvlab: install the course"
+
+
+def setup_cells(sources: list[str]) -> int:
+    """How many leading code cells set a notebook up: 2 after the course's install cell (its
+    imports come in the next cell), else 1."""
+    return 2 if sources and sources[0].startswith(INSTALL_CELL_MARK) and len(sources) > 1 else 1
+
+
 def run_notebook(path: Path, dry_run: bool = False, timeout_s: int | None = None) -> NotebookRun:
     """Execute the notebook's code cells in its own folder (relative paths work as in Jupyter).
 
@@ -199,7 +210,8 @@ def run_notebook(path: Path, dry_run: bool = False, timeout_s: int | None = None
     sources = code_cells(notebook)
     selected = set(range(len(sources)))
     if dry_run:
-        selected = {0} | {i for i, source in enumerate(sources) if "cuda" in source}
+        selected = set(range(setup_cells(sources))) | {i for i, source in enumerate(sources)
+                                                        if "cuda" in source}
     cells = [CellRun(i, source) for i, source in enumerate(sources)]
     namespace: dict[str, Any] = {"__name__": "__main__"}
     magics: list[str] = []

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["add_serve_parser"]
+from .arguments import positive_float, positive_int
+
+__all__ = ["register", "run_serve"]
 
 
-def add_serve_parser(commands, positive_int, positive_float) -> None:
-    """Register the `serve` subcommand on an argparse subparsers object (imports nothing heavy:
-    `kvlab size` must not pay for torch)."""
+def register(commands) -> None:
+    """Add `kvlab serve` to the argparse subparsers (imports nothing heavy: `kvlab size` must not
+    pay for torch)."""
     p = commands.add_parser("serve", help="serve a trace with every KV-cache strategy (stage 7)")
     p.add_argument("--trace", required=True,
                    help="Azure trace .csv (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake "
@@ -61,10 +63,10 @@ def add_serve_parser(commands, positive_int, positive_float) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .serving import request as req
-    from .serving.metrics import format_rows
-    from .serving.runner import STRATEGIES
-    from .serving.traces import load_trace
+    from ..serving import request as req
+    from ..serving.metrics import format_rows
+    from ..serving.runner import STRATEGIES
+    from ..serving.traces import load_trace
 
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     rows = load_trace(args.trace, args.num_requests)
@@ -104,11 +106,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _simulate(args, requests, strategies):
-    from .config import load_config
-    from .serving.cost_model import CostModel, get_card
-    from .serving.runner import SimulatedExecutor, serve, simulated_manager
-    from .serving.scheduler import SchedulerConfig
-    from .sizing import default_kv_budget, format_bytes, kv_bytes_per_token, weights_bytes
+    from ..config import load_config
+    from ..serving.cost_model import CostModel, get_card
+    from ..serving.runner import SimulatedExecutor, serve, simulated_manager
+    from ..serving.scheduler import SchedulerConfig
+    from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token, weights_bytes
 
     config = load_config(args.model or "llama-3.1-70b")
     dtype = args.dtype or "bf16"
@@ -141,11 +143,11 @@ def _simulate(args, requests, strategies):
 def _run_model(args, requests, strategies):
     import torch
 
-    from .checkpoint import load_model
-    from .serving.request import synthetic_prompt_ids
-    from .serving.runner import model_strategy, serve
-    from .serving.scheduler import SchedulerConfig
-    from .sizing import format_bytes
+    from ..checkpoint import load_model
+    from ..serving.request import synthetic_prompt_ids
+    from ..serving.runner import model_strategy, serve
+    from ..serving.scheduler import SchedulerConfig
+    from ..sizing import format_bytes
 
     if args.kv_budget is None:
         raise ValueError("model mode needs --kv-budget GIB (the KV memory of the cache tensors); "

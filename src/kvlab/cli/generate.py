@@ -1,0 +1,140 @@
+"""`kvlab generate`: text from a model through a chosen KV cache (stages 2, 4, 5, 6).
+
+    kvlab generate --model tiny --prompt "The" --max-new-tokens 20 --cache paged
+
+Heavy modules (torch, the model) are imported inside `run`, so `kvlab size` never pays for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .arguments import positive_int
+from .generate_output import print_generation, print_prefix_generation
+
+__all__ = ["register", "run", "default_threads"]
+
+
+def register(commands) -> None:
+    """Add `kvlab generate` to the argparse subparsers (imports nothing heavy)."""
+    gen = commands.add_parser("generate", help="greedy generation with a chosen KV cache")
+    gen.add_argument("--model", default="tiny",
+                     help="'tiny', a HF Llama checkpoint folder, a *.gguf file, or 'smollm2-135m' "
+                          "(after `kvlab fetch smollm2-135m`; 4-bit weights dequantized to floats)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append",
+                        help="prompt text; repeat it for several prompts (--cache prefix)")
+    prompt.add_argument("--prompt-ids", action="append",
+                        help="prompt token ids, e.g. 1,2,3; repeatable like --prompt")
+    gen.add_argument("--max-new-tokens", type=positive_int, required=True)
+    gen.add_argument("--cache", choices=("none", "contiguous", "paged", "prefix"),
+                     default="contiguous", help="prefix: paged + prefix caching (stage 6)")
+    gen.add_argument("--block-size", type=positive_int, default=None,
+                     help="tokens per block (--cache paged / prefix only; default 16)")
+    gen.add_argument("--n", type=positive_int, default=1,
+                     help="completions of the prompt, sharing its blocks (--cache paged; needs "
+                          "--temperature, or all n would be the same greedy text)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy (default); > 0 samples, so --n completions differ")
+    gen.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                     help="paged attention: PyTorch gather + attend (default), or stage 5's Triton "
+                          "kernels (on CPU in Triton's interpreter: slow) (--cache paged)")
+    gen.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
+                     help="the block pool's layout (--cache paged)")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="the request's sampling seed: same prompt + seed, same samples")
+    gen.add_argument("--max-model-len", type=positive_int, default=None,
+                     help="tokens per request (prompt + output); default: the model's limit")
+    gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                     help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
+    gen.add_argument("--threads", type=positive_int, default=None,
+                     help="CPU threads for torch; default $OMP_NUM_THREADS if set, else 1 for "
+                          "models under 50 million parameters (such as tiny), torch's default "
+                          "otherwise")
+    gen.add_argument("--json", action="store_true")
+    gen.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.attention == "triton" and args.device == "cpu":
+        # No GPU: Triton's CPU interpreter. It must be chosen before Triton is first imported, and
+        # torch imports Triton itself (loading a model does), so it is chosen first of all.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
+    import torch
+
+    from ..checkpoint import load_model, load_tokenizer
+    from ..device import default_dtype
+    from ..dtypes import torch_dtype
+    from ..generate import generate
+
+    if args.block_size is None:
+        args.block_size = 16
+    elif args.cache not in ("paged", "prefix"):
+        raise ValueError(f"--block-size {args.block_size} sizes the blocks of the paged cache; "
+                         f"add --cache paged (--cache {args.cache} has no blocks)")
+    if args.n > 1 and args.temperature == 0:
+        raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
+                         f"greedy completions; add e.g. --temperature 0.8 to sample them")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
+    # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
+    dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
+    model = load_model(args.model, dtype=dtype, device=args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        torch.set_num_threads(default_threads(model, torch.get_num_threads()))
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except FileNotFoundError:
+        if args.prompt is not None:
+            raise
+    if args.prompt is not None:
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]
+    else:
+        try:
+            prompts = [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got "
+                             f"{args.prompt_ids!r}") from None
+    if len(prompts) > 1 and args.cache != "prefix":
+        raise ValueError(f"{len(prompts)} prompts given: several prompts in one call need "
+                         f"--cache prefix")
+    # --cache prefix takes the list, so later prompts can hit the blocks of earlier ones.
+    result = generate(model, prompts if args.cache == "prefix" else prompts[0],
+                      args.max_new_tokens, cache=args.cache, max_model_len=args.max_model_len,
+                      n=args.n, temperature=args.temperature, seed=args.seed,
+                      block_size=args.block_size, attention_backend=_attention_backend(args))
+    if args.cache == "prefix":
+        print_prefix_generation(args, result, prompts, tokenizer)
+    else:
+        print_generation(args, result, prompts[0], tokenizer)
+    return 0
+
+
+# Below this many parameters every matmul is too small to split across CPU threads: the pool's
+# hand-offs cost more than they save, and on a busy machine far more (the tiny model decoding 20
+# tokens measured 4.2 s on 2 threads and 0.27 s on 1, on a shared 2-core CPU).
+_SMALL_MODEL_PARAMETERS = 50_000_000
+
+
+def default_threads(model, available: int) -> int:
+    """1 thread for a small model, all of torch's default otherwise."""
+    small = sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMETERS
+    return 1 if small else available
+
+
+def _attention_backend(args: argparse.Namespace):
+    """The paged cache's attention backend from --attention and --kv-layout (None: the default)."""
+    if (args.attention, args.kv_layout) == ("torch", "token-major"):
+        return None
+    if args.cache not in ("paged", "prefix"):
+        raise ValueError(f"--attention {args.attention} --kv-layout {args.kv_layout} choose how the "
+                         f"paged cache stores and reads K/V: add --cache paged")
+    from ..paged.backends import resolve_backend
+
+    return resolve_backend(args.attention, args.kv_layout)

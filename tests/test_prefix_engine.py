@@ -94,8 +94,7 @@ def test_salts_isolate_tenants_in_the_engine(model):
 
 
 @pytest.mark.parametrize("layout", ["token-major", "head-major"])
-def test_prefix_hits_with_the_triton_backend(model, layout):
-    pytest.importorskip("triton")
+def test_prefix_hits_with_the_triton_backend(model, layout, triton_on_cpu):
     from kvlab.paged import resolve_backend
 
     prompts = shared_prompts(9, [2, 5, 0])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run
 from kvlab import sizing
 from kvlab.cli import main
 from kvlab.workload import synthetic_requests
@@ -29,16 +30,6 @@ SIZE_KEYS = {
 def no_local_gpu(monkeypatch):
     """`kvlab size` without --gpu sizes against this machine's GPU when there is one: hide it."""
     monkeypatch.setattr(sizing, "local_gpu_memory", lambda: None)
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """main(argv) -> (exit status, stdout, stderr); argparse errors exit via SystemExit."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def run_json(capsys, *argv: str):

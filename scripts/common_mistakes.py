@@ -55,6 +55,10 @@ MISTAKES = [
      "        if needed > len(self.free_blocks):\n", "        if False:\n"),
     (4, "num_tokens // block_size (no ceiling)",
      "needed = -(-num_tokens // self.block_size)", "needed = num_tokens // self.block_size"),
+    (7, "preempting the oldest running request instead of the newest",
+     "            victim = running.pop()\n", "            victim = running.pop(0)\n"),
+    (7, "admitting in the same step that preempted",
+     "while not preempted and waiting", "while waiting"),
 ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run
 from kvlab import sizing
 from kvlab.cli import main
 from kvlab.workload import synthetic_requests
@@ -29,16 +30,6 @@ SIZE_KEYS = {
 def no_local_gpu(monkeypatch):
     """`kvlab size` without --gpu sizes against this machine's GPU when there is one: hide it."""
     monkeypatch.setattr(sizing, "local_gpu_memory", lambda: None)
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """main(argv) -> (exit status, stdout, stderr); argparse errors exit via SystemExit."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def run_json(capsys, *argv: str):
@@ -443,3 +434,20 @@ def test_generate_seeded_sampling_is_the_same_through_every_cache(hf_checkpoint,
     assert outputs[0] == outputs[1] == outputs[2]
     other_seed = run_json(capsys, *common[:-1], "12", "--cache", "paged")["token_ids"]
     assert other_seed != outputs[0]  # the seed, not the cache, decides the samples
+
+
+def test_generate_n_prints_the_net_saving_against_separate_requests(hf_checkpoint, capsys):
+    code = main(["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3,4,5,6,7",
+                 "--max-new-tokens", "6", "--cache", "paged", "--block-size", "2", "--n", "3",
+                 "--temperature", "1.0", "--seed", "1", "--json"])
+    assert code == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    # 3 separate requests of 7 + 6 tokens hold 3 x ceil((7 + 5) / 2) = 18 blocks at their peak.
+    assert stats["peak_blocks_unshared"] == 18
+    assert stats["peak_blocks_in_use"] < 18
+    main(["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3,4,5,6,7",
+          "--max-new-tokens", "6", "--cache", "paged", "--block-size", "2", "--n", "3",
+          "--temperature", "1.0", "--seed", "1"])
+    shared = stats["peak_blocks_in_use"]
+    assert (f"-- vs 3 separate requests: peak 18 blocks without sharing, {shared} blocks with it: "
+            f"{18 - shared} blocks") in capsys.readouterr().out

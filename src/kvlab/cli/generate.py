@@ -51,8 +51,8 @@ def register(commands) -> None:
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
     gen.add_argument("--threads", type=positive_int, default=None,
                      help="CPU threads for torch; default $OMP_NUM_THREADS if set, else 1 for "
-                          "models under 50 million parameters (such as tiny), torch's default "
-                          "otherwise")
+                          "models under 200 million parameters (tiny, smollm2-135m), torch's "
+                          "default otherwise")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=run)
 
@@ -116,10 +116,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# Below this many parameters every matmul is too small to split across CPU threads: the pool's
-# hand-offs cost more than they save, and on a busy machine far more (the tiny model decoding 20
-# tokens measured 4.2 s on 2 threads and 0.27 s on 1, on a shared 2-core CPU).
-_SMALL_MODEL_PARAMETERS = 50_000_000
+# Below this many parameters a one-token decode step's matmuls are too small to split across CPU
+# threads: the pool's hand-offs cost more than they save, and on a busy machine far more. Measured
+# on a shared 2-core CPU (load average ~4.5): the tiny model decoding 20 tokens took 4.2 s on 2
+# threads and 0.27 s on 1; SmolLM2-135M, 24 tokens through the contiguous cache, median 31.8 s on
+# 2 threads and 5.6 s on 1 (4 interleaved runs each). --threads overrides this.
+_SMALL_MODEL_PARAMETERS = 200_000_000
 
 
 def default_threads(model, available: int) -> int:

@@ -49,6 +49,20 @@ def print_generation(args: argparse.Namespace, result, prompt_ids: list[int], to
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
               f"{stats['num_preemptions']} preemptions")
+        if args.n > 1:
+            print(net_sharing_line(stats, args.n))
+
+
+def net_sharing_line(stats: dict, n: int) -> str:
+    """The net saving of n completions sharing one prompt against n separate requests, at peak.
+
+    Separate requests would hold every block-table entry in a block of its own, so their peak is
+    the most entries the tables had at once (`peak_blocks_unshared`)."""
+    shared, unshared = stats["peak_blocks_in_use"], stats["peak_blocks_unshared"]
+    saving = 1 - shared / unshared if unshared else 0.0
+    return (f"-- vs {n} separate requests: peak {plural(unshared, 'block')} without sharing, "
+            f"{plural(shared, 'block')} with it: {plural(unshared - shared, 'block')} "
+            f"({saving:.0%}) saved net of copy-on-write")
 
 
 def format_prefix_line(result) -> str:

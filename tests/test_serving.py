@@ -17,7 +17,8 @@ from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.serving import (CostModel, PagedManager, Request, RequestState, Scheduler,
                            SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
-                           percentile, poisson_arrivals, serve, simulated_manager, speed_up)
+                           percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
+                           speed_up)
 from kvlab.serving.traces import load_trace
 from kvlab.traces import TraceFormatError
 
@@ -122,6 +123,25 @@ def test_contiguous_holds_fewer_requests_than_paged_on_the_same_budget():
     assert results["contiguous"].peak_running == 4
     assert results["paged"].peak_running > 4 * 2
     assert results["paged"].ttft_p99_s < results["contiguous"].ttft_p99_s
+
+
+def test_plot_memory_keeps_coinciding_strategies_visible_and_says_so():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    requests = workload(30, with_ids=False, spread_s=0.0)  # no block ids: prefix cache never hits
+    budget = 4 * 64 * 100
+    results = [serve(requests, simulated_manager(s, budget, 100, 64, 4), SimulatedExecutor(COST))
+               for s in ("contiguous", "paged", "prefix")]
+    assert results[2].series.running == results[1].series.running  # the two coincide
+    axes = plot_memory(results)
+    for ax in axes:
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == [
+            results[0].strategy, results[1].strategy,
+            f"{results[2].strategy} (same as {results[1].strategy})"]
+        assert len({line.get_linestyle() for line in lines}) == 3  # each visible through the others
+        assert list(lines[2].get_ydata()) == list(lines[1].get_ydata())
 
 
 # ---- model mode ---------------------------------------------------------------------------------

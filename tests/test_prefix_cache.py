@@ -11,8 +11,6 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab.config import LlamaConfig
-from kvlab.model import LlamaForCausalLM
 from kvlab.paged import KVCacheManager, NoFreeBlocksError, PagedKVCache, RequestTooLongError
 from kvlab.prefix import (ROOT_HASH, PrefixCachingKVCacheManager, extra_keys_for, hash_block,
                           hash_full_blocks)
@@ -282,15 +280,9 @@ TestPrefixManagerMachine.settings = settings(max_examples=200, stateful_step_cou
 
 # ---- the model reads cached K/V at absolute positions -----------------------------------------
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     max_position_embeddings=128, name="tiny")
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG).eval()
+@pytest.fixture
+def model(small_llama):  # tests/conftest.py's random GQA model (4 query / 2 KV heads, head_dim 8)
+    return small_llama
 
 
 @torch.no_grad()

@@ -290,3 +290,10 @@ def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["serve", "--trace", str(trace), "--simulate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad.jsonl:1: missing field 'output_length'" in err
+
+
+def test_progress_bar_stays_off_when_stderr_is_not_a_terminal(capsys):
+    # Even when asked for, a bar written to a log or a pipe would be thousands of lines.
+    kv = simulated_manager("paged", 2 * 64 * 100, 100, max_model_len=64, block_size=4)
+    serve(workload(10, with_ids=False), kv, SimulatedExecutor(COST), progress=True)
+    assert capsys.readouterr().err == ""

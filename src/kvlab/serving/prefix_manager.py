@@ -19,16 +19,15 @@ assumption when a trace says nothing about sharing.
 from __future__ import annotations
 
 from ..errors import NoFreeBlocksError
-from ..paged.block_table import cdiv
-from ..prefix.manager import PrefixCachingKVCacheManager
-from .kv_managers import KVManager
+from .kv_managers import PagedManager
 from .request import Request
 
 __all__ = ["PrefixManager"]
 
 
-class PrefixManager(KVManager):
-    """Paged blocks with automatic prefix caching.
+class PrefixManager(PagedManager):
+    """Paged blocks with automatic prefix caching: `PagedManager` whose admission shares cached
+    blocks and whose appends name their tokens (so a block is hashed once it is full).
 
     Args:
         manager: the `PrefixCachingKVCacheManager` (in model mode: the one the `PagedKVCache` the
@@ -41,17 +40,6 @@ class PrefixManager(KVManager):
 
     name = "paged+prefix"
     has_prefix_cache = True
-
-    def __init__(self, manager: PrefixCachingKVCacheManager, max_model_len: int):
-        self.manager, self.max_model_len = manager, max_model_len
-        self.block_size = manager.block_size
-        self._pool_blocks = manager.pool.blocks  # ref counts, read on the fast path of `append`
-        self.capacity_tokens = manager.pool.num_blocks * self.block_size
-        if cdiv(max_model_len, self.block_size) > manager.pool.num_blocks:
-            raise ValueError(f"a max_model_len={max_model_len} request needs "
-                             f"{cdiv(max_model_len, self.block_size)} blocks of {self.block_size}"
-                             f" tokens, the pool has {manager.pool.num_blocks}; lower "
-                             f"max_model_len or give the cache more memory")
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
         # The whole prompt (+ outputs after a preemption) is reserved at admission, the cached
@@ -83,17 +71,6 @@ class PrefixManager(KVManager):
         except NoFreeBlocksError:
             return False
         return True
-
-    def free(self, request: Request) -> None:
-        self.manager.free(request.request_id)
-
-    def preempt(self, request: Request) -> int:
-        return self.manager.preempt(request.request_id)
-
-    @property
-    def num_reserved_tokens(self) -> int:
-        """Slots of blocks held by requests; cached blocks that nobody holds are free memory."""
-        return self.manager.num_used_blocks * self.block_size
 
 
 def token_ids(request: Request, start: int, end: int) -> list[int]:

@@ -18,7 +18,8 @@ from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.serving import (CostModel, PagedManager, Request, RequestState, Scheduler,
                            SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
-                           percentile, poisson_arrivals, serve, simulated_manager, speed_up)
+                           percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
+                           speed_up)
 from kvlab.serving.traces import load_trace
 from kvlab.traces import TraceFormatError
 
@@ -123,6 +124,25 @@ def test_contiguous_holds_fewer_requests_than_paged_on_the_same_budget():
     assert results["contiguous"].peak_running == 4
     assert results["paged"].peak_running > 4 * 2
     assert results["paged"].ttft_p99_s < results["contiguous"].ttft_p99_s
+
+
+def test_plot_memory_keeps_coinciding_strategies_visible_and_says_so():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    requests = workload(30, with_ids=False, spread_s=0.0)  # no block ids: prefix cache never hits
+    budget = 4 * 64 * 100
+    results = [serve(requests, simulated_manager(s, budget, 100, 64, 4), SimulatedExecutor(COST))
+               for s in ("contiguous", "paged", "prefix")]
+    assert results[2].series.running == results[1].series.running  # the two coincide
+    axes = plot_memory(results)
+    for ax in axes:
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == [
+            results[0].strategy, results[1].strategy,
+            f"{results[2].strategy} (same as {results[1].strategy})"]
+        assert len({line.get_linestyle() for line in lines}) == 3  # each visible through the others
+        assert list(lines[2].get_ydata()) == list(lines[1].get_ydata())
 
 
 # ---- model mode ---------------------------------------------------------------------------------
@@ -298,3 +318,10 @@ def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["serve", "--trace", str(trace), "--simulate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad.jsonl:1: missing field 'output_length'" in err
+
+
+def test_progress_bar_stays_off_when_stderr_is_not_a_terminal(capsys):
+    # Even when asked for, a bar written to a log or a pipe would be thousands of lines.
+    kv = simulated_manager("paged", 2 * 64 * 100, 100, max_model_len=64, block_size=4)
+    serve(workload(10, with_ids=False), kv, SimulatedExecutor(COST), progress=True)
+    assert capsys.readouterr().err == ""

@@ -12,6 +12,7 @@ model mode runs the real model on the CPU (or `--device cuda`) with real cache t
 from __future__ import annotations
 
 import argparse
+import os
 import json
 
 from .arguments import positive_float, positive_int
@@ -144,19 +145,23 @@ def _run_model(args, requests, strategies):
     import torch
 
     from ..checkpoint import load_model
+    from ..dtypes import torch_dtype
     from ..serving.request import synthetic_prompt_ids
     from ..serving.runner import model_strategy, serve
     from ..serving.scheduler import SchedulerConfig
     from ..sizing import format_bytes
+    from .generate import default_threads
 
     if args.kv_budget is None:
         raise ValueError("model mode needs --kv-budget GIB (the KV memory of the cache tensors); "
                          "or add --simulate")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
-    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    dtype = dtypes[args.dtype] if args.dtype else torch.float32
+    dtype = torch_dtype(args.dtype) if args.dtype else torch.float32
     model = load_model(args.model or "tiny", dtype=dtype, device=args.device)
+    if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        # The rule `kvlab generate` uses: one thread for small models (see default_threads).
+        torch.set_num_threads(default_threads(model, torch.get_num_threads()))
     limit = model.config.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
     for request in requests:

@@ -3,7 +3,7 @@
 Each mistake is one text edit of a reference answer in solutions/. The script applies it to a
 temporary copy, runs `kvlab check N --target COPY`, and prints the checker's failing lines:
 
-    python scripts/common_mistakes.py            # every mistake, about 2 min on 2 busy cores
+    python scripts/common_mistakes.py            # every mistake, a few minutes on 2 busy cores
     python scripts/common_mistakes.py --stage 4
 
 A mistake whose text is no longer in the answer is reported, so the list is kept current by hand.
@@ -55,10 +55,21 @@ MISTAKES = [
      "        if needed > len(self.free_blocks):\n", "        if False:\n"),
     (4, "num_tokens // block_size (no ceiling)",
      "needed = -(-num_tokens // self.block_size)", "needed = num_tokens // self.block_size"),
+    (5, "online softmax: the old max forgotten",
+     "m_new = tl.maximum(m, tl.max(scores, axis=1))", "m_new = tl.max(scores, axis=1)"),
+    (5, "online softmax: acc not rescaled (only l)",
+     "acc = acc * alpha[:, None] + tl.dot(p, values)", "acc = acc + tl.dot(p, values)"),
+    (6, "no n - 1 cap in the lookup", "cap = (len(token_ids) - 1) // block_size",
+     "cap = len(token_ids) // block_size"),
+    (6, "each block hashed without its parent (equal blocks, not equal prefixes)",
+     "parent = hash_block(parent, token_ids[start:start + block_size], extra_keys)",
+     "parent = hash_block(None, token_ids[start:start + block_size], extra_keys)"),
+    (6, "a hash hit trusted without comparing the stored tokens",
+     "if cache.get(block_hash) != tokens:", "if block_hash not in cache:"),
     (7, "preempting the oldest running request instead of the newest",
      "            victim = running.pop()\n", "            victim = running.pop(0)\n"),
-    (7, "admitting in the same step that preempted",
-     "while not preempted and waiting", "while waiting"),
+    (7, "admitting waiting requests in a step that preempted",
+     "while not preempted and waiting and budget > 0", "while waiting and budget > 0"),
 ]
 
 

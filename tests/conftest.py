@@ -50,6 +50,20 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
+
+@pytest.fixture
+def triton_on_cpu():
+    """For a test that runs the Triton kernels on CPU tensors, i.e. in Triton's interpreter.
+
+    The interpreter is on only where there is no GPU (above); where there is one, a CPU tensor
+    cannot reach a compiled kernel, so such a test skips there and says why. The kernels' own
+    tests (test_triton_paged_attention.py, test_triton_backend.py) put their tensors on the GPU.
+    """
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors need Triton's interpreter, which is off on a CUDA machine; "
+                    "the Triton tests with CUDA tensors cover the kernels there")
+
 # A tiny GQA Llama: 8 query heads share 2 KV heads (group of 4), head_dim 64 / 8 = 8.
 TINY_HF_FIELDS: dict[str, Any] = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run
 from kvlab import sizing
 from kvlab.cli import main
 from kvlab.workload import synthetic_requests
@@ -29,16 +30,6 @@ SIZE_KEYS = {
 def no_local_gpu(monkeypatch):
     """`kvlab size` without --gpu sizes against this machine's GPU when there is one: hide it."""
     monkeypatch.setattr(sizing, "local_gpu_memory", lambda: None)
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """main(argv) -> (exit status, stdout, stderr); argparse errors exit via SystemExit."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def run_json(capsys, *argv: str):
@@ -443,3 +434,74 @@ def test_generate_seeded_sampling_is_the_same_through_every_cache(hf_checkpoint,
     assert outputs[0] == outputs[1] == outputs[2]
     other_seed = run_json(capsys, *common[:-1], "12", "--cache", "paged")["token_ids"]
     assert other_seed != outputs[0]  # the seed, not the cache, decides the samples
+
+
+@pytest.mark.parametrize("argv", [
+    ("size", "llama-3.1-8b", "--batch", "-1"),
+    ("size", "llama-3.1-8b", "--dtype", "fp7"),
+    ("generate", "--max-new-tokens", "0"),
+    ("report", "--block-size", "0"),
+])
+def test_argument_errors_are_one_line_without_the_usage_block(capsys, argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith(f"kvlab {argv[0]}: error: argument ")
+
+
+def test_help_still_prints_the_full_usage(capsys):
+    code, out, _ = run(capsys, "size", "--help")
+    assert code == 0 and out.startswith("usage: kvlab size") and "--batch" in out
+
+
+@pytest.mark.parametrize("command", [("report",), ("serve", "--simulate")])
+def test_unknown_trace_name_lists_the_shipped_traces(capsys, command):
+    code, out, err = run(capsys, *command, "--trace", "azure")
+    assert code == 2 and err.count("\n") == 1
+    assert "azure: no such file, and not a shipped trace" in err and "azure-conv" in err and "mooncake-synthetic" in err
+
+
+def test_unknown_generate_model_names_every_kind_of_model(capsys):
+    code, out, err = run(capsys, "generate", "--model", "nope", "--prompt", "x",
+                         "--max-new-tokens", "1")
+    assert code == 2 and err.count("\n") == 1
+    for named in ("config.json", "--model tiny", "tiny-mha", "kvlab fetch smollm2-135m", "*.gguf"):
+        assert named in err
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
+def test_size_accepts_the_course_models(capsys, name, no_local_gpu):
+    from kvlab.config import COURSE_MODELS, load_config
+
+    data = run_json(capsys, "size", name)
+    expected = load_config(COURSE_MODELS[name] / "config.json")
+    assert data["model"] == name
+    assert data["kv_bytes_per_token"] == sizing.kv_bytes_per_token(expected, "bf16")
+
+
+def test_size_small_figures_have_no_redundant_or_zero_units(capsys, no_local_gpu):
+    from kvlab.config import COURSE_MODELS
+
+    code, out, _ = run(capsys, "size", str(COURSE_MODELS["tiny"] / "config.json"), "--tp", "8")
+    assert code == 0
+    assert "= 512 B\n" in out and "(512 B)" not in out
+    assert "weights per GPU (tp=8): 987,648 B (964.5 KiB)\n" in out and "0.0 GB" not in out
+    code, out, _ = run(capsys, "size", "llama-3.1-70b")
+    assert "141,107,412,992 B (131.42 GiB, 141.1 GB)" in out
+
+
+def test_generate_n_prints_the_net_saving_against_separate_requests(hf_checkpoint, capsys):
+    code = main(["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3,4,5,6,7",
+                 "--max-new-tokens", "6", "--cache", "paged", "--block-size", "2", "--n", "3",
+                 "--temperature", "1.0", "--seed", "1", "--json"])
+    assert code == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    # 3 separate requests of 7 + 6 tokens hold 3 x ceil((7 + 5) / 2) = 18 blocks at their peak.
+    assert stats["peak_blocks_unshared"] == 18
+    assert stats["peak_blocks_in_use"] < 18
+    main(["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3,4,5,6,7",
+          "--max-new-tokens", "6", "--cache", "paged", "--block-size", "2", "--n", "3",
+          "--temperature", "1.0", "--seed", "1"])
+    shared = stats["peak_blocks_in_use"]
+    assert (f"-- vs 3 separate requests: peak 18 blocks without sharing, {shared} blocks with it: "
+            f"{18 - shared} blocks") in capsys.readouterr().out

@@ -58,15 +58,8 @@ def colab_first_cell() -> str:
     return textwrap.dedent(block.group(1)).rstrip("\n")
 
 
-# Notebooks whose authors have not adopted the course's first cell yet (their own setup cell runs).
-OWN_SETUP_CELL = {"05_triton_paged_attention.ipynb", "06_prefix_caching.ipynb",
-                  "07_serving_under_load.ipynb"}
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
 def test_first_code_cell_is_the_one_colab_md_gives(path):
-    if path.name in OWN_SETUP_CELL:
-        pytest.skip(f"{path.name} keeps its own setup cell for now")
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     first = next(cell for cell in cells if cell["cell_type"] == "code")
     assert "".join(first["source"]) == colab_first_cell()

@@ -178,3 +178,13 @@ def test_step_by_step_api_drives_the_model(model):
     for seq_id in (0, 1, "copy"):
         cache.free(seq_id)
     assert cache.manager.num_free_blocks == 8
+
+
+def test_peak_without_sharing_is_what_separate_requests_would_hold(model):
+    prompts = make_prompts([6, 8])
+    shared = generate_paged(model, prompts, NEW, block_size=4, n=4)
+    # The same 8 sequences run as 8 separate requests (no fork, nothing shared): their peak.
+    alone = generate_paged(model, [p for p in prompts for _ in range(4)], NEW, block_size=4)
+    assert shared.stats.peak_blocks_unshared == alone.stats.peak_blocks_in_use
+    assert alone.stats.peak_blocks_unshared == alone.stats.peak_blocks_in_use
+    assert shared.stats.peak_blocks_in_use < alone.stats.peak_blocks_in_use

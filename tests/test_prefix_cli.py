@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import json
 
-from kvlab.cli import main
+from cli_run import run
 
 SHARED = "1,2,3,4,5,6,7,8,9,10"
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_several_prompts_hit_the_first_ones_blocks(capsys, hf_checkpoint):

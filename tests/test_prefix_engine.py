@@ -7,21 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.config import LlamaConfig
 from kvlab.generate import generate
-from kvlab.model import LlamaForCausalLM
 from kvlab.paged import PagedEngine, generate_paged
 from kvlab.prefix.engine import PrefixCachingEngine, generate_with_prefix_cache
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     max_position_embeddings=128, name="tiny")
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG).eval()
+@pytest.fixture
+def model(small_llama):  # tests/conftest.py's random GQA model (4 query / 2 KV heads, head_dim 8)
+    return small_llama
 
 
 def shared_prompts(shared_len, tail_lengths, seed=5):
@@ -94,8 +86,7 @@ def test_salts_isolate_tenants_in_the_engine(model):
 
 
 @pytest.mark.parametrize("layout", ["token-major", "head-major"])
-def test_prefix_hits_with_the_triton_backend(model, layout):
-    pytest.importorskip("triton")
+def test_prefix_hits_with_the_triton_backend(model, layout, triton_on_cpu):
     from kvlab.paged import resolve_backend
 
     prompts = shared_prompts(9, [2, 5, 0])

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import json
 
-from kvlab.cli import main
+from cli_run import run
 from kvlab.lifetime import held_token_steps
 from kvlab.prefix.report_row import (CachedPrefixRequest, PrefixPagedStrategy,
                                      mooncake_report_workload)
 from kvlab.prefix.trace_hit_rate import lru_hit_rate
 from kvlab.report import PagedStrategy, replay
 from kvlab.traces.mooncake import load_mooncake_trace
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_a_cached_prefix_is_paid_for_once_by_hand():

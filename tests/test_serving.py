@@ -4,6 +4,7 @@ included), simulation and model mode deciding alike, traces checked line by line
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -17,7 +18,8 @@ from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.serving import (CostModel, PagedManager, Request, RequestState, Scheduler,
                            SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
-                           percentile, poisson_arrivals, serve, simulated_manager, speed_up)
+                           percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
+                           speed_up)
 from kvlab.serving.traces import load_trace
 from kvlab.traces import TraceFormatError
 
@@ -124,6 +126,25 @@ def test_contiguous_holds_fewer_requests_than_paged_on_the_same_budget():
     assert results["paged"].ttft_p99_s < results["contiguous"].ttft_p99_s
 
 
+def test_plot_memory_keeps_coinciding_strategies_visible_and_says_so():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    requests = workload(30, with_ids=False, spread_s=0.0)  # no block ids: prefix cache never hits
+    budget = 4 * 64 * 100
+    results = [serve(requests, simulated_manager(s, budget, 100, 64, 4), SimulatedExecutor(COST))
+               for s in ("contiguous", "paged", "prefix")]
+    assert results[2].series.running == results[1].series.running  # the two coincide
+    axes = plot_memory(results)
+    for ax in axes:
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == [
+            results[0].strategy, results[1].strategy,
+            f"{results[2].strategy} (same as {results[1].strategy})"]
+        assert len({line.get_linestyle() for line in lines}) == 3  # each visible through the others
+        assert list(lines[2].get_ydata()) == list(lines[1].get_ydata())
+
+
 # ---- model mode ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy,budget_tokens",
@@ -204,6 +225,33 @@ def test_percentile_matches_numpy():
     assert math.isnan(percentile([], 50))
 
 
+def test_prefix_strategy_retries_the_queue_head_without_rehashing():
+    from kvlab.serving.prefix_manager import PrefixManager
+    from kvlab.serving.runner import SlotlessPrefixCachingManager
+
+    calls = []
+
+    def counting_sha256(data: bytes) -> bytes:
+        calls.append(data)
+        return hashlib.sha256(data).digest()
+
+    kv = PrefixManager(SlotlessPrefixCachingManager(7, 16, hash_fn=counting_sha256), 112)
+    shared = (3, 4)                                  # two trace blocks of 32 tokens in common
+    first = Request(0, 0.0, 80, 4, block_hashes=shared, hash_block_size=32)
+    head = Request(1, 0.0, 100, 4, block_hashes=shared, hash_block_size=32)
+    assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
+    hashed_first = len(calls)
+    assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free
+    hashed_once = len(calls) - hashed_first
+    assert hashed_once == 5                          # blocks 0-3 hit, block 4 missed
+    for _ in range(5):
+        assert kv.allocate(head, 1024) is None       # every step's retry: no hashing
+    assert len(calls) - hashed_first == hashed_once
+    kv.free(first)
+    assert kv.allocate(head, 1024) == 64             # the shared 64 tokens hit; 96 // 16 = 6 full
+    assert len(calls) - hashed_first == 6            # blocks, block 5 the only new hash
+
+
 # ---- traces and the command ----------------------------------------------------------------------
 
 def test_simulation_stand_in_ids_share_exactly_the_blocks_the_trace_shares():
@@ -270,3 +318,10 @@ def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["serve", "--trace", str(trace), "--simulate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad.jsonl:1: missing field 'output_length'" in err
+
+
+def test_progress_bar_stays_off_when_stderr_is_not_a_terminal(capsys):
+    # Even when asked for, a bar written to a log or a pipe would be thousands of lines.
+    kv = simulated_manager("paged", 2 * 64 * 100, 100, max_model_len=64, block_size=4)
+    serve(workload(10, with_ids=False), kv, SimulatedExecutor(COST), progress=True)
+    assert capsys.readouterr().err == ""

@@ -41,12 +41,13 @@ def test_generate_does_not_pull_in_torch_dynamo(cache):
     assert "torch" in loaded and "torch._dynamo" not in loaded
 
 
-def test_generate_uses_one_thread_for_a_tiny_model():
+def test_generate_uses_one_thread_below_200_million_parameters():
     import torch
 
     from kvlab.checkpoint import load_model
     from kvlab.cli.generate import default_threads
 
     assert default_threads(load_model("tiny"), 8) == 1
-    big = torch.nn.Linear(8000, 8000, bias=False)  # 64 million parameters
+    assert default_threads(torch.nn.Linear(12_000, 12_000, bias=False, device="meta"), 8) == 1
+    big = torch.nn.Linear(15_000, 15_000, bias=False, device="meta")  # 225 million parameters
     assert default_threads(big, 8) == 8

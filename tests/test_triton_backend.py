@@ -42,6 +42,19 @@ def test_cli_attention_needs_the_paged_cache(capsys):
                  "--attention", "triton"])
     _, err = capsys.readouterr()
     assert code == 2 and "add --cache paged" in err and "Traceback" not in err
+    # Only the flags the user passed are named: not the default --kv-layout they never saw.
+    assert err.startswith("kvlab generate: error: --attention triton chooses ")
+    assert "--kv-layout" not in err and "--cache contiguous" in err
+
+
+def test_cli_summary_names_the_attention_path(capsys):
+    code = main(["generate", "--model", "tiny", "--prompt", "The", "--max-new-tokens", "2",
+                 "--cache", "paged", "--attention", "triton", "--kv-layout", "head-major",
+                 "--device", DEVICE, "--dtype", "fp32"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "-- paged cache: block_size 16, peak 1 block " in out
+    assert out.rstrip().endswith(", attention triton (head-major)")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from .config import PRESETS, ConfigError, LlamaConfig, load_config
+from .config import COURSE_MODELS, PRESETS, ConfigError, LlamaConfig, load_config
 from .fetch import PRETRAINED, model_path
 from .input_files import MissingInputFileError, input_file_error, read_text
 from .model import LlamaForCausalLM
@@ -28,7 +28,7 @@ from .model import LlamaForCausalLM
 __all__ = ["TINY_MODEL_DIR", "TINY_MHA_MODEL_DIR", "resolve_model_dir", "gguf_file",
            "load_model", "load_tokenizer", "load_chat_template", "eos_token_id", "save_model"]
 
-MODELS_DIR = Path(__file__).parent / "models"
+MODELS_DIR = COURSE_MODELS["tiny"].parent
 TINY_MODEL_DIR = MODELS_DIR / "tiny"
 TINY_MHA_MODEL_DIR = MODELS_DIR / "tiny-mha"
 _NAMED_MODELS = {"tiny": TINY_MODEL_DIR, "tiny-mha": TINY_MHA_MODEL_DIR}
@@ -38,6 +38,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 _CHECKPOINT = "a checkpoint folder with config.json, *.safetensors and tokenizer.json"
+# Every other form --model takes, so a typo's message shows the whole menu.
+_OTHER_MODELS = (f"or --model tiny, tiny-mha, {', '.join(PRETRAINED)} after `kvlab fetch "
+                 f"{next(iter(PRETRAINED))}`, or a *.gguf file")
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -59,12 +62,12 @@ def resolve_model_dir(model: str | Path) -> Path:
                           f"a *.gguf file or {_CHECKPOINT}")
     if not folder.exists():
         raise MissingInputFileError(f"{folder}: no such folder; expected {_CHECKPOINT} "
-                                    f"(or --model tiny)")
+                                    f"({_OTHER_MODELS})")
     if not folder.is_dir():
         raise input_file_error(folder, "is a file, not a folder", _CHECKPOINT)
     if not (folder / "config.json").is_file():
         raise MissingInputFileError(f"{folder}: no config.json in this folder; expected "
-                                    f"{_CHECKPOINT} (or --model tiny)")
+                                    f"{_CHECKPOINT} ({_OTHER_MODELS})")
     return folder
 
 

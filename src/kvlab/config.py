@@ -17,7 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LlamaConfig", "ConfigError", "PRESETS", "load_config"]
+__all__ = ["LlamaConfig", "ConfigError", "PRESETS", "COURSE_MODELS", "load_config"]
+
+# The course's own models, committed with kvlab (weights and all): `--model tiny` works for every
+# subcommand, `kvlab size tiny` included, by reading the folder's config.json.
+COURSE_MODELS = {name: Path(__file__).parent / "models" / name for name in ("tiny", "tiny-mha")}
 
 
 class ConfigError(ValueError):
@@ -210,7 +214,8 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def load_config(model: str | Path) -> LlamaConfig:
-    """A preset name, a path to a `config.json`, or a checkpoint folder holding one.
+    """A preset name, a course model ('tiny', 'tiny-mha'), a path to a `config.json`, or a
+    checkpoint folder holding one.
 
     Raises:
         ConfigError: the name is neither a preset nor an existing path (the message lists the
@@ -224,6 +229,8 @@ def load_config(model: str | Path) -> LlamaConfig:
     if key in PRESETS:
         return PRESETS[key]
     path = Path(model)
+    if key in COURSE_MODELS and not path.exists():  # a folder named `tiny` here still wins
+        path = COURSE_MODELS[key]
     expected = "a Hugging Face config.json (a JSON object with hidden_size, num_attention_heads, ...)"
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -231,8 +238,8 @@ def load_config(model: str | Path) -> LlamaConfig:
         path = path / "config.json"
     if not path.exists():
         raise ConfigError(
-            f"unknown model {str(model)!r}: not a preset ({', '.join(sorted(PRESETS))}) and no "
-            f"config.json at {path}")
+            f"unknown model {str(model)!r}: not a preset ({', '.join(sorted(PRESETS))}), not a "
+            f"course model ({', '.join(COURSE_MODELS)}) and no config.json at {path}")
     text = read_text(path, expected)
     try:
         raw = json.loads(text)

@@ -162,7 +162,9 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
 
     steps = 0
     reserved, held = [0] * len(strategies), [0] * len(strategies)
-    for request in tqdm(served, desc="replaying", unit="req", disable=len(served) < 50_000):
+    # disable=None: tqdm shows the bar only on a terminal, so a log file or a pipe gets no bars.
+    for request in tqdm(served, desc="replaying", unit="req",
+                        disable=True if len(served) < 50_000 else None):
         steps += decode_steps(request)
         tokens_held = held_token_steps(request)
         for k, strategy in enumerate(strategies):

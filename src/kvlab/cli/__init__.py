@@ -29,9 +29,21 @@ from . import fetch_check, generate, report, serve, size
 __all__ = ["build_parser", "main"]
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, `kvlab <sub>: error: ...`, exit 2.
+
+    argparse's default prints the whole usage block first, which buries the one thing the
+    user needs (which value was wrong); `--help` still prints the full usage. Subparsers
+    inherit this class because `add_subparsers` builds them with the parent's class.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole `kvlab` argument parser: one subparser per subcommand."""
-    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="kvlab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for command in (size, generate, report, serve, fetch_check):
         command.register(commands)

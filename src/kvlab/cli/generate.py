@@ -40,8 +40,8 @@ def register(commands) -> None:
     gen.add_argument("--attention", choices=("torch", "triton"), default="torch",
                      help="paged attention: PyTorch gather + attend (default), or stage 5's Triton "
                           "kernels (on CPU in Triton's interpreter: slow) (--cache paged)")
-    gen.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
-                     help="the block pool's layout (--cache paged)")
+    gen.add_argument("--kv-layout", choices=("token-major", "head-major"), default=None,
+                     help="the block pool's layout (--cache paged; default token-major)")
     gen.add_argument("--seed", type=int, default=0,
                      help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=positive_int, default=None,
@@ -51,8 +51,8 @@ def register(commands) -> None:
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
     gen.add_argument("--threads", type=positive_int, default=None,
                      help="CPU threads for torch; default $OMP_NUM_THREADS if set, else 1 for "
-                          "models under 50 million parameters (such as tiny), torch's default "
-                          "otherwise")
+                          "models under 200 million parameters (tiny, smollm2-135m), torch's "
+                          "default otherwise")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=run)
 
@@ -116,10 +116,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# Below this many parameters every matmul is too small to split across CPU threads: the pool's
-# hand-offs cost more than they save, and on a busy machine far more (the tiny model decoding 20
-# tokens measured 4.2 s on 2 threads and 0.27 s on 1, on a shared 2-core CPU).
-_SMALL_MODEL_PARAMETERS = 50_000_000
+# Below this many parameters a one-token decode step's matmuls are too small to split across CPU
+# threads: the pool's hand-offs cost more than they save, and on a busy machine far more. Measured
+# on a shared 2-core CPU (load average ~4.5): the tiny model decoding 20 tokens took 4.2 s on 2
+# threads and 0.27 s on 1; SmolLM2-135M, 24 tokens through the contiguous cache, median 31.8 s on
+# 2 threads and 5.6 s on 1 (4 interleaved runs each). --threads overrides this.
+_SMALL_MODEL_PARAMETERS = 200_000_000
 
 
 def default_threads(model, available: int) -> int:
@@ -129,12 +131,24 @@ def default_threads(model, available: int) -> int:
 
 
 def _attention_backend(args: argparse.Namespace):
-    """The paged cache's attention backend from --attention and --kv-layout (None: the default)."""
-    if (args.attention, args.kv_layout) == ("torch", "token-major"):
+    """The paged cache's attention backend from --attention and --kv-layout (None: the default).
+
+    Raises:
+        ValueError: a non-default --attention or an explicit --kv-layout without a paged cache;
+            the message names only the flags the user passed.
+    """
+    passed = []  # only what the user typed: a default they never saw would confuse the message
+    if args.attention != "torch":
+        passed.append(f"--attention {args.attention}")
+    if args.kv_layout is not None:
+        passed.append(f"--kv-layout {args.kv_layout}")
+    args.kv_layout = args.kv_layout or "token-major"
+    if not passed:
         return None
     if args.cache not in ("paged", "prefix"):
-        raise ValueError(f"--attention {args.attention} --kv-layout {args.kv_layout} choose how the "
-                         f"paged cache stores and reads K/V: add --cache paged")
+        choose = "chooses" if len(passed) == 1 else "choose"
+        raise ValueError(f"{' '.join(passed)} {choose} how the paged cache stores and reads K/V; "
+                         f"--cache {args.cache} has no paged cache: add --cache paged")
     from ..paged.backends import resolve_backend
 
     return resolve_backend(args.attention, args.kv_layout)

@@ -44,22 +44,45 @@ def print_generation(args: argparse.Namespace, result, prompt_ids: list[int], to
     if stats is not None:
         block_bytes = result.cache.block_bytes
         print(f"-- paged cache: block_size {args.block_size}, "
-              f"peak {stats['peak_blocks_in_use']} "
-              f"blocks ({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
+              f"peak {plural(stats['peak_blocks_in_use'], 'block')} "
+              f"({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
               f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
               f"{stats['num_cow_copies']} copy-on-write copies, "
-              f"{stats['num_preemptions']} preemptions")
+              f"{plural(stats['num_preemptions'], 'preemption')}, attention {_attention(args)}")
+        if args.n > 1:
+            print(net_sharing_line(stats, args.n))
 
 
-def format_prefix_line(result) -> str:
-    """One line: '-- prefix cache: block_size 16, hit rate 40.5% (96 of 237 prompt tokens), ...'."""
+def net_sharing_line(stats: dict, n: int) -> str:
+    """The net saving of n completions sharing one prompt against n separate requests, at peak.
+
+    Separate requests would hold every block-table entry in a block of its own, so their peak is
+    the most entries the tables had at once (`peak_blocks_unshared`)."""
+    shared, unshared = stats["peak_blocks_in_use"], stats["peak_blocks_unshared"]
+    saving = 1 - shared / unshared if unshared else 0.0
+    return (f"-- vs {n} separate requests: peak {plural(unshared, 'block')} without sharing, "
+            f"{plural(shared, 'block')} with it: {plural(unshared - shared, 'block')} "
+            f"({saving:.0%}) saved net of copy-on-write")
+
+
+def _attention(args: argparse.Namespace) -> str:
+    """'torch (token-major)' or 'triton (head-major)': which paged-attention path ran."""
+    return f"{args.attention} ({args.kv_layout or 'token-major'})"
+
+
+def format_prefix_line(result, attention: str | None = None) -> str:
+    """One line: '-- prefix cache: block_size 16, hit rate 40.5% (96 of 237 prompt tokens), ...'.
+
+    `attention` (e.g. 'triton (token-major)'), when given, is named last: which path ran.
+    """
     prefix, paged = result.prefix_stats, result.stats
+    named = f", attention {attention}" if attention else ""
     return (f"-- prefix cache: block_size {result.cache.block_size}, hit rate "
             f"{prefix.hit_rate:.1%} ({prefix.num_hit_tokens} of {prefix.num_query_tokens} prompt "
             f"tokens), {plural(prefix.num_hit_blocks, 'block')} not computed, prefill ran "
             f"{plural(paged.num_prefill_tokens, 'token')}, "
             f"{plural(prefix.num_evictions, 'eviction')}, "
-            f"{plural(paged.num_preemptions, 'preemption')}")
+            f"{plural(paged.num_preemptions, 'preemption')}{named}")
 
 
 def print_prefix_generation(args: argparse.Namespace, result, prompts: list[list[int]],
@@ -86,4 +109,4 @@ def print_prefix_generation(args: argparse.Namespace, result, prompts: list[list
                 print(f"{label} {tokenizer.decode(prompt)}{texts[p][i]}")
             else:
                 print(f"{label} " + " ".join(map(str, ids)))
-    print(format_prefix_line(result))
+    print(format_prefix_line(result, _attention(args)))

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ..report import ContiguousStrategy, PagedStrategy, format_report, replay
     from ..sizing import default_kv_budget, gpu_memory, kv_bytes_per_token
     from ..traces import AZURE_TRACES, azure_trace, load_azure_trace
+    from ..traces.shipped import trace_file
     from ..workload import synthetic_requests
 
     config = load_config(args.model)
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         requests = azure_trace(service, limit=args.num_requests)
         workload = f"Azure LLM inference trace 2023, {service} (shipped)"
     else:
-        requests = load_azure_trace(args.trace, limit=args.num_requests)
+        requests = load_azure_trace(trace_file(args.trace), limit=args.num_requests)
         workload = f"trace {args.trace}"
     strategies = []
     if config.num_key_value_heads < config.num_attention_heads:

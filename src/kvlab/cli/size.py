@@ -63,18 +63,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"KV bytes per token{per_gpu}: 2 x {config.num_hidden_layers} layers x "
           f"{plural(report.kv_heads_per_gpu, 'KV head')} x {config.head_dim} head_dim x "
           f"{dtype_bytes(report.kv_cache_dtype)} B"
-          f" = {report.kv_bytes_per_token:,} B ({format_bytes(report.kv_bytes_per_token)})")
+          f" = {exact_and_readable(report.kv_bytes_per_token)}")
     if report.kv_heads_replicated > 1:  # vLLM does the same: a KV head cannot be split
         print(f"tp={report.tp} > num_key_value_heads={config.num_key_value_heads}: each GPU "
               f"keeps one whole KV head, and each KV head is replicated on "
               f"{report.kv_heads_replicated} GPUs")
     print(f"KV cache for {plural(args.batch, 'request')} x {plural(args.seq_len, 'token')}"
-          f"{per_gpu}: {report.kv_cache_bytes:,} B ({format_bytes(report.kv_cache_bytes)})")
+          f"{per_gpu}: {exact_and_readable(report.kv_cache_bytes)}")
     if args.seq_len > config.max_position_embeddings:
         print(f"note: {args.seq_len:,} tokens is beyond the model's max_position_embeddings="
               f"{config.max_position_embeddings:,}; a server would refuse such requests")
-    print(f"weights{weights_per_gpu}: {report.weights_bytes:,} B ({format_bytes(report.weights_bytes)}, "
-          f"{report.weights_bytes / 1e9:.1f} GB)")
+    print(f"weights{weights_per_gpu}: {exact_and_readable(report.weights_bytes, decimal=True)}")
     if report.gpu is not None:
         print(f"on {report.gpu} ({format_bytes(report.gpu_memory_bytes)}, "
               f"{report.gpu_memory_source}): weights {report.weights_share_of_gpu:.1%}, this KV "
@@ -83,6 +82,22 @@ def run(args: argparse.Namespace) -> int:
               f"(gpu_memory_utilization={report.gpu_memory_utilization}): "
               f"{report.max_concurrent_requests:,}")
     return 0
+
+
+def exact_and_readable(num_bytes: int, decimal: bool = False) -> str:
+    """Exact bytes, then a readable size only where it says something the exact figure does not.
+
+    987648 -> '987,648 B (964.5 KiB)'; 512 -> '512 B' (never '512 B (512 B)'). With `decimal`
+    the size in decimal units follows too, as model cards quote weights: 141,107,412,992 B ->
+    '(131.42 GiB, 141.1 GB)'; below 1 GB in MB, so a small model never reads '0.0 GB'.
+    """
+    if num_bytes < 1024:
+        return f"{num_bytes:,} B"
+    readable = format_bytes(num_bytes)
+    if decimal:
+        scale, unit = (1e9, "GB") if num_bytes >= 1e9 else (1e6, "MB")
+        readable += f", {num_bytes / scale:.1f} {unit}" if num_bytes >= 1e6 else ""
+    return f"{num_bytes:,} B ({readable})"
 
 
 def count_words(count: int) -> str:

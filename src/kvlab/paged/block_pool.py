@@ -71,9 +71,14 @@ class BlockPool:
         taken = []
         for _ in range(count):
             block = self.free_queue.popleft()
+            self._before_reuse(block)
             block.ref_count = 1
             taken.append(block.block_id)
         return taken
+
+    def _before_reuse(self, block: Block) -> None:
+        """Called for each free block `allocate` hands out, before anyone can write to it. The
+        plain pool has nothing to forget; stage 6's `CachingBlockPool` drops the block's hash."""
 
     def share(self, block_id: int) -> None:
         """One more block table holds this block (a fork): ref count + 1, no data is copied.

@@ -68,6 +68,8 @@ class PagedStats:
     num_prefill_tokens: int = 0      # tokens run through prefill, recomputation included
     peak_blocks_in_use: int = 0      # physical blocks held at the fullest moment
     blocks_saved_by_sharing: int = 0  # most block-table entries that pointed at a shared block
+    peak_blocks_unshared: int = 0    # most block-table entries at once: what the same sequences
+                                     # would hold as separate requests, nothing shared
     num_cow_copies: int = 0          # blocks copied by copy-on-write
 
 
@@ -308,5 +310,6 @@ class PagedEngine:
     def _record_memory(self) -> None:
         manager, stats = self.cache.manager, self.stats
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, manager.num_used_blocks)
+        stats.peak_blocks_unshared = max(stats.peak_blocks_unshared, manager.num_logical_blocks)
         saved = manager.num_logical_blocks - manager.num_used_blocks
         stats.blocks_saved_by_sharing = max(stats.blocks_saved_by_sharing, saved)

@@ -36,7 +36,7 @@ import dataclasses
 from typing import Hashable, Iterable
 
 from ..paged.block_pool import BlockPool
-from ..errors import NoFreeBlocksError
+from ..paged.free_queue import Block
 
 __all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
 
@@ -157,25 +157,11 @@ class CachingBlockPool(BlockPool):
         self.cache = cache
         self.num_evictions = 0
 
-    def allocate(self, count: int) -> list[int]:
-        """Take `count` blocks from the head of the free queue (least recently used first).
-
-        A taken block that is still cached loses its entry here, before anyone can write to it.
-
-        Raises:
-            NoFreeBlocksError: fewer than `count` free blocks (checked first; nothing changes).
-        """
-        if count > self.num_free_blocks:
-            raise NoFreeBlocksError(f"asked for {count} blocks, only {self.num_free_blocks} of "
-                                    f"{self.num_blocks} are free")
-        taken = []
-        for _ in range(count):
-            block = self.free_queue.popleft()
-            if self.cache.drop(block.block_id):
-                self.num_evictions += 1
-            block.ref_count = 1
-            taken.append(block.block_id)
-        return taken
+    def _before_reuse(self, block: Block) -> None:
+        """`allocate` (least recently used first) reuses a free block: a block still cached loses
+        its entry here, before anyone can write other tokens' K/V into it."""
+        if self.cache.drop(block.block_id):
+            self.num_evictions += 1
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A cache hit takes these blocks: ref count + 1; a free one leaves the free queue.

@@ -186,6 +186,8 @@ class PagedManager(KVManager):
 
     @property
     def num_reserved_tokens(self) -> int:
+        """Slots of blocks held by requests (with a prefix cache, cached blocks that nobody holds
+        are free memory: they are not counted)."""
         return self.manager.num_used_blocks * self.block_size
 
 

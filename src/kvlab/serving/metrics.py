@@ -185,8 +185,15 @@ def format_rows(results: Sequence[ServeResult]) -> str:
     return "\n".join(table)
 
 
+# One dash pattern per strategy, so lines that coincide stay visible (see plot_memory).
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 2000):
     """KV memory held (% of the budget) and running requests over time, one line per strategy.
+
+    Each strategy has its own dash pattern; a strategy whose lines equal an earlier one's is
+    labelled "(same as <earlier>)", so a line lying exactly on another is still seen and explained.
 
     Args:
         results: `ServeResult`s of one workload.
@@ -201,13 +208,22 @@ def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 200
 
     if axes is None:
         _, axes = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    for r in results:
+    drawn = []  # (strategy, curves) of the lines drawn so far
+    for i, r in enumerate(results):
         s = r.series
         every = max(1, len(s.time_s) // max_points)
         times = s.time_s[::every]
-        axes[0].plot(times, [100 * t / r.capacity_tokens for t in s.reserved_tokens[::every]],
-                     label=r.strategy, lw=1)
-        axes[1].plot(times, s.running[::every], label=r.strategy, lw=1)
+        held = [100 * t / r.capacity_tokens for t in s.reserved_tokens[::every]]
+        running = s.running[::every]
+        # Two strategies can make the very same decisions (a prefix cache with no hits is paging):
+        # a line drawn on top of an equal one would hide it, so each strategy gets its own dash
+        # pattern (a dashed line lets the one below show through) and the legend says they coincide.
+        same_as = next((name for name, curves in drawn if curves == (times, held, running)), None)
+        label = r.strategy if same_as is None else f"{r.strategy} (same as {same_as})"
+        style = dict(ls=LINE_STYLES[i % len(LINE_STYLES)], lw=1 if i == 0 else 1.5, label=label)
+        axes[0].plot(times, held, **style)
+        axes[1].plot(times, running, **style)
+        drawn.append((r.strategy, (times, held, running)))
     axes[0].set_ylabel("KV held (% of budget)")
     axes[1].set_ylabel("running requests")
     axes[1].set_xlabel("time (s)")

@@ -185,7 +185,8 @@ def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
         executor: `ModelExecutor` or `SimulatedExecutor`.
         config: max_num_seqs and max_num_batched_tokens.
         bytes_per_token: KV bytes per token (per GPU), only to label memory in bytes.
-        progress: show a tqdm bar (default: for more than 2,000 requests).
+        progress: show a tqdm bar (default: for more than 2,000 requests); either way, only
+            when stderr is a terminal (tqdm's `disable=None`), so logs and pipes stay clean.
 
     Returns:
         `ServeResult`; its requests end FINISHED or REJECTED, never stuck.
@@ -203,8 +204,9 @@ def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
     series = StepSeries()
     now = pending[0].arrival_s if pending else 0.0
     events, idle_steps, started = 0, 0, time.perf_counter()
+    wanted = progress if progress is not None else len(served) > 2000
     bar = tqdm(total=len(served), desc=kv.name, unit="req", leave=False,
-               disable=not (progress if progress is not None else len(served) > 2000))
+               disable=None if wanted else True)
     while pending or scheduler.has_unfinished():
         while pending and pending[0].arrival_s <= now:
             if not scheduler.add_request(pending.popleft()):

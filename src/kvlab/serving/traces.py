@@ -15,19 +15,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..traces.azure import TraceFormatError, azure_trace_path, load_azure_trace
-from ..traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace, mooncake_trace_path
+from ..traces.azure import TraceFormatError, load_azure_trace
+from ..traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace
+from ..traces.shipped import SHIPPED_TRACES, trace_file
 
 __all__ = ["TraceRow", "load_trace", "SHIPPED_TRACES"]
-
-# Names of the traces that ship with kvlab -> their files.
-SHIPPED_TRACES = {
-    "azure-conv": lambda: azure_trace_path("conv"),
-    "azure-code": lambda: azure_trace_path("code"),
-    "mooncake-conversation": lambda: mooncake_trace_path("conversation"),
-    "mooncake-synthetic": lambda: mooncake_trace_path("synthetic"),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class TraceRow:
@@ -54,10 +46,7 @@ def load_trace(trace: str | Path, limit: int | None = None) -> list[TraceRow]:
         TraceFormatError: an unknown extension, or a malformed line (message: file:line: what).
         ValueError: limit < 1.
     """
-    path = SHIPPED_TRACES[str(trace)]() if str(trace) in SHIPPED_TRACES else Path(trace)
-    if not path.exists():
-        raise FileNotFoundError(f"no trace file {path} (shipped traces: "
-                                f"{', '.join(SHIPPED_TRACES)})")
+    path = trace_file(trace)
     if path.suffix == ".csv":
         return [TraceRow(r.prompt_len, r.output_len, r.arrival_s)
                 for r in load_azure_trace(path, limit)]

@@ -104,6 +104,38 @@ def test_failed_admission_changes_nothing():
         manager.append_slots("held", 1)
 
 
+def test_a_retried_admission_computes_no_hash():
+    calls = []
+
+    def counting_sha256(data: bytes) -> bytes:
+        calls.append(data)
+        return hashlib.sha256(data).digest()
+
+    manager = PrefixCachingKVCacheManager(num_blocks=9, block_size=2, hash_fn=counting_sha256)
+    manager.allocate_with_prefix("a", [1, 2, 3, 4, 5, 6, 7])   # 4 blocks, 3 full ones hashed
+    manager.allocate_with_prefix("held", [20, 21, 22])         # 2 more: 3 blocks left free
+    prompt = list(range(1, 16))                                # 7 full blocks + 1 token
+    hashes: list[bytes] = []
+    calls.clear()
+    with pytest.raises(NoFreeBlocksError):                    # 3 hits + 5 new > 3 free
+        manager.allocate_with_prefix("b", prompt, block_hashes=hashes)
+    assert len(calls) == 4 and len(hashes) == 4               # blocks 0-2 hit, block 3 missed
+    for _ in range(3):                                         # the queue retries its head
+        with pytest.raises(NoFreeBlocksError):
+            manager.allocate_with_prefix("b", prompt, block_hashes=hashes)
+    assert len(calls) == 4                                     # no hash computed again
+    manager.free("held")
+    allocation = manager.allocate_with_prefix("b", prompt, block_hashes=hashes)
+    assert allocation.num_cached_tokens == 6
+    assert len(calls) == 7                                     # blocks 4-6, each once
+    manager.append_slots("b", 1, [16])                         # fills block 7
+    assert len(calls) == 8
+    # The same chain as hashing from scratch; the cache keeps the hashes the list holds.
+    assert hashes == hash_full_blocks(prompt + [16], 2)
+    assert [manager.prefix_cache.entry(b).block_hash for b in manager.tables["b"].block_ids] \
+        == hashes
+
+
 # ---- eviction order ---------------------------------------------------------------------------
 
 def test_a_finished_sequence_frees_its_tail_first():

@@ -4,6 +4,7 @@ included), simulation and model mode deciding alike, traces checked line by line
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -222,6 +223,33 @@ def test_percentile_matches_numpy():
     for q in (0, 50, 90, 99, 100):
         assert percentile(values, q) == pytest.approx(float(numpy.percentile(values, q)))
     assert math.isnan(percentile([], 50))
+
+
+def test_prefix_strategy_retries_the_queue_head_without_rehashing():
+    from kvlab.serving.prefix_manager import PrefixManager
+    from kvlab.serving.runner import SlotlessPrefixCachingManager
+
+    calls = []
+
+    def counting_sha256(data: bytes) -> bytes:
+        calls.append(data)
+        return hashlib.sha256(data).digest()
+
+    kv = PrefixManager(SlotlessPrefixCachingManager(7, 16, hash_fn=counting_sha256), 112)
+    shared = (3, 4)                                  # two trace blocks of 32 tokens in common
+    first = Request(0, 0.0, 80, 4, block_hashes=shared, hash_block_size=32)
+    head = Request(1, 0.0, 100, 4, block_hashes=shared, hash_block_size=32)
+    assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
+    hashed_first = len(calls)
+    assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free
+    hashed_once = len(calls) - hashed_first
+    assert hashed_once == 5                          # blocks 0-3 hit, block 4 missed
+    for _ in range(5):
+        assert kv.allocate(head, 1024) is None       # every step's retry: no hashing
+    assert len(calls) - hashed_first == hashed_once
+    kv.free(first)
+    assert kv.allocate(head, 1024) == 64             # the shared 64 tokens hit; 96 // 16 = 6 full
+    assert len(calls) - hashed_first == 6            # blocks, block 5 the only new hash
 
 
 # ---- traces and the command ----------------------------------------------------------------------

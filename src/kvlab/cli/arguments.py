@@ -27,16 +27,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def int_up_to(top: int):
-    """argparse type: a whole number in [1, top]."""
-    def parse(text: str) -> int:
-        value = positive_int(text)
-        if value > top:
-            raise argparse.ArgumentTypeError(f"expected at most {top:,}, got {value:,}")
-        return value
-    return parse
-
-
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     try:
@@ -48,11 +38,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+def int_up_to(top: int):
+    """argparse type: a whole number in [1, top]."""
+    return _at_most(positive_int, top, "{:,}".format)
+
+
 def float_up_to(top: float):
     """argparse type: a number in (0, top]."""
-    def parse(text: str) -> float:
-        value = positive_float(text)
+    return _at_most(positive_float, top, "{:g}".format)
+
+
+def _at_most(parse, top, show):
+    """`parse`, then refuse a value above `top` (both shown with `show`)."""
+    def parse_bounded(text: str):
+        value = parse(text)
         if value > top:
-            raise argparse.ArgumentTypeError(f"expected at most {top:g}, got {value:g}")
+            raise argparse.ArgumentTypeError(f"expected at most {show(top)}, got {show(value)}")
         return value
-    return parse
+    return parse_bounded

@@ -72,7 +72,7 @@ def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int],
     parent = ROOT_HASH if parent_hash is None else parent_hash
     # Decimal ids joined by commas and a '|' between the three parts: the encoding is unambiguous,
     # so with a strong H only equal (parent, tokens, extra keys) give equal hashes.
-    payload = (parent + b"|" + ",".join(str(int(t)) for t in token_ids).encode()
+    payload = (parent + b"|" + ",".join(map(str, map(int, token_ids))).encode()
                + b"|" + repr(tuple(extra_keys)).encode())
     return hash_fn(payload)
 

@@ -3,7 +3,7 @@
 `PrefixCachingKVCacheManager` is the stage-4 `KVCacheManager` plus a prefix cache. What changes:
 
 * A new sequence is admitted with its token ids, `allocate_with_prefix(seq_id, token_ids,
-  cache_salt)`. The manager looks the prompt up block by block (`lookup`), puts the hit blocks at
+  cache_salt, block_hashes)`. The manager looks the prompt up block by block (`lookup`), puts the hit blocks at
   the front of the block table (shared, ref count + 1; a free one leaves the free block queue),
   allocates blocks for the rest, and returns `num_cached_tokens`: prefill starts there, at absolute
   positions num_cached_tokens, num_cached_tokens + 1, ... The tokens of the hit are never computed.
@@ -18,13 +18,18 @@
 * `free` and `preempt` work as before: blocks go back to the free block queue tail first, but keep
   their cache entries until allocation reuses them (LRU eviction, see `prefix_cache`). A preempted
   sequence may therefore hit its own blocks when it is admitted again.
+* Each full block of a sequence is hashed once. A caller may keep the sequence's hash chain in a
+  list it owns (`block_hashes`, vLLM v1's `request.block_hashes`) and pass the same list at every
+  admission attempt: hashes already in it are reused, missing ones are computed and appended. A
+  scheduler that retries the head of its queue every step then hashes nothing on a retry; only the
+  exact token check of each hit block (`PrefixCache.find`) runs again.
 
 Forks (n > 1) share all blocks as in stage 4; the child inherits the parent's chain of entries, and
 copy-on-write only ever copies a partly filled block, which is never cached.
 
 The interface a scheduler needs (stage 7 uses it for its `paged+prefix` strategy):
 `blocks_to_admit` / `can_admit`, `allocate_with_prefix`, `append_slots(seq_id, n, token_ids)`,
-`fork`, `free`, `preempt`, and `prefix_stats`.
+`append_in_last_block` (a decode step's fast path), `fork`, `free`, `preempt`, and `prefix_stats`.
 
 Sources: vLLM v1 KV cache manager (automatic prefix caching: full-block hashes chained through the
 parent, an LRU free block queue, the n - 1 cap); SGLang RadixAttention (Zheng et al., "SGLang:
@@ -39,7 +44,7 @@ from typing import Hashable, Sequence
 from ..paged.block_table import BlockTable, cdiv
 from ..errors import NoFreeBlocksError, RequestTooLongError
 from ..paged.kv_cache_manager import KVCacheManager, SlotReservation
-from .block_hash import HashFunction, extra_keys_for, hash_block, sha256, short
+from .block_hash import BlockHash, HashFunction, extra_keys_for, hash_block, sha256, short
 from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
 
 __all__ = ["PrefixCacheStats", "PrefixAllocation", "PrefixCachingKVCacheManager"]
@@ -111,8 +116,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         self.prefix_cache = PrefixCache(verify=verify)
         self.pool = CachingBlockPool(num_blocks, self.prefix_cache)
         self.hash_fn = hash_fn
-        # Per sequence admitted with token ids: its tokens, extra keys and cached-block chain.
+        # Per sequence admitted with token ids: its tokens, extra keys, full-block hash chain
+        # (block i's hash at index i; may run ahead of the cached chain) and cached-block chain.
         self._tokens: dict[Hashable, list[int]] = {}
+        self._hashes: dict[Hashable, list[BlockHash]] = {}
         self._extra_keys: dict[Hashable, tuple] = {}
         self._chains: dict[Hashable, list[CachedBlock]] = {}
         self._stats = PrefixCacheStats()
@@ -127,18 +134,31 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         Returns:
             the entries of blocks 0, 1, ..., k - 1, k <= (len(token_ids) - 1) // block_size.
         """
-        return self._lookup(token_ids, extra_keys_for(cache_salt), count_collisions=False)
+        return self._lookup(token_ids, extra_keys_for(cache_salt), count_collisions=False,
+                            block_hashes=[])
 
-    def _lookup(self, token_ids: Sequence[int], extra_keys: tuple,
-                count_collisions: bool) -> list[CachedBlock]:
+    def _block_hash(self, block_hashes: list[BlockHash], index: int, tokens: tuple[int, ...],
+                    extra_keys: tuple) -> BlockHash:
+        """Hash of full block `index` (its `tokens`): from `block_hashes` when it is there, else
+        computed from block index - 1's hash and appended (blocks are hashed in order, so the list
+        always holds blocks 0 .. index - 1 here)."""
+        if index < len(block_hashes):
+            return block_hashes[index]
+        block_hash = hash_block(block_hashes[index - 1] if index else None, tokens, extra_keys,
+                                self.hash_fn)
+        block_hashes.append(block_hash)
+        return block_hash
+
+    def _lookup(self, token_ids: Sequence[int], extra_keys: tuple, count_collisions: bool,
+                block_hashes: list[BlockHash]) -> list[CachedBlock]:
         size = self.block_size
         max_blocks = (len(token_ids) - 1) // size  # at least one prompt token is computed
         hits: list[CachedBlock] = []
         parent: CachedBlock | None = None
         for index in range(max_blocks):
             tokens = tuple(int(t) for t in token_ids[index * size:(index + 1) * size])
-            block_hash = hash_block(parent.block_hash if parent else None, tokens, extra_keys,
-                                    self.hash_fn)
+            # A hit's hash is the hash looked up, so block_hashes[index - 1] is parent's hash.
+            block_hash = self._block_hash(block_hashes, index, tokens, extra_keys)
             entry = self.prefix_cache.find(block_hash, tokens, extra_keys, parent)
             if entry is None:
                 if count_collisions and self.prefix_cache.knows_hash(block_hash):
@@ -160,8 +180,20 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     # ---- admission ---------------------------------------------------------------------------
 
     def allocate_with_prefix(self, seq_id: Hashable, token_ids: Sequence[int],
-                             cache_salt: str | None = None) -> PrefixAllocation:
+                             cache_salt: str | None = None,
+                             block_hashes: list[BlockHash] | None = None) -> PrefixAllocation:
         """Admit a sequence: share its cached prefix blocks, allocate the rest, cache full blocks.
+
+        Args:
+            seq_id: the new sequence's key.
+            token_ids: its tokens (ints; the prompt, plus outputs when a preempted one comes back).
+            cache_salt: optional salt; only blocks hashed with the same salt are hit.
+            block_hashes: the sequence's full-block hash chain, kept by the caller between
+                attempts (None: a fresh one). Must have been filled by earlier calls for this
+                sequence with the same salt and a prefix of the same token_ids; the manager reuses
+                the hashes in it, appends the ones it computes (also those of blocks that fill up
+                later in `append_slots`) and keeps a reference until `free`. A retried admission
+                with the same list computes no hash.
 
         Raises:
             ValueError: seq_id already has a block table, or token_ids is empty.
@@ -180,7 +212,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                 f"{cdiv(len(token_ids), size)} blocks of {size}, more than the whole pool of "
                 f"{pool.num_blocks} blocks ({pool.num_blocks * size} tokens)")
         extra_keys = extra_keys_for(cache_salt)
-        hits = self._lookup(token_ids, extra_keys, count_collisions=True)
+        if block_hashes is None:
+            block_hashes = []
+        hits = self._lookup(token_ids, extra_keys, count_collisions=True,
+                            block_hashes=block_hashes)
         hit_ids = [entry.block_id for entry in hits]
         table = BlockTable(size, list(hit_ids), num_tokens=len(hits) * size)
         new_blocks = table.num_blocks_after(len(token_ids) - table.num_tokens)
@@ -198,6 +233,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         slots = self._reserve(table, len(token_ids) - num_cached)
         self._tokens[seq_id] = [int(t) for t in token_ids]
         self._extra_keys[seq_id] = extra_keys
+        self._hashes[seq_id] = block_hashes
         self._chains[seq_id] = list(hits)
         self._cache_full_blocks(seq_id)
 
@@ -217,8 +253,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             index = len(chain)
             parent = chain[-1] if chain else None
             block_tokens = tuple(tokens[index * size:(index + 1) * size])
-            block_hash = hash_block(parent.block_hash if parent else None, block_tokens,
-                                    extra_keys, self.hash_fn)
+            block_hash = self._block_hash(self._hashes[seq_id], index, block_tokens, extra_keys)
             block_id = table.block_ids[index]
             # A full block is never written again, so an existing entry of it is still right.
             entry = self.prefix_cache.entry(block_id) or self.prefix_cache.insert(
@@ -250,18 +285,44 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             self._cache_full_blocks(seq_id)
         return reservation
 
+    def append_in_last_block(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
+        """A decode step's fast path: record new tokens that fit in the sequence's last block.
+
+        When the tokens neither need a new block nor fill the last one, and that block is not
+        shared (so no copy-on-write), there is no block to take and none to hash (only full blocks
+        are cached): the table's token count and the sequence's token ids just grow. The caller
+        needs no slots back (it computes them from the block table).
+
+        Returns:
+            True: recorded. False: this is not that case and nothing changed; use `append_slots`.
+
+        Raises:
+            KeyError: unknown seq_id.
+        """
+        table = self._table(seq_id)
+        end = table.num_tokens + len(token_ids)
+        if not (table.block_ids and end % self.block_size
+                and end <= len(table.block_ids) * self.block_size
+                and self.pool.blocks[table.block_ids[-1]].ref_count == 1):
+            return False
+        table.num_tokens = end
+        if seq_id in self._tokens:
+            self._tokens[seq_id].extend(int(t) for t in token_ids)
+        return True
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """As `KVCacheManager.fork`; the child inherits the parent's tokens and cached chain."""
         super().fork(parent_id, child_id)
         if parent_id in self._tokens:
             self._tokens[child_id] = list(self._tokens[parent_id])
             self._extra_keys[child_id] = self._extra_keys[parent_id]
+            self._hashes[child_id] = list(self._hashes[parent_id])
             self._chains[child_id] = list(self._chains[parent_id])
 
     def free(self, seq_id: Hashable) -> None:
         """As `KVCacheManager.free` (tail first); the blocks stay cached until reused."""
         super().free(seq_id)
-        for per_sequence in (self._tokens, self._extra_keys, self._chains):
+        for per_sequence in (self._tokens, self._extra_keys, self._hashes, self._chains):
             per_sequence.pop(seq_id, None)
 
     # ---- inspection --------------------------------------------------------------------------

@@ -7,6 +7,11 @@ admission the scheduler's request is looked up block by block: the leading block
 back to the free queue but keep their hash until reused (LRU eviction), so the next request with
 the same prefix still finds them.
 
+Each request's full-block hashes are kept here from its first admission attempt until it
+finishes (vLLM v1 keeps them on the request as `request.block_hashes`): an overloaded queue retries
+its head every step, and a 12k-token prompt would otherwise be SHA-256-hashed block by block at
+every retry. A preempted request keeps them too; its tokens only grow, so they still hold.
+
 The manager hashes token ids. In model mode those are the request's real ids. In simulation there
 are no ids, so the trace's prefix information stands in for them: token p of a prompt whose
 512-token block p // 512 has trace id h gets the id h x 512 + p % 512 (equal exactly where the
@@ -19,6 +24,7 @@ assumption when a trace says nothing about sharing.
 from __future__ import annotations
 
 from ..errors import NoFreeBlocksError
+from ..prefix.manager import PrefixCachingKVCacheManager
 from .kv_managers import PagedManager
 from .request import Request
 
@@ -41,12 +47,19 @@ class PrefixManager(PagedManager):
     name = "paged+prefix"
     has_prefix_cache = True
 
+    def __init__(self, manager: PrefixCachingKVCacheManager, max_model_len: int):
+        super().__init__(manager, max_model_len)
+        # request_id -> its full-block hash chain, filled by the manager (see module docstring)
+        self._block_hashes: dict[int, list[bytes]] = {}
+
     def allocate(self, request: Request, token_budget: int) -> int | None:
         # The whole prompt (+ outputs after a preemption) is reserved at admission, the cached
         # part shared; chunks computed in later steps find their slots already there.
         tokens = token_ids(request, 0, request.num_tokens)
         try:
-            allocation = self.manager.allocate_with_prefix(request.request_id, tokens)
+            allocation = self.manager.allocate_with_prefix(
+                request.request_id, tokens,
+                block_hashes=self._block_hashes.setdefault(request.request_id, []))
         except NoFreeBlocksError:
             return None
         return allocation.num_cached_tokens
@@ -56,21 +69,20 @@ class PrefixManager(PagedManager):
         end = request.num_computed_tokens + num_new_tokens
         if end <= table.num_tokens:
             return True  # the rest of a prompt reserved at admission
-        start = table.num_tokens
-        if (len(table.block_ids) * self.block_size > end - 1 and end % self.block_size
-                and self._pool_blocks[table.block_ids[-1]].ref_count == 1):
-            # Fast path, most decode steps: the tokens fit in the last block and do not fill it,
-            # so there is no block to take and none to hash (only full blocks are cached). The
-            # manager still records the ids, which it hashes once the block is full.
-            table.num_tokens = end
-            self.manager._tokens[request.request_id] += token_ids(request, start, end)
+        new_ids = token_ids(request, table.num_tokens, end)
+        # Most decode steps: the tokens fit in the last block without filling it, so no block is
+        # taken and none hashed; the manager records the ids and hashes them once the block fills.
+        if self.manager.append_in_last_block(request.request_id, new_ids):
             return True
         try:
-            self.manager.append_slots(request.request_id, end - start,
-                                      token_ids(request, start, end))
+            self.manager.append_slots(request.request_id, len(new_ids), new_ids)
         except NoFreeBlocksError:
             return False
         return True
+
+    def free(self, request: Request) -> None:
+        super().free(request)
+        self._block_hashes.pop(request.request_id, None)
 
 
 def token_ids(request: Request, start: int, end: int) -> list[int]:

@@ -55,8 +55,6 @@ MISTAKES = [
      "        if needed > len(self.free_blocks):\n", "        if False:\n"),
     (4, "num_tokens // block_size (no ceiling)",
      "needed = -(-num_tokens // self.block_size)", "needed = num_tokens // self.block_size"),
-    (5, "online softmax: the old max forgotten",
-     "m_new = tl.maximum(m, tl.max(scores, axis=1))", "m_new = tl.max(scores, axis=1)"),
     (5, "online softmax: acc not rescaled (only l)",
      "acc = acc * alpha[:, None] + tl.dot(p, values)", "acc = acc + tl.dot(p, values)"),
     (6, "no n - 1 cap in the lookup", "cap = (len(token_ids) - 1) // block_size",

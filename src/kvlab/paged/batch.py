@@ -8,6 +8,7 @@ completions and the engine's counts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence as Seq
 
 from ..model import LlamaForCausalLM
@@ -89,29 +90,57 @@ def generate_paged(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     max_new_tokens = [check_int("max_new_tokens", new, 1) for new in max_new_tokens]
     check_int("n (at most max_num_seqs)", n, 1, check_int("max_num_seqs", max_num_seqs, 1))
-    limit = model.config.max_position_embeddings
     lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
-    if max_model_len is None:
-        max_model_len = min(limit, max(lengths) if num_blocks is None else num_blocks * block_size)
-    if num_blocks is None:
-        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
-        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+    max_model_len, num_blocks = default_pool_size(model, lengths, n, block_size, max_model_len,
+                                                  num_blocks)
 
     engine = PagedEngine(model, num_blocks, block_size, max_model_len, max_num_seqs,
                          eos_token_id, temperature, seed, attention_backend)
+    submissions = [functools.partial(engine.add_request, prompt, new, n,
+                                     None if first_tokens is None else first_tokens[index],
+                                     None if seeds is None else seeds[index])
+                   for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens))]
+    completions, errors = run_requests(engine, submissions, n, rejected=(ValueError,))
+    return PagedGenerationResult([c[0] for c in completions], completions, errors,
+                                 engine.stats, engine.cache)
+
+
+def default_pool_size(model, lengths: list[int], n: int, block_size: int,
+                      max_model_len: int | None, num_blocks: int | None) -> tuple[int, int]:
+    """The batch helpers' defaults: (max_model_len, num_blocks) in tokens and blocks.
+
+    max_model_len defaults to the longest request (prompt + max_new_tokens, in tokens), or what
+    the given pool holds, capped at the model's max_position_embeddings; num_blocks defaults to
+    room for every completion at once, so nothing needs preemption unless the caller asks for it.
+    """
+    if max_model_len is None:
+        max_model_len = min(model.config.max_position_embeddings,
+                            max(lengths) if num_blocks is None else num_blocks * block_size)
+    if num_blocks is None:
+        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
+        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+    return max_model_len, num_blocks
+
+
+def run_requests(engine, submissions, n: int, rejected: tuple[type[Exception], ...]):
+    """Add every request (each a call returning its request id), run the engine, collect outputs.
+
+    A request refused at once (one of `rejected`) gets n empty completions and an error line
+    "prompt i: why"; the others still run: one bad request never takes down the batch.
+
+    Returns:
+        (completions, errors): per request, n token-id lists; per request, None or the error.
+    """
     request_ids: list[int | None] = []
     errors: list[str | None] = []
-    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
-        forced = None if first_tokens is None else first_tokens[index]
-        own_seed = None if seeds is None else seeds[index]
+    for index, submit in enumerate(submissions):
         try:
-            request_ids.append(engine.add_request(prompt, new, n, forced, own_seed))
+            request_ids.append(submit())
             errors.append(None)
-        except ValueError as error:  # rejected at once (RequestTooLongError too); others still run
+        except rejected as error:
             request_ids.append(None)
             errors.append(f"prompt {index}: {error}")
     engine.run()
     completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
                    for rid in request_ids]
-    return PagedGenerationResult([c[0] for c in completions], completions, errors,
-                                 engine.stats, engine.cache)
+    return completions, errors

@@ -23,6 +23,7 @@ the uncomputed tokens); SGLang RadixAttention (the same for a radix tree).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence as Seq
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from ..errors import RequestTooLongError
 from ..model import LlamaForCausalLM
 from ..paged.backends import BackendLike
-from ..paged.block_table import cdiv
+from ..paged.batch import default_pool_size, run_requests
 from ..paged.engine import PagedEngine, PagedStats, Sequence
 from ..paged.paged_cache import PagedKVCache
 from .block_hash import HashFunction, extra_keys_for, sha256
@@ -135,26 +136,14 @@ def generate_with_prefix_cache(model: LlamaForCausalLM, prompts: Seq[Seq[int]],
         if values is not None and len(values) != len(prompts):
             raise ValueError(f"{len(values)} {name} for {len(prompts)} prompts")
     lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
-    if max_model_len is None:  # the same defaults as generate_paged
-        max_model_len = min(model.config.max_position_embeddings,
-                            max(lengths) if num_blocks is None else num_blocks * block_size)
-    if num_blocks is None:  # room for every completion at once: nothing needs the cache to fit
-        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
-        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+    max_model_len, num_blocks = default_pool_size(model, lengths, n, block_size, max_model_len,
+                                                  num_blocks)  # the same defaults as generate_paged
     engine = PrefixCachingEngine(model, num_blocks, block_size, max_model_len, max_num_seqs,
                                  eos_token_id, temperature, seed, attention_backend, hash_fn)
-    request_ids: list[int | None] = []
-    errors: list[str | None] = []
-    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
-        salt = None if cache_salts is None else cache_salts[index]
-        try:
-            request_ids.append(engine.add_request(prompt, new, n, cache_salt=salt))
-            errors.append(None)
-        except (ValueError, TypeError, RequestTooLongError) as error:
-            request_ids.append(None)
-            errors.append(f"prompt {index}: {error}")
-    engine.run()
-    completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
-                   for rid in request_ids]
+    submissions = [functools.partial(engine.add_request, prompt, new, n,
+                                     cache_salt=None if cache_salts is None else cache_salts[index])
+                   for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens))]
+    completions, errors = run_requests(engine, submissions, n,
+                                       rejected=(ValueError, TypeError, RequestTooLongError))
     return PrefixGenerationResult([c[0] for c in completions], completions, errors,
                                   engine.stats, engine.prefix_stats, engine.cache)

@@ -193,10 +193,13 @@ def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> d
     try:
         result = serve(requests, kv, timed, config, bytes_per_token, progress=False)
         out = {"status": "completed", **result.row()}
-    except OutOfTime:
+    except (OutOfTime, torch.OutOfMemoryError) as error:
+        # Stopped by the clock, or an allocation outside the KV manager failed (a forward pass):
+        # either way, the figures so far.
+        status = (f"stopped by its {story.budget_s:g} s time budget" if isinstance(error, OutOfTime)
+                  else f"failed: torch.OutOfMemoryError ({str(error).splitlines()[0][:200]})")
         seen = timed.seen.values()
-        out = {"status": f"stopped by its {story.budget_s:g} s time budget", "strategy": kv.name,
-               "requests": len(requests),
+        out = {"status": status, "strategy": kv.name, "requests": len(requests),
                "finished": sum(r.state is req.RequestState.FINISHED for r in seen),
                "peak_running": timed.peak_running}
     out.update(strategy=name, wall_s=time.perf_counter() - started, num_steps=timed.steps)
@@ -215,6 +218,15 @@ def run_story(story: StoryConfig, out: Path | None = None, log=print) -> dict:
     if not story.dry_run and not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU here; use --dry-run")
     device = torch.device("cpu" if story.dry_run else "cuda")
+    try:
+        return _story(story, out, log, device)
+    finally:  # lift the limit: whatever runs next in this process gets the whole card again
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.empty_cache()
+
+
+def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> dict:
     dtype = torch.float32 if story.dry_run else torch.bfloat16
     started = time.perf_counter()
     model = random_model(story.model, dtype, device, story.num_layers, story.seed)

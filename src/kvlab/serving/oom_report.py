@@ -84,7 +84,7 @@ def headline(record: dict) -> str:
         if reports:
             first = reports[0]
             parts.append(f"naive: torch.OutOfMemoryError at {first['num_running']} running "
-                         f"({format_bytes(first['requested_bytes'])} asked, "
+                         f"({first['what']}: {format_bytes(first['requested_bytes'])} asked, "
                          f"{format_bytes(first['figures']['most_servable_bytes'])} servable, "
                          f"{format_bytes(first['figures']['inactive_split_bytes'])} in split "
                          f"blocks), {naive['out_of_memory_errors']} caught, "

@@ -25,6 +25,11 @@ def describe_run(run: dict) -> str:
         lines.append(f"torch.cuda.max_memory_allocated during the run: "
                      f"{run['max_memory_allocated_bytes']:,} B "
                      f"({format_bytes(run['max_memory_allocated_bytes'])})")
+    if "allocator_peaks" in run:
+        peaks = run["allocator_peaks"]
+        lines.append(f"allocator peaks: reserved {format_bytes(peaks['reserved_bytes_peak'])}, "
+                     f"in split blocks {format_bytes(peaks['inactive_split_bytes_peak'])}; "
+                     f"{peaks['num_alloc_retries']} retries after freeing cached blocks")
     if "out_of_memory_errors" in run:
         lines.append(f"torch.OutOfMemoryError caught {run['out_of_memory_errors']} times; "
                      f"concurrency cap learned: {run['concurrency_cap']}")

@@ -49,7 +49,7 @@ from ..paged.paged_cache import PagedKVCache
 from ..prefix.manager import PrefixCachingKVCacheManager
 from ..sizing import format_bytes
 from . import request as req
-from .allocator_figures import ByteLimit, cuda_figures
+from .allocator_figures import ByteLimit
 from .naive import NaiveExecutor, NaiveManager, _PrefillStore
 from .oom_report import describe_run, write_record
 from .prefix_manager import PrefixManager
@@ -181,12 +181,23 @@ def profile_workspace(model, story: StoryConfig) -> int:
     return int(peak)
 
 
+def allocator_peaks(device: torch.device) -> dict:
+    """Peaks of the caching allocator since the last reset (memory_stats), in bytes and counts:
+    how far reserved memory and its split free remainders grew during a run."""
+    stats = torch.cuda.memory_stats(device)
+    keys = {"reserved_bytes_peak": "reserved_bytes.all.peak",
+            "inactive_split_bytes_peak": "inactive_split_bytes.all.peak",
+            "num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms"}
+    return {name: int(stats.get(key, 0)) for name, key in keys.items()}
+
+
 def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> dict:
     """One strategy through `serve` under the time budget; its figures as a dict."""
     device = getattr(executor, "model").device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)  # num_ooms, num_alloc_retries per run
     timed = TimedExecutor(executor, story.budget_s, num_running)
     started = time.perf_counter()
     config = SchedulerConfig(story.max_num_seqs, story.max_num_batched_tokens)
@@ -205,6 +216,7 @@ def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> d
     out.update(strategy=name, wall_s=time.perf_counter() - started, num_steps=timed.steps)
     if device.type == "cuda":
         out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["allocator_peaks"] = allocator_peaks(device)
     return out
 
 
@@ -274,7 +286,8 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> d
     run = _run("naive", naive, NaiveExecutor(model, naive, synchronize), requests, story,
                lambda: len(naive.kv), bytes_per_token)
     run.update(out_of_memory_errors=len(naive.reports), concurrency_cap=naive.max_running,
-               reports=[report.as_dict() for report in naive.reports])
+               reports=[report.as_dict() for report in naive.reports],
+               allocator_at_end=naive.figures().as_dict())
     naive.release_all()
     del naive
     record["runs"].append(run)
@@ -297,8 +310,6 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> d
                           f"weights {format_bytes(in_use)} - activations "
                           f"{format_bytes(workspace)}"),
                blocks_in_use_at_end=cache.manager.num_used_blocks)
-    if device.type == "cuda":
-        run["allocator_after"] = cuda_figures(device, limit).as_dict()
     record["runs"].append(run)
     log(describe_run(run))
     record["seconds"] = time.perf_counter() - started

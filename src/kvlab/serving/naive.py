@@ -44,7 +44,7 @@ from .allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport, c
 from .kv_managers import KVManager
 from .request import Request
 
-__all__ = ["NaiveManager", "NaiveExecutor"]
+__all__ = ["NaiveManager", "NaiveExecutor", "NaivePrefillStore", "NaiveDecodeStore"]
 
 
 class NaiveManager(KVManager):
@@ -215,7 +215,7 @@ class NaiveExecutor:
         if decodes:
             positions = [r.num_computed_tokens for r in decodes]
             tokens = [r.token_ids(p, p + 1)[0] for r, p in zip(decodes, positions)]
-            store = _DecodeStore([self.kv.kv[r.request_id] for r in decodes])
+            store = NaiveDecodeStore([self.kv.kv[r.request_id] for r in decodes])
             logits = self.model(torch.tensor(tokens, device=device),
                                 torch.tensor(positions, device=device), store)
             for request, token in zip(decodes, logits.argmax(dim=-1).tolist()):
@@ -226,7 +226,7 @@ class NaiveExecutor:
             start = request.num_computed_tokens
             ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
             positions = torch.arange(start, start + num_new, device=device)
-            logits = self.model(ids, positions, _PrefillStore(self.kv.kv[request.request_id],
+            logits = self.model(ids, positions, NaivePrefillStore(self.kv.kv[request.request_id],
                                                               start))
             if start + num_new == request.num_tokens:
                 sampled[request.request_id] = int(logits[-1].argmax())
@@ -237,7 +237,7 @@ class NaiveExecutor:
         pass  # the manager frees the tensor (finish or preemption)
 
 
-class _PrefillStore:
+class NaivePrefillStore:
     """Tokens start .. start + n - 1 of one request: written into its tensor, attended causally
     over its first start + n tokens."""
 
@@ -252,7 +252,7 @@ class _PrefillStore:
         return grouped_attention(query, layer[0, :end], layer[1, :end], query_positions=positions)
 
 
-class _DecodeStore:
+class NaiveDecodeStore:
     """One new token of each of a batch of requests, token i at position positions[i] of tensor
     i; each attends over its own first positions[i] + 1 tokens."""
 

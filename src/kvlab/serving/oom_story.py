@@ -1,4 +1,4 @@
-"""Stage 7 on a GPU: the naive server runs out of memory under a real burst; paged + prefix holds it.
+"""Stage 7 on a GPU: the naive server runs out of memory under a real burst; paged + prefix holds.
 
     python -m kvlab.serving.oom_story --out DIR            # a CUDA GPU (the GPU tour's step)
     python -m kvlab.serving.oom_story --out DIR --dry-run  # the same code path on the CPU
@@ -20,12 +20,12 @@ One process, one model, one workload, two strategies through the one scheduler (
 4. naive (`kvlab.serving.naive`): one tensor per request; the allocator refuses; the error is
    caught and reported with the allocator's figures (`allocator_figures`); the server goes on.
 5. paged + prefix: the block pool is sized as vLLM sizes it, gpu_memory_utilization x the card -
-   weights - activation peak (= `--kv-gib`) (`kvlab.paged.budget.num_blocks_for_budget`), allocated once; the
-   same burst is served by preempting instead of failing. Reported: peak running, preemptions,
-   `torch.cuda.max_memory_allocated`, every block free at the end.
+   weights - activation peak (= `--kv-gib`) (`kvlab.paged.budget.num_blocks_for_budget`),
+   allocated once; the same burst is served by preempting instead of failing. Reported: peak
+   running, preemptions, `torch.cuda.max_memory_allocated`, every block free at the end.
 
 Each run has a time budget; a run stopped by it is reported as stopped, with what it had done.
-The dry run uses the course's tiny model on the CPU with lengths / 8, and a `ByteLimit` in place of
+The dry run uses the course's tiny model on the CPU with lengths / 16, and a `ByteLimit` in place of
 the GPU's allocator (no fragmentation there: its figures say "emulated"). The results go to
 <out>/<name>.json and <name>.md (name: `--name`, default oom_story), written after each run so a
 stopped stage keeps what it did.
@@ -51,7 +51,7 @@ from ..prefix.manager import PrefixCachingKVCacheManager
 from ..sizing import format_bytes
 from . import request as req
 from .allocator_figures import ByteLimit
-from .naive import NaiveExecutor, NaiveManager, _PrefillStore
+from .naive import NaiveExecutor, NaiveManager, NaivePrefillStore
 from .oom_report import describe_run, write_record
 from .prefix_manager import PrefixManager
 from .runner import ModelExecutor, serve
@@ -175,7 +175,8 @@ def profile_workspace(model, story: StoryConfig) -> int:
     before = torch.cuda.memory_allocated(device)
     start = story.max_model_len - tokens
     ids = torch.randint(config.vocab_size, (tokens,), device=device)
-    model(ids, torch.arange(start, story.max_model_len, device=device), _PrefillStore(kv, start))
+    positions = torch.arange(start, story.max_model_len, device=device)
+    model(ids, positions, NaivePrefillStore(kv, start))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del kv
@@ -251,7 +252,8 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device, name
         * config.head_dim * dtype.itemsize
     workspace = profile_workspace(model, story)
     kv_room = int(story.kv_gib * 2**30)
-    record = {"name": name, "story": dataclasses.asdict(story), "model": config.name, "dtype": str(dtype),
+    record = {"name": name, "story": dataclasses.asdict(story), "model": config.name,
+              "dtype": str(dtype),
               "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "weights_bytes": model.weights_bytes, "kv_bytes_per_token": bytes_per_token,

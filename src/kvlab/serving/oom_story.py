@@ -15,8 +15,10 @@ One process, one model, one workload, two strategies through the one scheduler (
    of the card the server may use, enforced for both runs with
    `torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)`. It is chosen here so that
    what it allows = what the process holds now (the weights) + the activation peak + `--kv-gib`
-   for KV. On a 139 GiB card at vLLM's 0.9 the naive server would take minutes of traffic to run
-   out; at this share the burst does it in seconds. (Deliberately lowered: said in every report.)
+   for KV. At vLLM's 0.9 of a 139 GiB card about 110 GiB would be left for KV, and the whole
+   default burst (200 requests, 227,745 tokens of prompt + max output = 27.8 GiB at 128 KiB per
+   token, were they all held at once) would fit: no error to see. At this share it runs out during
+   the burst. (Deliberately lowered, and every report says so.)
 4. naive (`kvlab.serving.naive`): one tensor per request; the allocator refuses; the error is
    caught and reported with the allocator's figures (`allocator_figures`); the server goes on.
 5. paged + prefix: the block pool is sized as vLLM sizes it, gpu_memory_utilization x the card -

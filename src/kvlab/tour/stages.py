@@ -3,6 +3,8 @@
 * tests: the test files that use the `cuda` mark (`pytest -m cuda` over them);
 * benchmarks: every `kernels/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
   for the dry run), e.g. stage 5's `bench_paged_attention.py`;
+* stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
+  `--out` and `--dry-run`), e.g. stage 7's out-of-memory story, `kvlab.serving.oom_story`;
 * notebooks: every `notebooks/NN_*.ipynb`, one process each (a notebook that fills the GPU never
   starves the next one).
 
@@ -23,7 +25,10 @@ __all__ = ["Stage", "cuda_test_files", "benchmark_modules", "notebook_files", "p
 _CUDA_MARK = re.compile(r"\bmark\.cuda\b")
 _MAIN = re.compile(r"^def main\(", re.MULTILINE)
 # Seconds per stage on a GPU (the whole tour is budgeted separately, see runner.plan).
-TIMEOUTS = {"environment": 60, "tests": 150, "benchmark": 240, "notebook": 150}
+TIMEOUTS = {"environment": 60, "tests": 150, "benchmark": 240, "story": 100, "notebook": 150}
+# Module -> what it shows. Each writes <out>/<name>/<name>.{json,md} (name: the module's last part).
+STORIES = {"kvlab.serving.oom_story": "stage 7: the naive server's torch.OutOfMemoryError under a "
+                                      "real burst, and paged + prefix holding it"}
 
 
 @dataclasses.dataclass
@@ -62,7 +67,7 @@ def notebook_files(repo: Path, only: list[str] | None = None) -> list[Path]:
 
 def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | None = None,
                 skip: tuple[str, ...] = ()) -> list[Stage]:
-    """Every stage, in the order they run: environment, tests, benchmarks, notebooks."""
+    """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks."""
     python = sys.executable
     dry = ["--dry-run"] if dry_run else []
     stages = [Stage("environment", "environment",
@@ -80,6 +85,10 @@ def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | Non
                             [python, "-m", module, "--out", str(out / "benchmarks"),
                              *(["--toy"] if dry_run else [])],
                             out / "benchmarks", TIMEOUTS["benchmark"]))
+    for module in STORIES:
+        name = module.rsplit(".", 1)[1]
+        stages.append(Stage(name, "story", [python, "-m", module, "--out", str(out / name), *dry],
+                            out / name, TIMEOUTS["story"]))
     for path in notebook_files(repo, notebooks):
         stages.append(Stage(path.stem, "notebook",
                             [python, "-m", "kvlab.tour.notebook_runner", str(path),

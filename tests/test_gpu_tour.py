@@ -125,6 +125,10 @@ def test_stages_are_found_from_the_repository(tmp_path):
         [n for n in names if n[:2] in ("02", "04")]
     stages = plan_stages(ROOT, tmp_path, dry_run=True)
     assert [stage.kind for stage in stages[:2]] == ["environment", "tests"]
+    kinds = [stage.kind for stage in stages]
+    assert kinds.index("story") > kinds.index("benchmark") and kinds[-2] == "notebook"
+    assert [s.name for s in stages if s.kind == "story"] == ["oom_story", "oom_story_expandable"]
+    assert "--expandable-segments" in stages[-1].command
     assert all("--dry-run" in s.command or "--toy" in s.command for s in stages
                if s.kind != "tests")
     assert {stage.name for stage in stages if stage.kind == "notebook"} == \
@@ -143,6 +147,20 @@ def test_dry_run_end_to_end(tmp_path):
     assert "not measured on a GPU" in summary
     assert "| environment | ok |" in summary and "| cuda tests | ok |" in summary
     assert "| bench_paged_attention | ok |" in summary
+    # Stage 7's out-of-memory story, on the CPU: the naive run met the (emulated) limit, every
+    # request of both runs finished, and the headline says it is a dry run.
+    assert "| oom_story | ok |" in summary and "- oom_story (dry run on the CPU): naive: " \
+        "torch.OutOfMemoryError at" in summary
+    story = json.loads((out / "oom_story" / "oom_story.json").read_text())
+    assert [run["strategy"] for run in story["runs"]] == ["naive", "paged+prefix"]
+    assert all(run["finished"] == run["requests"] for run in story["runs"])
+    assert story["runs"][0]["out_of_memory_errors"] >= 1
+    assert story["runs"][1]["blocks_in_use_at_end"] == 0
+    assert "not measured on a GPU" in (out / "oom_story" / "oom_story.md").read_text()
+    expandable = json.loads((out / "oom_story_expandable" / "oom_story_expandable.json").read_text())
+    assert [run["strategy"] for run in expandable["runs"]] == ["naive"]
+    assert expandable["allocator_conf"] == "expandable_segments:True"
+    assert "| oom_story_expandable | ok |" in summary
     for path in notebook_files(ROOT):
         assert f"| {path.stem} | ok |" in summary, path.name
         executed = json.loads((out / "notebooks" / path.name).read_text())
@@ -156,6 +174,7 @@ def test_dry_run_end_to_end(tmp_path):
         names = archive.getnames()
     assert "tour/SUMMARY.md" in names and "tour/environment/environment.json" in names
     assert "tour/benchmarks/bench_paged_attention.json" in names
+    assert "tour/oom_story/oom_story.md" in names
     assert seconds < 120  # ~30 s on 2 busy cores; CI must stay quick
 
 

@@ -124,6 +124,11 @@ def _headlines(out: Path, stages: list[Stage]) -> list[str]:
                 lines.append(f"- {stage.name}: {goal['pct_of_copy']:.1f} % of copy bandwidth, "
                              f"{goal['x_sdpa']:.2f}x SDPA's time at batch x context x block "
                              f"{goal['point']}")
+        story = stage.out / f"{stage.name}.json"
+        if stage.kind == "story" and story.is_file():  # every story is an oom_story run
+            from ..serving.oom_report import headline
+
+            lines.append(headline(json.loads(story.read_text())))
     return lines
 
 
@@ -134,7 +139,8 @@ def write_summary(out: Path, stages: list[Stage], dry_run: bool, seconds: float,
     if tests:
         (tests[0].out / "tests.md").write_text(summarize_junit(tests[0].out / "junit.xml"))
     files = {"environment": "environment/environment.md", "tests": "tests/tests.md",
-             "benchmark": "benchmarks/{name}.md", "notebook": "notebooks/{name}.md"}
+             "benchmark": "benchmarks/{name}.md", "story": "{name}/{name}.md",
+             "notebook": "notebooks/{name}.md"}
     mode = ("dry run: CPU, toy sizes, Triton interpreter — not measured on a GPU" if dry_run
             else "GPU tour")
     lines = ["# kvlab GPU tour", "",
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
     parser.add_argument("--notebooks", nargs="*", default=None, metavar="PREFIX",
                         help="only notebooks whose name starts with one of these (e.g. 02 04)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=("environment", "tests", "benchmark", "notebook"))
+                        choices=("environment", "tests", "benchmark", "story", "notebook"))
     parser.add_argument("--wheels", type=Path, default=None, metavar="DIR",
                         help="install missing packages from this folder of wheels first "
                              "(offline; default: the repository's .whl/ when it exists)")

@@ -1,0 +1,271 @@
+"""The naive strategy: no KV memory manager at all, one tensor per request, the allocator decides.
+
+Before paged attention, a server kept each request's keys and values in tensors of its own, as
+Hugging Face's caches still do: allocated when the request starts, sized for its prompt plus its
+`max_output_tokens`, freed when it ends. Nothing counts memory, so the server admits requests up
+to `max_num_seqs` and finds out it has run out when `torch.empty` raises `torch.OutOfMemoryError`
+(the class `torch.cuda.OutOfMemoryError` names). The tensors have a different size each, so the
+caching allocator splits freed blocks to serve smaller ones and the free memory ends up in pieces
+(see `allocator_figures`).
+
+What this server does when the allocator refuses (a choice, documented and tested):
+
+* the failed allocation changes no state: anything allocated for the request is freed, and the
+  request stays at the head of the waiting queue (the scheduler sees "no room now");
+* the allocator's figures are recorded in an `OutOfMemoryReport`;
+* the server's concurrency cap drops to the number of requests running at that moment (early
+  servers found their batch size the same way, by running out), so it does not hammer the
+  allocator every step; the request is admitted once one of them finishes.
+
+No running request is touched: one request that does not fit never takes down the others. A
+request that could not fit even alone is rejected on arrival (`reject_reason`), with the bytes.
+
+A forward pass needs memory too (activations, logits). With KV tensors allocated wherever the
+allocator likes, the next forward pass could be the allocation that fails, in the middle of a
+batch. So after allocating a request's KV the manager also asks for the forward pass's workspace
+(its peak, measured by a profiling pass at start-up, as vLLM measures it) and gives it straight
+back: if that fails, the request is not admitted. That is the only guard; nothing is reserved.
+
+`NaiveExecutor` runs the model over these tensors (the same model and attention as every
+strategy; greedy next tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..attention import grouped_attention
+from ..errors import KVCacheOutOfMemory
+from ..sizing import format_bytes
+from .allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
+from .kv_managers import KVManager
+from .request import Request
+
+__all__ = ["NaiveManager", "NaiveExecutor"]
+
+
+class NaiveManager(KVManager):
+    """One K/V tensor per request, [num_hidden_layers, 2, prompt + max_output_tokens,
+    num_key_value_heads, head_dim] in `dtype`, taken whole at admission.
+
+    Args:
+        config: the model's `LlamaConfig`.
+        dtype / device: of the KV tensors.
+        max_model_len: longest request accepted.
+        capacity_bytes: memory the KV tensors could ever have (the process limit - weights -
+            workspace): a request larger than this alone is rejected on arrival; also the
+            denominator of `usage()`.
+        workspace_bytes: the forward pass's peak activation bytes, asked for (and returned) after
+            each KV allocation (0: no check).
+        allocator: None for torch's own allocator on `device`; a `ByteLimit` to emulate a
+            limited device on the CPU.
+        limit_bytes: the process limit set on the CUDA device (for the figures), or None.
+
+    Attributes:
+        reports: one `OutOfMemoryReport` per refused allocation, in order.
+        max_running: the concurrency cap learned from the last out-of-memory error (None: none yet).
+        peak_running: most requests holding KV tensors at once.
+
+    Raises:
+        ValueError: capacity_bytes < 1, workspace_bytes < 0 or max_model_len < 1.
+    """
+
+    name = "naive"
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device | str, max_model_len: int,
+                 capacity_bytes: int, workspace_bytes: int = 0, allocator: ByteLimit | None = None,
+                 limit_bytes: int | None = None):
+        if capacity_bytes < 1 or workspace_bytes < 0 or max_model_len < 1:
+            raise ValueError(f"need capacity_bytes >= 1 ({capacity_bytes:,}), workspace_bytes >= 0 "
+                             f"({workspace_bytes:,}) and max_model_len >= 1 ({max_model_len})")
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.max_model_len, self.workspace_bytes = max_model_len, workspace_bytes
+        self.allocator, self.limit_bytes = allocator, limit_bytes
+        self.bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
+                                * config.head_dim * dtype.itemsize)
+        self.capacity_bytes = capacity_bytes
+        self.capacity_tokens = max(1, capacity_bytes // self.bytes_per_token)
+        self.kv: dict[int, torch.Tensor] = {}      # request_id -> its K/V tensor
+        self.reports: list[OutOfMemoryReport] = []
+        self.max_running: int | None = None
+        self.peak_running = 0
+
+    # ---- the allocator: torch's, or an emulated limit on the CPU --------------------------------
+
+    def new_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Ask the allocator for a tensor; raises torch.OutOfMemoryError when it refuses."""
+        if self.allocator is not None:
+            return self.allocator.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def drop_tensor(self, tensor: torch.Tensor) -> None:
+        """Give a tensor back (torch frees it when the last reference goes)."""
+        if self.allocator is not None:
+            self.allocator.release(tensor)
+
+    def figures(self) -> AllocatorFigures:
+        if self.allocator is not None:
+            return self.allocator.figures()
+        return cuda_figures(self.device, self.limit_bytes)
+
+    # ---- KVManager ------------------------------------------------------------------------------
+
+    def request_bytes(self, request: Request) -> int:
+        """Bytes of a request's K/V tensor: (prompt + max_output_tokens) x KV bytes per token."""
+        return request.total_len * self.bytes_per_token
+
+    def reject_reason(self, request: Request) -> str | None:
+        reason = super().reject_reason(request)
+        if reason is None and self.request_bytes(request) > self.capacity_bytes:
+            reason = (f"{request.total_len:,} tokens x {format_bytes(self.bytes_per_token)} = "
+                      f"{format_bytes(self.request_bytes(request))} > "
+                      f"{format_bytes(self.capacity_bytes)} of KV memory even with nothing else "
+                      f"running")
+        return reason
+
+    def allocate(self, request: Request, token_budget: int) -> int | None:
+        if self.max_running is not None and len(self.kv) >= self.max_running:
+            return None  # waits for a running request to finish
+        shape = (self.config.num_hidden_layers, 2, request.total_len,
+                 self.config.num_key_value_heads, self.config.head_dim)
+        try:
+            tensor = self.new_tensor(shape, self.dtype)
+        except torch.OutOfMemoryError:
+            self._out_of_memory(request, "KV cache", self.request_bytes(request))
+            return None
+        if self.workspace_bytes:
+            try:  # can the next forward pass still get its activations? (module docstring)
+                self.drop_tensor(self.new_tensor((self.workspace_bytes,), torch.uint8))
+            except torch.OutOfMemoryError:
+                self.drop_tensor(tensor)
+                del tensor
+                self._out_of_memory(request, "forward-pass workspace after its KV cache",
+                                    self.workspace_bytes)
+                return None
+        self.kv[request.request_id] = tensor
+        self.peak_running = max(self.peak_running, len(self.kv))
+        return 0
+
+    def _out_of_memory(self, request: Request, what: str, num_bytes: int) -> None:
+        """Record the refusal and lower the concurrency cap; the request keeps waiting.
+
+        Raises:
+            KVCacheOutOfMemory: nothing else holds KV memory, so waiting cannot help (the limit
+                is too small for the model; `reject_reason` lets through only requests that fit
+                `capacity_bytes`).
+        """
+        running = len(self.kv)
+        if running == 0:
+            action = "Nothing else holds KV memory: the server cannot run at this limit."
+        else:
+            self.max_running = running if self.max_running is None else min(self.max_running,
+                                                                             running)
+            action = (f"It waits at the head of the queue; the server now admits at most "
+                      f"{self.max_running} requests at once.")
+        report = OutOfMemoryReport(request.request_id, request.prompt_len,
+                                   request.max_output_tokens, what, num_bytes, running,
+                                   self.figures(), action)
+        self.reports.append(report)
+        if running == 0:
+            raise KVCacheOutOfMemory(report.message())
+
+    def append(self, request: Request, num_new_tokens: int) -> bool:
+        return True  # the tensor was sized for prompt + max_output_tokens at admission
+
+    def free(self, request: Request) -> None:
+        self.drop_tensor(self.kv.pop(request.request_id))
+
+    def preempt(self, request: Request) -> int:
+        self.free(request)
+        return request.num_computed_tokens
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return sum(tensor.shape[2] for tensor in self.kv.values())
+
+    def release_all(self) -> None:
+        """Drop every tensor (after a run that was stopped part-way)."""
+        for request_id in list(self.kv):
+            self.drop_tensor(self.kv.pop(request_id))
+
+
+class NaiveExecutor:
+    """The model over `NaiveManager`'s tensors: prefill chunks one request at a time, then every
+    decoding request's next token in one forward pass (attention per request, over its own
+    tensor). Greedy next tokens; the step time is the wall clock.
+
+    Args:
+        model: the decoder (`kvlab.model.LlamaForCausalLM`).
+        kv: the `NaiveManager` the scheduler drives.
+        synchronize: called before reading the clock (torch.cuda.synchronize on a GPU).
+    """
+
+    def __init__(self, model, kv: NaiveManager, synchronize: Callable[[], None] = lambda: None):
+        self.model, self.kv, self.synchronize = model, kv, synchronize
+
+    @torch.no_grad()
+    def execute(self, output) -> tuple[dict[int, int], float]:
+        started = time.perf_counter()
+        device = self.model.device
+        sampled: dict[int, int] = {}
+        decodes = [r for r, n in output.scheduled if n == 1 and r.num_computed_tokens > 0]
+        if decodes:
+            positions = [r.num_computed_tokens for r in decodes]
+            tokens = [r.token_ids(p, p + 1)[0] for r, p in zip(decodes, positions)]
+            store = _DecodeStore([self.kv.kv[r.request_id] for r in decodes])
+            logits = self.model(torch.tensor(tokens, device=device),
+                                torch.tensor(positions, device=device), store)
+            for request, token in zip(decodes, logits.argmax(dim=-1).tolist()):
+                sampled[request.request_id] = token
+        for request, num_new in output.scheduled:
+            if request.request_id in sampled:
+                continue
+            start = request.num_computed_tokens
+            ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
+            positions = torch.arange(start, start + num_new, device=device)
+            logits = self.model(ids, positions, _PrefillStore(self.kv.kv[request.request_id],
+                                                              start))
+            if start + num_new == request.num_tokens:
+                sampled[request.request_id] = int(logits[-1].argmax())
+        self.synchronize()
+        return sampled, time.perf_counter() - started
+
+    def release(self, request: Request) -> None:
+        pass  # the manager frees the tensor (finish or preemption)
+
+
+class _PrefillStore:
+    """Tokens start .. start + n - 1 of one request: written into its tensor, attended causally
+    over its first start + n tokens."""
+
+    def __init__(self, tensor: torch.Tensor, start: int):
+        self.tensor, self.start = tensor, start
+
+    def attend(self, layer_index, query, key, value, positions):
+        end = self.start + key.shape[0]
+        layer = self.tensor[layer_index]  # [2, max tokens, num_kv_heads, head_dim]
+        layer[0, self.start:end] = key
+        layer[1, self.start:end] = value
+        return grouped_attention(query, layer[0, :end], layer[1, :end], query_positions=positions)
+
+
+class _DecodeStore:
+    """One new token of each of a batch of requests, token i at position positions[i] of tensor
+    i; each attends over its own first positions[i] + 1 tokens."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def attend(self, layer_index, query, key, value, positions):
+        outputs = []
+        for i, (tensor, position) in enumerate(zip(self.tensors, positions.tolist())):
+            layer = tensor[layer_index]
+            layer[0, position] = key[i]
+            layer[1, position] = value[i]
+            outputs.append(grouped_attention(query[i:i + 1], layer[0, :position + 1],
+                                             layer[1, :position + 1],
+                                             query_positions=positions[i:i + 1]))
+        return torch.cat(outputs)

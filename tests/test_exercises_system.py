@@ -6,6 +6,7 @@ import re
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MAKE = runpy.run_path(str(ROOT / "scripts" / "make_exercises.py"))
 ZEROS = torch.zeros(2, 3)
 STAGES = sorted(int(p.stem[10:]) for p in ROOT.glob("tests/exercises/test_stage*.py"))
+# Stage 5's online softmax with exp(score) as it is: right on small scores, NaN on large ones.
+NO_RUNNING_MAX = ("alpha = tl.exp(m - m_new)\n    p = tl.exp(scores - m_new[:, None])\n"
+                  "    l = l * alpha + tl.sum(p, axis=1)\n    acc = acc * alpha[:, None] +",
+                  "p = tl.exp(scores)\n    l = l + tl.sum(p, axis=1)\n    acc = acc +")
 MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check prints); 4: no file
     (0, "max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)",
      r"FAIL  test_max_concurrent_requests_rounds_down: .*: expected int 3, got float 3\.0$"),
@@ -28,7 +33,32 @@ MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check
      r"ERROR test_check_reservation_fits: SyntaxError: .* \(stage2_\w+\.py, line \d+\)$"),
     (3, "return h // group", "return h.floordiv(group)", r"ERROR test_kv_head_for_query_head "
      r"\(\d of 8 cases\): AttributeError: .* \(stage3_\w+\.py line \d+: return h\.floordiv"),
+    (5, *NO_RUNNING_MAX, r"FAIL  test_online_softmax_large_scores_need_the_running_max: online "
+     r"softmax of scores up to \d+ in 3 tiles of 16, .* got nan \(tolerance "),
     (4, "", "", r"ERROR test_slot_mapping_by_hand \(4 of 4 cases\): FileNotFoundError: "),
+]
+# The online-softmax mistakes that small random scores let through: (the mistake, edits of
+# solutions/stage5's answer, {check: the start of its one-line message}).
+SOFTMAX_MISTAKES = [
+    ("exp(score) without subtracting the running max", [NO_RUNNING_MAX], {
+        "test_online_softmax_large_scores_need_the_running_max":
+            r"online softmax of scores up to \d+ .* got nan ",
+        "test_decode_with_large_scores_matches_float64_sdpa":
+            r"paged_decode\(seq_lens=\[70, 23, 1\], .* vs float64 SDPA .* got nan "}),
+    ("l and acc not rescaled when the max grows",
+     [("l = l * alpha +", "l = l +"), ("acc = acc * alpha[:, None] +", "acc = acc +")], {
+        "test_online_softmax_rescales_when_the_max_grows_late":
+            r"online softmax over 40 keys whose max grows in tiles 2 and 3 \[when the max grows, "
+            r"rescale both l and acc by exp\(old max - new max\)\]: \d+ of 256 values differ",
+        "test_decode_with_large_scores_matches_float64_sdpa": r"paged_decode\(.* values differ"}),
+    ("the wrong rescale factor, 2^(old max - new max)",
+     [("alpha = tl.exp(m - m_new)", "alpha = tl.exp2(m - m_new)")], {
+        "test_online_softmax_rescales_when_the_max_grows_late": r"online softmax over 40 keys .* "
+                                                                r"values differ"}),
+    ("the tile's max instead of max(old max, tile max)",
+     [("m_new = tl.maximum(m, tl.max(scores, axis=1))", "m_new = tl.max(scores, axis=1)")], {
+        "test_online_softmax_large_scores_need_the_running_max": r"online softmax .* got nan ",
+        "test_decode_with_large_scores_matches_float64_sdpa": r"paged_decode\(.* got nan "}),
 ]
 
 
@@ -69,6 +99,26 @@ def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):
     code, output = kvlab_check("all", "--target", str(tmp_path))
     for *_, line in MISTAKES:
         assert code == 1 and re.search("^  " + line, output, re.M), f"no {line!r} in:\n{output}"
+
+
+@pytest.mark.parametrize("mistake, edits, failures", SOFTMAX_MISTAKES,
+                         ids=[mistake for mistake, *_ in SOFTMAX_MISTAKES])
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid:RuntimeWarning")
+def test_stage5_checks_catch_each_online_softmax_mistake(tmp_path, mistake, edits, failures):
+    # The checks called directly, in this process (Triton is imported once): a second or so for
+    # all four. The kvlab check line of the first mistake is in MISTAKES above.
+    pytest.importorskip("triton")
+    mine = tmp_path / "stage5_paged_attention.py"
+    text = (ROOT / "solutions" / mine.name).read_text()
+    for answer_text, learner_text in edits:
+        assert answer_text in text, f"solutions/{mine.name} changed: update {mistake!r}"
+        text = text.replace(answer_text, learner_text, 1)
+    mine.write_text(text)
+    learner = types.SimpleNamespace(**runpy.run_path(str(mine)))
+    checks = runpy.run_path(str(ROOT / "tests" / "exercises" / "test_stage5.py"))
+    for check, message in failures.items():
+        with pytest.raises(AssertionError, match=message):
+            checks[check](learner)
 
 
 @pytest.mark.parametrize("args, before, message", [

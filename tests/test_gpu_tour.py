@@ -126,8 +126,9 @@ def test_stages_are_found_from_the_repository(tmp_path):
     stages = plan_stages(ROOT, tmp_path, dry_run=True)
     assert [stage.kind for stage in stages[:2]] == ["environment", "tests"]
     kinds = [stage.kind for stage in stages]
-    assert kinds.index("story") > kinds.index("benchmark") and kinds[-1] == "notebook"
-    assert [s.name for s in stages if s.kind == "story"] == ["oom_story"]
+    assert kinds.index("story") > kinds.index("benchmark") and kinds[-2] == "notebook"
+    assert [s.name for s in stages if s.kind == "story"] == ["oom_story", "oom_story_expandable"]
+    assert "--expandable-segments" in stages[-1].command
     assert all("--dry-run" in s.command or "--toy" in s.command for s in stages
                if s.kind != "tests")
     assert {stage.name for stage in stages if stage.kind == "notebook"} == \
@@ -156,6 +157,10 @@ def test_dry_run_end_to_end(tmp_path):
     assert story["runs"][0]["out_of_memory_errors"] >= 1
     assert story["runs"][1]["blocks_in_use_at_end"] == 0
     assert "not measured on a GPU" in (out / "oom_story" / "oom_story.md").read_text()
+    expandable = json.loads((out / "oom_story_expandable" / "oom_story_expandable.json").read_text())
+    assert [run["strategy"] for run in expandable["runs"]] == ["naive"]
+    assert expandable["allocator_conf"] == "expandable_segments:True"
+    assert "| oom_story_expandable | ok |" in summary
     for path in notebook_files(ROOT):
         assert f"| {path.stem} | ok |" in summary, path.name
         executed = json.loads((out / "notebooks" / path.name).read_text())

@@ -171,3 +171,37 @@ def test_allocator_figures_arithmetic():
     assert AllocatorFigures("x", 0, 0, 0, 0, 5, 10).new_segment_room_bytes == 5  # no limit
     with pytest.raises(ValueError):
         ByteLimit(10, 11)
+
+
+def test_cuda_figures_read_the_allocators_books(monkeypatch):
+    """The figures are read from memory_stats / mem_get_info / memory_snapshot (faked here with
+    the keys and shapes torch documents), the largest *inactive* block of this device counted."""
+    from kvlab.serving import allocator_figures
+
+    stats = {"allocated_bytes.all.current": 7 * 2**30, "reserved_bytes.all.current": 9 * 2**30,
+             "inactive_split_bytes.all.current": 2**31 - 2**20, "num_ooms": 3}
+    snapshot = [
+        {"device": 0, "blocks": [{"size": 2**30, "state": "active_allocated"},
+                                 {"size": 300 * 2**20, "state": "inactive"}]},
+        {"device": 0, "blocks": [{"size": 500 * 2**20, "state": "inactive"},
+                                 {"size": 2**20, "state": "active_pending_free"}]},
+        {"device": 1, "blocks": [{"size": 4 * 2**30, "state": "inactive"}]},  # another card
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake H200")
+    figures = allocator_figures.cuda_figures(torch.device("cuda", 0), limit_bytes=9 * 2**30 + 2**28)
+    assert figures.source == "torch.cuda caching allocator on Fake H200"
+    assert (figures.allocated_bytes, figures.reserved_bytes) == (7 * 2**30, 9 * 2**30)
+    assert figures.reserved_unallocated_bytes == 2 * 2**30
+    assert figures.inactive_split_bytes == 2**31 - 2**20 and figures.num_ooms == 3
+    assert figures.largest_free_block_bytes == 500 * 2**20
+    assert figures.new_segment_room_bytes == 2**28          # the limit binds, not the 100 GiB free
+    assert figures.most_servable_bytes == 500 * 2**20
+    report = OutOfMemoryReport(7, 4000, 96, "KV cache", 4096 * 131072, 57, figures, "It waits.")
+    assert report.message() == (
+        "request 7: KV cache for 4,000 prompt + 96 output = 4,096 tokens = 536,870,912 B "
+        "(512 MiB) > 524,288,000 B (500 MiB), the most the allocator could hand out (largest "
+        "free block in its reserved segments 500 MiB, room for a new segment 256 MiB), with 57 "
+        "requests running; 2 GiB reserved but unallocated, 2 GiB of it in split blocks. It waits.")

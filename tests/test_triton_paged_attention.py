@@ -8,6 +8,10 @@ its output), and an output buffer filled with NaN before the launch (so every el
 written). Each case runs without split and with split-KV, tile 16 so the online softmax rescales
 across several tiles. Tolerances: float32 1e-5, float16 2e-3, bfloat16 2e-2 (relative to the
 largest output magnitude of the case).
+
+Random scores near N(0, 1) hide mistakes in the running max: exp2 of them never overflows, and the
+max may never grow after the first tile. So more cases have scores up to about 1000 whose max grows
+late, in a sequence spanning dozens of blocks and several splits (`LARGE_SCORE_CASES`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
 from kvlab.kernels.split_kv import choose_num_splits, tokens_per_split
+from kvlab.oracles import sdpa_attention
 
 pa = pytest.importorskip("kvlab.kernels.paged_attention")  # needs Triton
 from kvlab.kernels.write_kv import write_kv  # noqa: E402
@@ -35,8 +40,12 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed):
+def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, large=False):
     """A poisoned token-major pool holding `seq_lens` sequences in shuffled blocks.
+
+    `large`: integer queries in -16..16 and keys in -16..16 times 1, 2, 3, 4 along each sequence
+    (by quarters), so scores reach about 1000 and their max grows late. Integers this small are
+    exact in every dtype here, and their dot products in float32.
 
     Returns (query, k_pool, v_pool, block_tables int32, seq_lens int32, tables as lists).
     """
@@ -44,7 +53,8 @@ def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, see
     owned_blocks = sum(-(-n // block_size) for n in seq_lens)
     num_blocks = owned_blocks + 2
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_pool = torch.randn(shape, generator=gen).to(dtype)
+    k_pool = (torch.randint(-16, 17, shape, generator=gen) if large
+              else torch.randn(shape, generator=gen)).to(dtype)
     v_pool = torch.randn(shape, generator=gen).to(dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
@@ -52,6 +62,11 @@ def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, see
         count = -(-seq_len // block_size)
         tables.append(free[:count])
         free = free[count:]
+        if large:
+            positions = torch.arange(seq_len)
+            growth = (1 + 4 * positions // seq_len).to(dtype)[:, None, None]
+            blocks = torch.tensor(tables[-1])[positions // block_size]
+            k_pool[blocks, positions % block_size] *= growth
         tail = seq_len % block_size  # the unused end of the last block is not this sequence's
         if tail:
             k_pool[tables[-1][-1], tail:] = float("nan")
@@ -62,27 +77,38 @@ def scatter_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, see
     width = max(len(t) for t in tables) + 1  # at least one padding entry for every sequence
     padded = [t + [nan_block if i % 2 else inf_block] * (width - len(t))
               for i, t in enumerate(tables)]
-    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    query_shape = (len(seq_lens), num_kv_heads * group, head_dim)
+    query = (torch.randint(-16, 17, query_shape, generator=gen) if large
+             else torch.randn(query_shape, generator=gen)).to(dtype)
     return (query, k_pool, v_pool, torch.tensor(padded, dtype=torch.int32),
             torch.tensor(seq_lens, dtype=torch.int32), tables)
 
 
 def reference_decode(query, k_pool, v_pool, tables, seq_lens, block_size):
-    """Float64 attention of each sequence's query over its own tokens (token-major pool)."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_pool.shape[2]
-    group = num_heads // num_kv_heads
+    """Float64 attention (PyTorch SDPA, `kvlab.oracles`) of each sequence's query over its own
+    tokens (token-major pool)."""
     outputs = []
     for i, seq_len in enumerate(seq_lens):
         positions = torch.arange(seq_len)
         blocks = torch.tensor(tables[i])[positions // block_size]
         keys = k_pool[blocks, positions % block_size].double()   # [T, Hkv, D]
         values = v_pool[blocks, positions % block_size].double()
-        q = query[i].double().view(num_kv_heads, group, head_dim)
-        scores = torch.einsum("hgd,thd->hgt", q, keys) / math.sqrt(head_dim)
-        out = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values)
-        outputs.append(out.reshape(num_heads, head_dim))
+        out = sdpa_attention(query[i:i + 1].double(), keys, values,
+                             query_positions=torch.tensor([seq_len - 1]))  # sees all its keys
+        outputs.append(out[0])
     return torch.stack(outputs)
+
+
+def max_score(query, k_pool, tables, seq_lens, block_size):
+    """The largest |score| of the case, for the failure messages."""
+    top = 0.0
+    for i, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        keys = k_pool[torch.tensor(tables[i])[positions // block_size], positions % block_size]
+        q = query[i].double().unflatten(0, (keys.shape[1], -1))  # [Hkv, group, D]
+        scores = torch.einsum("hgd,thd->hgt", q, keys.double()) / math.sqrt(query.shape[-1])
+        top = max(top, scores.abs().max().item())
+    return top
 
 
 def to_layout(pool, layout):
@@ -91,7 +117,8 @@ def to_layout(pool, layout):
 
 def assert_matches(out, expected, dtype, what):
     out = out.cpu()
-    assert not out.isnan().any(), f"{what}: output not fully written, or poison leaked in"
+    assert not out.isnan().any(), (f"{what}: NaN in the output (not every element written, "
+                                   f"poison leaked in, or exp2 overflowed: no running max?)")
     error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
     assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]}"
 
@@ -113,23 +140,44 @@ CASES = [  # seq_lens, block_size, num_kv_heads, group, head_dim, dtype, layout
 ]
 
 
-@pytest.mark.parametrize("case_index", range(len(CASES)))
-def test_decode_matches_float64_reference_with_and_without_split(case_index):
-    seq_lens, block_size, num_kv_heads, group, head_dim, dtype, layout = CASES[case_index]
+# Scores up to about 1000 (exp2 overflows float32 past 128, i.e. a score of 88), growing late:
+# 150 tokens in blocks of 4 to 16 are 10 to 38 blocks and 10 tiles, cut into 4 splits of 48
+# tokens whose last holds the max; the sequence of 37 leaves 3 splits empty, that of 1 leaves 4.
+LARGE_SCORE_CASES = [  # seq_lens, block_size, num_kv_heads, group, head_dim, dtype, layout
+    ([150, 37, 1], 4, 2, 4, 64, torch.float32, TOKEN_MAJOR),
+    ([1, 150, 37], 8, 2, 2, 64, torch.float16, HEAD_MAJOR),
+    ([37, 1, 150], 16, 1, 8, 128, torch.bfloat16, TOKEN_MAJOR),
+]
+
+
+def check_decode_with_and_without_split(case, seed, num_splits, large=False):
+    seq_lens, block_size, num_kv_heads, group, head_dim, dtype, layout = case
     query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
-        seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed=100 + case_index)
+        seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed=seed, large=large)
     expected = reference_decode(query, k_pool, v_pool, tables, seq_lens, block_size)
+    scores = f"scores up to {max_score(query, k_pool, tables, seq_lens, block_size):.0f}, "
     k_cache, v_cache = on_device(to_layout(k_pool, layout), to_layout(v_pool, layout))
     query, block_tables, lens = on_device(query, block_tables, lens)
     results = {}
-    for num_splits in (1, 3):
+    for splits in (1, num_splits):
         out = torch.full_like(query, float("nan"))
         pa.paged_attention_decode(query, k_cache, v_cache, block_tables, lens, layout=layout,
-                                  num_splits=num_splits, out=out, tile=16)
-        assert_matches(out, expected, dtype, f"{num_splits} split(s)")
-        results[num_splits] = out.double().cpu()
-    torch.testing.assert_close(results[1], results[3], rtol=0,
+                                  num_splits=splits, out=out, tile=16)
+        assert_matches(out, expected, dtype, f"{scores}{splits} split(s)")
+        results[splits] = out.double().cpu()
+    torch.testing.assert_close(results[1], results[num_splits], rtol=0,
                                atol=2 * TOLERANCE[dtype] * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("case_index", range(len(CASES)))
+def test_decode_matches_float64_reference_with_and_without_split(case_index):
+    check_decode_with_and_without_split(CASES[case_index], seed=100 + case_index, num_splits=3)
+
+
+@pytest.mark.parametrize("case_index", range(len(LARGE_SCORE_CASES)))
+def test_large_scores_whose_max_grows_late_with_and_without_split(case_index):
+    check_decode_with_and_without_split(LARGE_SCORE_CASES[case_index], seed=200 + case_index,
+                                        num_splits=4, large=True)
 
 
 def test_default_tile_and_splits_match_reference():
@@ -232,14 +280,15 @@ def test_importing_kvlab_kernels_does_not_import_triton():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("large", [False, True], ids=["random", "large-scores"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
-def test_cuda_llama_8b_shape_matches_reference(dtype, layout):
+def test_cuda_llama_8b_shape_matches_reference(dtype, layout, large):
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("bfloat16 needs compute capability 8.0")
     seq_lens = [1, 17, 512, 2049, 4096]
     query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
-        seq_lens, 16, 8, 4, 128, dtype, seed=21)
+        seq_lens, 16, 8, 4, 128, dtype, seed=21, large=large)
     expected = reference_decode(query, k_pool, v_pool, tables, seq_lens, 16)
     k_cache, v_cache = to_layout(k_pool, layout).cuda(), to_layout(v_pool, layout).cuda()
     for num_splits in (None, 1, 8):

@@ -2,7 +2,12 @@
 
 Grades `stage5_paged_attention.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
 `kvlab check 5`. Each helper is tried alone through a tiny kernel first, then the whole kernel
-against float64 attention on ragged sequences in shuffled blocks, padded with a block of NaN.
+against float64 attention (PyTorch SDPA, `kvlab.oracles`) on ragged sequences in shuffled blocks,
+padded with a block of NaN.
+
+Small random scores hide online-softmax mistakes: exp(score) is finite without the running max,
+and the max may never grow after the first tile. So two checks use scores up to about 1000 (exp
+overflows float32 above 88) and two make the max grow late, in the last tiles, by a known margin.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import pytest
 import torch
 
 from kvlab.grading import assert_close, assert_equal
+from kvlab.oracles import sdpa_attention
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -73,42 +79,81 @@ def _softmax_kernel(out_ptr, scores_ptr, values_ptr, num_keys, UPDATE: tl.conste
     tl.store(out_ptr + rows[:, None] * 16 + dims[None, :], acc / l[:, None])
 
 
+def check_online_softmax(ex, scores, values, what):
+    """Run `online_softmax_update` over scores [16, num_keys] and values [num_keys, 16] (float32)
+    in tiles of 16, and compare acc / l with softmax(scores) @ values in float64."""
+    out = torch.full((16, 16), float("nan"), device=DEVICE)
+    ex.launch(_softmax_kernel, (1,), out, scores.to(DEVICE), values.to(DEVICE), scores.shape[1],
+              UPDATE=ex.online_softmax_update, TILE=16)
+    expected = (scores.double().softmax(-1) @ values.double()).float()
+    assert_close(out.cpu(), expected, what, atol=TOLERANCE, rtol=TOLERANCE)
+
+
 @pytest.mark.parametrize("num_keys", [5, 16, 37])
 def test_online_softmax_update_equals_softmax(ex, num_keys):
     gen = torch.Generator().manual_seed(num_keys)
     scores = 4 * torch.randn(16, num_keys, generator=gen)  # spread out: the max moves between tiles
     values = torch.randn(num_keys, 16, generator=gen)
-    out = torch.full((16, 16), float("nan"), device=DEVICE)
-    ex.launch(_softmax_kernel, (1,), out, scores.to(DEVICE), values.to(DEVICE), num_keys,
-              UPDATE=ex.online_softmax_update, TILE=16)
-    expected = (scores.double().softmax(-1) @ values.double()).float()
-    assert_close(out.cpu(), expected, f"online softmax over {num_keys} keys in tiles of 16 "
-                                      f"(acc / l vs softmax(scores) @ values)",
-                 atol=TOLERANCE, rtol=TOLERANCE)
+    check_online_softmax(ex, scores, values, f"online softmax over {num_keys} keys in tiles of 16 "
+                                             f"(acc / l vs softmax(scores) @ values)")
 
 
-def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed):
+def test_online_softmax_large_scores_need_the_running_max(ex):
+    # 48 keys, 3 tiles. Rows 0-7 climb by about 300 per tile (the max grows late); rows 8-15 fall
+    # (the max comes first, then tiles far below it). exp(89) is already past float32's 3.4e38.
+    gen = torch.Generator().manual_seed(5)
+    climb = torch.linspace(0, 900, 48)
+    scores = 100 * torch.randn(16, 48, generator=gen) + torch.cat([climb.expand(8, -1),
+                                                                  climb.flip(0).expand(8, -1)])
+    values = torch.randn(48, 16, generator=gen)
+    check_online_softmax(ex, scores, values, (
+        f"online softmax of scores up to {scores.abs().max():.0f} in 3 tiles of 16, rows 0-7 "
+        f"climbing, 8-15 falling [exp() overflows float32 above 88: subtract the running max, "
+        f"max(old max, tile max), before exp]"))
+
+
+def test_online_softmax_rescales_when_the_max_grows_late(ex):
+    # 40 keys near N(0, 1), 3 tiles (the last one partial). In every row one key of tile 2 raises
+    # the max by 0.5 to 2 and one key of tile 3 raises it again by 1 to 4.75: what was summed
+    # under the old max is still a large part of the answer and must be scaled down.
+    gen = torch.Generator().manual_seed(6)
+    scores, rows = torch.randn(16, 40, generator=gen), torch.arange(16)
+    scores[rows, 16 + rows] = scores[:, :16].amax(1) + 0.5 + 0.1 * rows
+    scores[rows, 32 + rows % 8] = scores[:, :32].amax(1) + 1 + 0.25 * rows
+    values = torch.randn(40, 16, generator=gen)
+    check_online_softmax(ex, scores, values, (
+        "online softmax over 40 keys whose max grows in tiles 2 and 3 [when the max grows, "
+        "rescale both l and acc by exp(old max - new max)]"))
+
+
+def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large=False):
     """Query, token-major pools poisoned with NaN outside the sequences, block tables, lengths,
-    and the float64 answer."""
+    and the float64 answer (SDPA). `large`: integer queries in -16..16 and keys in -16..16 times
+    1, 2, 3 or 4 along the sequence, so scores reach about 1000 and their max grows late; integers
+    this small multiply exactly in float32 (and TF32), so only the softmax can be wrong."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 1
     k_pool = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     v_pool = torch.full_like(k_pool, float("nan"))
     free = torch.randperm(num_blocks, generator=gen).tolist()
     nan_block, free = free[0], free[1:]
-    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    shape = (len(seq_lens), num_kv_heads * group, head_dim)
+    query = (torch.randint(-16, 17, shape, generator=gen).float() if large
+             else torch.randn(shape, generator=gen))
     tables, expected = [], []
     for i, n in enumerate(seq_lens):
         count = math.ceil(n / block_size)
         table, free = free[:count], free[count:]
         keys, values = torch.randn(2, n, num_kv_heads, head_dim, generator=gen)
         positions = torch.arange(n)
+        if large:
+            growth = 1 + 4 * positions // n  # 1 in the first quarter, ..., 4 in the last
+            keys = torch.randint(-16, 17, keys.shape, generator=gen) * growth[:, None, None].float()
         rows = torch.tensor(table)[positions // block_size]
         k_pool[rows, positions % block_size], v_pool[rows, positions % block_size] = keys, values
-        q = query[i].double().view(num_kv_heads, group, head_dim)
-        scores = torch.einsum("hgd,thd->hgt", q, keys.double()) / math.sqrt(head_dim)
-        attended = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values.double())
-        expected.append(attended.reshape(-1, head_dim).float())
+        attended = sdpa_attention(query[i:i + 1].double(), keys.double(), values.double(),
+                                  query_positions=torch.tensor([n - 1]))  # sees all n keys
+        expected.append(attended[0].float())
         tables.append(table)
     width = max(map(len, tables)) + 1
     block_tables = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables],
@@ -129,3 +174,16 @@ def test_decode_matches_float64_attention(ex, seq_lens, block_size, num_kv_heads
     assert_close(out.cpu(), expected, f"paged_decode(seq_lens={seq_lens}, block_size={block_size}, "
                                 f"{num_kv_heads} KV heads x group {group}; blocks shuffled, "
                                 f"padding and unused slots NaN)", atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_decode_with_large_scores_matches_float64_sdpa(ex):
+    # 70 tokens in blocks of 4: 18 blocks and 5 tiles, scores up to about 1000, growing late.
+    seq_lens, block_size = [70, 23, 1], 4
+    query, k_pool, v_pool, block_tables, lens, expected = decode_case(
+        seq_lens, block_size, num_kv_heads=2, group=4, head_dim=16, seed=8, large=True)
+    out = ex.paged_decode(*(t.to(DEVICE) for t in (query, k_pool, v_pool, block_tables, lens)))
+    assert_close(out.cpu(), expected, (
+        f"paged_decode(seq_lens={seq_lens}, block_size={block_size}; integer q and k, scores up "
+        f"to about 1000 and growing along the sequence) vs float64 SDPA [exp() overflows float32 "
+        f"above 88: subtract the running max, and rescale l and acc when it grows]"),
+        atol=TOLERANCE, rtol=TOLERANCE)

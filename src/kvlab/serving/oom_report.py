@@ -25,6 +25,11 @@ def describe_run(run: dict) -> str:
         lines.append(f"torch.cuda.max_memory_allocated during the run: "
                      f"{run['max_memory_allocated_bytes']:,} B "
                      f"({format_bytes(run['max_memory_allocated_bytes'])})")
+    if "allocator_peaks" in run:
+        peaks = run["allocator_peaks"]
+        lines.append(f"allocator peaks: reserved {format_bytes(peaks['reserved_bytes_peak'])}, "
+                     f"in split blocks {format_bytes(peaks['inactive_split_bytes_peak'])}; "
+                     f"{peaks['num_alloc_retries']} retries after freeing cached blocks")
     if "out_of_memory_errors" in run:
         lines.append(f"torch.OutOfMemoryError caught {run['out_of_memory_errors']} times; "
                      f"concurrency cap learned: {run['concurrency_cap']}")
@@ -40,7 +45,9 @@ def describe_run(run: dict) -> str:
 def markdown(record: dict) -> str:
     """The stage's summary: setup, then each run (what the GPU tour archives)."""
     lines = ["# Stage 7 on a GPU: the naive server's out-of-memory error, and paged + prefix", "",
-             f"{record['model']} ({record['dtype']}) on {record['device']}; weights "
+             f"{record['model']} ({record['dtype']}) on {record['device']}, caching allocator "
+             f"settings (PYTORCH_CUDA_ALLOC_CONF): {record.get('allocator_conf', 'default')}; "
+             f"weights "
              f"{record['weights_bytes']:,} B; KV {record['kv_bytes_per_token']:,} B per token; "
              f"activation peak (profiled) {record['workspace_bytes']:,} B.", "",
              f"Memory limit {record['limit_bytes']:,} B ({format_bytes(record['limit_bytes'])}): "
@@ -66,12 +73,14 @@ def markdown(record: dict) -> str:
 
 
 def write_record(record: dict, out: Path | None) -> None:
-    """<out>/oom_story.json (everything) and oom_story.md (`markdown`); nothing when out is None."""
+    """<out>/<name>.json (everything) and <name>.md (`markdown`), name = record['name'];
+    nothing when out is None."""
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "oom_story.json").write_text(json.dumps(record, indent=2, default=str))
-    (out / "oom_story.md").write_text(markdown(record))
+    name = record.get("name", "oom_story")
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2, default=str))
+    (out / f"{name}.md").write_text(markdown(record))
 
 
 def headline(record: dict) -> str:
@@ -95,4 +104,6 @@ def headline(record: dict) -> str:
         parts.append(f"paged+prefix: peak {paged['peak_running']} running, "
                      f"{paged['finished']} of {paged['requests']} finished ({paged['status']})")
     where = "" if record["device"] != "cpu" else " (dry run on the CPU)"
-    return f"- oom_story{where}: " + "; ".join(parts)
+    if record.get("allocator_conf", "default") != "default":
+        where += f" (PYTORCH_CUDA_ALLOC_CONF={record['allocator_conf']})"
+    return f"- {record.get('name', 'oom_story')}{where}: " + "; ".join(parts)

@@ -27,7 +27,8 @@ One process, one model, one workload, two strategies through the one scheduler (
 Each run has a time budget; a run stopped by it is reported as stopped, with what it had done.
 The dry run uses the course's tiny model on the CPU with lengths / 8, and a `ByteLimit` in place of
 the GPU's allocator (no fragmentation there: its figures say "emulated"). The results go to
-<out>/oom_story.json and oom_story.md, written after each run so a stopped stage keeps what it did.
+<out>/<name>.json and <name>.md (name: `--name`, default oom_story), written after each run so a
+stopped stage keeps what it did.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ..paged.paged_cache import PagedKVCache
 from ..prefix.manager import PrefixCachingKVCacheManager
 from ..sizing import format_bytes
 from . import request as req
-from .allocator_figures import ByteLimit, cuda_figures
+from .allocator_figures import ByteLimit
 from .naive import NaiveExecutor, NaiveManager, _PrefillStore
 from .oom_report import describe_run, write_record
 from .prefix_manager import PrefixManager
@@ -77,6 +78,7 @@ class StoryConfig:
     kv_gib: float = 8.0             # KV memory under the limit (sets gpu_memory_utilization)
     attention: str = "triton"       # the paged run's backend on a GPU (the CPU uses torch)
     budget_s: float = 30.0          # wall-clock seconds per strategy
+    strategies: tuple[str, ...] = ("naive", "paged+prefix")
     dry_run: bool = False
     seed: int = 0
 
@@ -181,12 +183,23 @@ def profile_workspace(model, story: StoryConfig) -> int:
     return int(peak)
 
 
+def allocator_peaks(device: torch.device) -> dict:
+    """Peaks of the caching allocator since the last reset (memory_stats), in bytes and counts:
+    how far reserved memory and its split free remainders grew during a run."""
+    stats = torch.cuda.memory_stats(device)
+    keys = {"reserved_bytes_peak": "reserved_bytes.all.peak",
+            "inactive_split_bytes_peak": "inactive_split_bytes.all.peak",
+            "num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms"}
+    return {name: int(stats.get(key, 0)) for name, key in keys.items()}
+
+
 def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> dict:
     """One strategy through `serve` under the time budget; its figures as a dict."""
     device = getattr(executor, "model").device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)  # num_ooms, num_alloc_retries per run
     timed = TimedExecutor(executor, story.budget_s, num_running)
     started = time.perf_counter()
     config = SchedulerConfig(story.max_num_seqs, story.max_num_batched_tokens)
@@ -205,12 +218,14 @@ def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> d
     out.update(strategy=name, wall_s=time.perf_counter() - started, num_steps=timed.steps)
     if device.type == "cuda":
         out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["allocator_peaks"] = allocator_peaks(device)
     return out
 
 
-def run_story(story: StoryConfig, out: Path | None = None, log=print) -> dict:
+def run_story(story: StoryConfig, out: Path | None = None, log=print,
+              name: str = "oom_story") -> dict:
     """Build, limit, run naive then paged + prefix; returns the story as a dict (JSON-ready) and
-    writes <out>/oom_story.{json,md} after each run when `out` is given.
+    writes <out>/<name>.{json,md} after each run when `out` is given.
 
     Raises:
         RuntimeError: not a dry run and no CUDA device.
@@ -219,14 +234,14 @@ def run_story(story: StoryConfig, out: Path | None = None, log=print) -> dict:
         raise RuntimeError("no CUDA GPU here; use --dry-run")
     device = torch.device("cpu" if story.dry_run else "cuda")
     try:
-        return _story(story, out, log, device)
+        return _story(story, out, log, device, name)
     finally:  # lift the limit: whatever runs next in this process gets the whole card again
         if device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, device)
             torch.cuda.empty_cache()
 
 
-def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> dict:
+def _story(story: StoryConfig, out: Path | None, log, device: torch.device, name: str) -> dict:
     dtype = torch.float32 if story.dry_run else torch.bfloat16
     started = time.perf_counter()
     model = random_model(story.model, dtype, device, story.num_layers, story.seed)
@@ -236,7 +251,8 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> d
         * config.head_dim * dtype.itemsize
     workspace = profile_workspace(model, story)
     kv_room = int(story.kv_gib * 2**30)
-    record = {"story": dataclasses.asdict(story), "model": config.name, "dtype": str(dtype),
+    record = {"name": name, "story": dataclasses.asdict(story), "model": config.name, "dtype": str(dtype),
+              "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "weights_bytes": model.weights_bytes, "kv_bytes_per_token": bytes_per_token,
               "workspace_bytes": workspace, "workload": described, "runs": []}
@@ -266,24 +282,45 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> d
         f"memory limit {format_bytes(limit)} = weights + activations + {format_bytes(kv_room)} "
         f"for KV: {limit_note}\nworkload {described}")
 
-    naive = NaiveManager(config, dtype, device, story.max_model_len, limit - in_use - workspace,
-                         workspace,
-                         allocator=allocator, limit_bytes=limit if allocator is None else None)
+    memory = dict(limit=limit, in_use=in_use, workspace=workspace, allocator=allocator,
+                  bytes_per_token=bytes_per_token, pool_rule=(
+                      f"gpu_memory_utilization {utilization:.4f} x {format_bytes(total)} - "
+                      f"weights {format_bytes(in_use)} - activations {format_bytes(workspace)}"))
+    for strategy in story.strategies:
+        run = STRATEGY_RUNS[strategy](model, requests, story, **memory)
+        record["runs"].append(run)
+        log(describe_run(run))
+        write_record(record, out)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["seconds"] = time.perf_counter() - started
+    write_record(record, out)
+    return record
+
+
+def naive_run(model, requests, story, limit, in_use, workspace, allocator, bytes_per_token,
+              pool_rule) -> dict:
+    """The naive server: KV memory = whatever the allocator gives under the limit."""
+    device = model.device
+    naive = NaiveManager(model.config, model.dtype, device, story.max_model_len,
+                         limit - in_use - workspace, workspace, allocator=allocator,
+                         limit_bytes=limit if allocator is None else None)
     synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else \
         (lambda: None)
     run = _run("naive", naive, NaiveExecutor(model, naive, synchronize), requests, story,
                lambda: len(naive.kv), bytes_per_token)
     run.update(out_of_memory_errors=len(naive.reports), concurrency_cap=naive.max_running,
-               reports=[report.as_dict() for report in naive.reports])
+               reports=[report.as_dict() for report in naive.reports],
+               allocator_at_end=naive.figures().as_dict())
     naive.release_all()
-    del naive
-    record["runs"].append(run)
-    log(describe_run(run))
-    write_record(record, out)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    return run
 
+
+def paged_prefix_run(model, requests, story, limit, in_use, workspace, allocator,
+                     bytes_per_token, pool_rule) -> dict:
+    """Paged + prefix: one pool of vLLM's size, allocated once at start-up."""
+    config, dtype, device = model.config, model.dtype, model.device
     block_bytes = kv_block_bytes(config, story.block_size, dtype)
     num_blocks = num_blocks_for_budget(limit, in_use, block_bytes, workspace)
     cache = PagedKVCache(config, num_blocks, story.block_size, dtype=dtype, device=device,
@@ -292,23 +329,18 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device) -> d
     prefix = PrefixManager(cache.manager, story.max_model_len)
     run = _run("paged+prefix", prefix, ModelExecutor(model, cache), requests, story,
                lambda: len(cache.manager.tables), bytes_per_token)
-    run.update(num_blocks=num_blocks, pool_bytes=num_blocks * block_bytes,
-               pool_rule=(f"gpu_memory_utilization {utilization:.4f} x {format_bytes(total)} - "
-                          f"weights {format_bytes(in_use)} - activations "
-                          f"{format_bytes(workspace)}"),
+    run.update(num_blocks=num_blocks, pool_bytes=num_blocks * block_bytes, pool_rule=pool_rule,
                blocks_in_use_at_end=cache.manager.num_used_blocks)
-    if device.type == "cuda":
-        run["allocator_after"] = cuda_figures(device, limit).as_dict()
-    record["runs"].append(run)
-    log(describe_run(run))
-    record["seconds"] = time.perf_counter() - started
-    write_record(record, out)
-    return record
+    return run
+
+
+STRATEGY_RUNS = {"naive": naive_run, "paged+prefix": paged_prefix_run}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for oom_story.{json,md}")
+    parser.add_argument("--out", type=Path, required=True, help="folder for <name>.{json,md}")
+    parser.add_argument("--name", default="oom_story", help="file names (and the headline)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, emulated limit")
     parser.add_argument("--model", default=None, help="preset whose shape to use")
     parser.add_argument("--num-layers", type=int, default=None)
@@ -317,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-gib", type=float, default=None, help="KV room under the limit")
     parser.add_argument("--attention", choices=("torch", "triton"), default=None)
     parser.add_argument("--budget", type=float, default=None, help="seconds per strategy")
+    parser.add_argument("--strategies", nargs="+", choices=tuple(STRATEGY_RUNS), default=None)
     parser.add_argument("--expandable-segments", action="store_true",
                         help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA "
-                             "starts)")
+                             "starts): the allocator's answer to fragmentation")
     args = parser.parse_args(argv)
     if args.expandable_segments:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -327,18 +360,20 @@ def main(argv: list[str] | None = None) -> int:
                [("model", args.model), ("num_layers", args.num_layers),
                 ("num_requests", args.num_requests), ("speedup", args.speedup),
                 ("kv_gib", args.kv_gib), ("attention", args.attention),
-                ("budget_s", args.budget)] if value is not None}
+                ("budget_s", args.budget),
+                ("strategies", tuple(args.strategies) if args.strategies else None)]
+               if value is not None}
     story = StoryConfig.dry(**changes) if args.dry_run else StoryConfig(**changes)
     if args.dry_run:
         torch.set_num_threads(1)  # the tiny model: one thread is fastest (see kvlab generate)
     try:
-        run_story(story, args.out)
+        run_story(story, args.out, name=args.name)
     except RuntimeError as error:
         if "no CUDA GPU" not in str(error):
             raise
         print(f"oom story: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out / 'oom_story.md'}")
+    print(f"wrote {args.out / (args.name + '.md')}")
     return 0
 
 

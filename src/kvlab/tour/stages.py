@@ -4,7 +4,8 @@
 * benchmarks: every `kernels/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
   for the dry run), e.g. stage 5's `bench_paged_attention.py`;
 * stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
-  `--out` and `--dry-run`), e.g. stage 7's out-of-memory story, `kvlab.serving.oom_story`;
+  `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.serving.oom_story`,
+  before the notebooks, and its naive run again with expandable segments after them;
 * notebooks: every `notebooks/NN_*.ipynb`, one process each (a notebook that fills the GPU never
   starves the next one).
 
@@ -26,9 +27,14 @@ _CUDA_MARK = re.compile(r"\bmark\.cuda\b")
 _MAIN = re.compile(r"^def main\(", re.MULTILINE)
 # Seconds per stage on a GPU (the whole tour is budgeted separately, see runner.plan).
 TIMEOUTS = {"environment": 60, "tests": 150, "benchmark": 240, "story": 100, "notebook": 150}
-# Module -> what it shows. Each writes <out>/<name>/<name>.{json,md} (name: the module's last part).
-STORIES = {"kvlab.serving.oom_story": "stage 7: the naive server's torch.OutOfMemoryError under a "
-                                      "real burst, and paged + prefix holding it"}
+# (name, module, extra arguments, after the notebooks?). Each writes <out>/<name>/<name>.{json,md}.
+# The expandable-segments rerun of the naive server (the allocator's answer to fragmentation) runs
+# last, so it only takes time that the notebooks left over.
+STORIES = [
+    ("oom_story", "kvlab.serving.oom_story", (), False),
+    ("oom_story_expandable", "kvlab.serving.oom_story",
+     ("--strategies", "naive", "--expandable-segments", "--budget", "20"), True),
+]
 
 
 @dataclasses.dataclass
@@ -67,7 +73,8 @@ def notebook_files(repo: Path, only: list[str] | None = None) -> list[Path]:
 
 def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | None = None,
                 skip: tuple[str, ...] = ()) -> list[Stage]:
-    """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks."""
+    """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks,
+    late stories."""
     python = sys.executable
     dry = ["--dry-run"] if dry_run else []
     stages = [Stage("environment", "environment",
@@ -85,15 +92,18 @@ def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | Non
                             [python, "-m", module, "--out", str(out / "benchmarks"),
                              *(["--toy"] if dry_run else [])],
                             out / "benchmarks", TIMEOUTS["benchmark"]))
-    for module in STORIES:
-        name = module.rsplit(".", 1)[1]
-        stages.append(Stage(name, "story", [python, "-m", module, "--out", str(out / name), *dry],
-                            out / name, TIMEOUTS["story"]))
+    def story_stages(late: bool) -> list[Stage]:
+        return [Stage(name, "story", [python, "-m", module, "--out", str(out / name), "--name",
+                                      name, *extra, *dry], out / name, TIMEOUTS["story"])
+                for name, module, extra, after_notebooks in STORIES if after_notebooks == late]
+
+    stages += story_stages(late=False)
     for path in notebook_files(repo, notebooks):
         stages.append(Stage(path.stem, "notebook",
                             [python, "-m", "kvlab.tour.notebook_runner", str(path),
                              "--out", str(out / "notebooks"), *dry],
                             out / "notebooks", TIMEOUTS["notebook"]))
+    stages += story_stages(late=True)
     return [stage for stage in stages if stage.kind not in skip]
 
 

@@ -83,7 +83,7 @@ def test_budgets_held_every_step_and_memory_all_free_at_the_end(strategy):
         assert kv.manager.num_free_blocks == kv.manager.pool.num_blocks
         assert kv.manager.tables == {}
     else:
-        assert kv.holders == set()
+        assert kv.holders == {} and kv.num_held == 0
     assert all(r.num_output_tokens == r.max_output_tokens for r in requests)
 
 
@@ -236,9 +236,9 @@ def test_prefix_strategy_retries_the_queue_head_without_rehashing():
         return hashlib.sha256(data).digest()
 
     kv = PrefixManager(SlotlessPrefixCachingManager(7, 16, hash_fn=counting_sha256), 112)
-    shared = (3, 4)                                  # two trace blocks of 32 tokens in common
-    first = Request(0, 0.0, 80, 4, block_hashes=shared, hash_block_size=32)
-    head = Request(1, 0.0, 100, 4, block_hashes=shared, hash_block_size=32)
+    shared = list(range(64))                         # 4 blocks of real ids in common (model mode)
+    first = Request(0, 0.0, 80, 4, prompt_token_ids=shared + [100] * 16)
+    head = Request(1, 0.0, 100, 4, prompt_token_ids=shared + [200] * 36)
     assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
     hashed_first = len(calls)
     assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free

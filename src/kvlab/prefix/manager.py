@@ -23,6 +23,9 @@
   admission attempt: hashes already in it are reused, missing ones are computed and appended. A
   scheduler that retries the head of its queue every step then hashes nothing on a retry; only the
   exact token check of each hit block (`PrefixCache.find`) runs again.
+* The manager reads a sequence block by block through `BlockTokens` (`block_tokens`): real ids by
+  default (a block's content is its ids, hashed with `hash_fn`); a trace simulation may pass a
+  `BlockTokens` that describes its blocks without building one id per token.
 
 Forks (n > 1) share all blocks as in stage 4; the child inherits the parent's chain of entries, and
 copy-on-write only ever copies a partly filled block, which is never cached.
@@ -44,7 +47,8 @@ from typing import Hashable, Sequence
 from ..paged.block_table import BlockTable, cdiv
 from ..errors import NoFreeBlocksError, RequestTooLongError
 from ..paged.kv_cache_manager import KVCacheManager, SlotReservation
-from .block_hash import BlockHash, HashFunction, extra_keys_for, hash_block, sha256, short
+from .block_hash import BlockHash, HashFunction, extra_keys_for, sha256, short
+from .block_tokens import BlockTokens, as_block_tokens
 from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
 
 __all__ = ["PrefixCacheStats", "PrefixAllocation", "PrefixCachingKVCacheManager"]
@@ -118,7 +122,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         self.hash_fn = hash_fn
         # Per sequence admitted with token ids: its tokens, extra keys, full-block hash chain
         # (block i's hash at index i; may run ahead of the cached chain) and cached-block chain.
-        self._tokens: dict[Hashable, list[int]] = {}
+        self._tokens: dict[Hashable, BlockTokens] = {}
         self._hashes: dict[Hashable, list[BlockHash]] = {}
         self._extra_keys: dict[Hashable, tuple] = {}
         self._chains: dict[Hashable, list[CachedBlock]] = {}
@@ -126,40 +130,42 @@ class PrefixCachingKVCacheManager(KVCacheManager):
 
     # ---- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[CachedBlock]:
+    def lookup(self, token_ids: Sequence[int] | BlockTokens,
+               cache_salt: str | None = None) -> list[CachedBlock]:
         """The longest run of cached full blocks that starts the prompt, capped at n - 1 tokens.
 
-        Changes nothing (no ref counts, no LRU order, no statistics).
+        Changes nothing (no ref counts, no LRU order, no statistics). `token_ids` may be ids or a
+        `BlockTokens` (as in `allocate_with_prefix`).
 
         Returns:
             the entries of blocks 0, 1, ..., k - 1, k <= (len(token_ids) - 1) // block_size.
         """
-        return self._lookup(token_ids, extra_keys_for(cache_salt), count_collisions=False,
-                            block_hashes=[])
+        return self._lookup(as_block_tokens(token_ids), extra_keys_for(cache_salt),
+                            count_collisions=False, block_hashes=[])
 
-    def _block_hash(self, block_hashes: list[BlockHash], index: int, tokens: tuple[int, ...],
-                    extra_keys: tuple) -> BlockHash:
-        """Hash of full block `index` (its `tokens`): from `block_hashes` when it is there, else
+    def _block_hash(self, block_hashes: list[BlockHash], index: int, tokens: BlockTokens,
+                    content: tuple, extra_keys: tuple) -> BlockHash:
+        """Hash of full block `index` (its `content`): from `block_hashes` when it is there, else
         computed from block index - 1's hash and appended (blocks are hashed in order, so the list
         always holds blocks 0 .. index - 1 here)."""
         if index < len(block_hashes):
             return block_hashes[index]
-        block_hash = hash_block(block_hashes[index - 1] if index else None, tokens, extra_keys,
-                                self.hash_fn)
+        block_hash = tokens.block_hash(block_hashes[index - 1] if index else None, content,
+                                       extra_keys, self.hash_fn)
         block_hashes.append(block_hash)
         return block_hash
 
-    def _lookup(self, token_ids: Sequence[int], extra_keys: tuple, count_collisions: bool,
+    def _lookup(self, tokens: BlockTokens, extra_keys: tuple, count_collisions: bool,
                 block_hashes: list[BlockHash]) -> list[CachedBlock]:
         size = self.block_size
-        max_blocks = (len(token_ids) - 1) // size  # at least one prompt token is computed
+        max_blocks = (len(tokens) - 1) // size  # at least one prompt token is computed
         hits: list[CachedBlock] = []
         parent: CachedBlock | None = None
         for index in range(max_blocks):
-            tokens = tuple(int(t) for t in token_ids[index * size:(index + 1) * size])
+            content = tokens.block(index, size)
             # A hit's hash is the hash looked up, so block_hashes[index - 1] is parent's hash.
-            block_hash = self._block_hash(block_hashes, index, tokens, extra_keys)
-            entry = self.prefix_cache.find(block_hash, tokens, extra_keys, parent)
+            block_hash = self._block_hash(block_hashes, index, tokens, content, extra_keys)
+            entry = self.prefix_cache.find(block_hash, content, extra_keys, parent)
             if entry is None:
                 if count_collisions and self.prefix_cache.knows_hash(block_hash):
                     self._stats.num_collisions += 1
@@ -168,25 +174,28 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             parent = entry
         return hits
 
-    def blocks_to_admit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    def blocks_to_admit(self, token_ids: Sequence[int] | BlockTokens,
+                        cache_salt: str | None = None) -> int:
         """Free blocks `allocate_with_prefix` would take now: new blocks + hit blocks now free."""
         hits = [entry.block_id for entry in self.lookup(token_ids, cache_salt)]
         new_blocks = cdiv(len(token_ids), self.block_size) - len(hits)
         return new_blocks + self.pool.num_free_to_touch(hits)
 
-    def can_admit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+    def can_admit(self, token_ids: Sequence[int] | BlockTokens,
+                  cache_salt: str | None = None) -> bool:
         return self.blocks_to_admit(token_ids, cache_salt) <= self.pool.num_free_blocks
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def allocate_with_prefix(self, seq_id: Hashable, token_ids: Sequence[int],
+    def allocate_with_prefix(self, seq_id: Hashable, token_ids: Sequence[int] | BlockTokens,
                              cache_salt: str | None = None,
                              block_hashes: list[BlockHash] | None = None) -> PrefixAllocation:
         """Admit a sequence: share its cached prefix blocks, allocate the rest, cache full blocks.
 
         Args:
             seq_id: the new sequence's key.
-            token_ids: its tokens (ints; the prompt, plus outputs when a preempted one comes back).
+            token_ids: its tokens (ints; the prompt, plus outputs when a preempted one comes back),
+                or a `BlockTokens` that describes them block by block (the manager keeps a copy).
             cache_salt: optional salt; only blocks hashed with the same salt are hit.
             block_hashes: the sequence's full-block hash chain, kept by the caller between
                 attempts (None: a fresh one). Must have been filled by earlier calls for this
@@ -214,7 +223,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         extra_keys = extra_keys_for(cache_salt)
         if block_hashes is None:
             block_hashes = []
-        hits = self._lookup(token_ids, extra_keys, count_collisions=True,
+        tokens = as_block_tokens(token_ids)
+        hits = self._lookup(tokens, extra_keys, count_collisions=True,
                             block_hashes=block_hashes)
         hit_ids = [entry.block_id for entry in hits]
         table = BlockTable(size, list(hit_ids), num_tokens=len(hits) * size)
@@ -231,7 +241,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         self.tables[seq_id] = table
         num_cached = table.num_tokens
         slots = self._reserve(table, len(token_ids) - num_cached)
-        self._tokens[seq_id] = [int(t) for t in token_ids]
+        self._tokens[seq_id] = tokens
         self._extra_keys[seq_id] = extra_keys
         self._hashes[seq_id] = block_hashes
         self._chains[seq_id] = list(hits)
@@ -252,12 +262,13 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         while len(chain) < table.num_tokens // size:
             index = len(chain)
             parent = chain[-1] if chain else None
-            block_tokens = tuple(tokens[index * size:(index + 1) * size])
-            block_hash = self._block_hash(self._hashes[seq_id], index, block_tokens, extra_keys)
+            content = tokens.block(index, size)
+            block_hash = self._block_hash(self._hashes[seq_id], index, tokens, content,
+                                          extra_keys)
             block_id = table.block_ids[index]
             # A full block is never written again, so an existing entry of it is still right.
             entry = self.prefix_cache.entry(block_id) or self.prefix_cache.insert(
-                block_id, block_hash, block_tokens, extra_keys, parent)
+                block_id, block_hash, content, extra_keys, parent)
             chain.append(entry)
 
     # ---- the stage-4 operations, keeping the token ids --------------------------------------
@@ -281,7 +292,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                              f"{num_new_tokens} new token ids, got {got}")
         reservation = super().append_slots(seq_id, num_new_tokens)
         if tracked:
-            self._tokens[seq_id].extend(int(t) for t in token_ids)
+            self._tokens[seq_id].extend(token_ids)
             self._cache_full_blocks(seq_id)
         return reservation
 
@@ -307,14 +318,14 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             return False
         table.num_tokens = end
         if seq_id in self._tokens:
-            self._tokens[seq_id].extend(int(t) for t in token_ids)
+            self._tokens[seq_id].extend(token_ids)
         return True
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """As `KVCacheManager.fork`; the child inherits the parent's tokens and cached chain."""
         super().fork(parent_id, child_id)
         if parent_id in self._tokens:
-            self._tokens[child_id] = list(self._tokens[parent_id])
+            self._tokens[child_id] = self._tokens[parent_id].copy()
             self._extra_keys[child_id] = self._extra_keys[parent_id]
             self._hashes[child_id] = list(self._hashes[parent_id])
             self._chains[child_id] = list(self._chains[parent_id])

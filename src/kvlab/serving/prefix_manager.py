@@ -18,15 +18,19 @@ are no ids, so the trace's prefix information stands in for them: token p of a p
 trace says two prompts share that block; this is `kvlab.traces.mooncake.expand_hash_ids` at block
 size 1). Prompts without block ids (the Azure trace) and every output token get an id of their own
 request (-1 - request_id), so they never hit another request's blocks; that is the honest
-assumption when a trace says nothing about sharing.
+assumption when a trace says nothing about sharing. The manager reads those stand-in ids through
+`TraceBlocks`, which describes each block's ids in a few ints instead of building them (the same
+hits, preemptions and times; see `kvlab.serving.trace_blocks`).
 """
 
 from __future__ import annotations
 
 from ..errors import NoFreeBlocksError
+from ..prefix.block_tokens import BlockTokens
 from ..prefix.manager import PrefixCachingKVCacheManager
 from .kv_managers import PagedManager
 from .request import Request
+from .trace_blocks import TraceBlocks
 
 __all__ = ["PrefixManager"]
 
@@ -55,10 +59,10 @@ class PrefixManager(PagedManager):
     def allocate(self, request: Request, token_budget: int) -> int | None:
         # The whole prompt (+ outputs after a preemption) is reserved at admission, the cached
         # part shared; chunks computed in later steps find their slots already there.
-        tokens = token_ids(request, 0, request.num_tokens)
+        tokens = block_tokens(request)
         try:
             allocation = self.manager.allocate_with_prefix(
-                request.request_id, tokens,
+                request.request_id, tokens, request.cache_salt,
                 block_hashes=self._block_hashes.setdefault(request.request_id, []))
         except NoFreeBlocksError:
             return None
@@ -75,9 +79,10 @@ class PrefixManager(PagedManager):
         if self.manager.append_in_last_block(request.request_id, new_ids):
             return True
         try:
-            self.manager.append_slots(request.request_id, len(new_ids), new_ids)
+            reservation = self.manager.append_slots(request.request_id, len(new_ids), new_ids)
         except NoFreeBlocksError:
             return False
+        self._copies += reservation.copies
         return True
 
     def free(self, request: Request) -> None:
@@ -85,11 +90,21 @@ class PrefixManager(PagedManager):
         self._block_hashes.pop(request.request_id, None)
 
 
+def block_tokens(request: Request) -> list[int] | BlockTokens:
+    """All tokens of a request as the prefix cache reads them at admission: its ids (model mode,
+    or a prompt given with ids), else its stand-in ids described block by block (`TraceBlocks`)."""
+    if request.prompt_token_ids is not None:
+        return token_ids(request, 0, request.num_tokens)
+    return TraceBlocks(request)
+
+
 def token_ids(request: Request, start: int, end: int) -> list[int]:
     """Ids of tokens start .. end - 1 of a request: its real ids where it has them (model mode, or
     a prompt given with ids), else the stand-ins described in the module docstring."""
     own = -1 - request.request_id
     known = request.prompt_token_ids
+    if known is None and start >= request.prompt_len:
+        return [own] * (end - start)  # simulated outputs (most calls: one decode token)
     if known is not None:
         known = known + request.output_token_ids  # outputs are known in model mode only
         return known[start:end] + [own] * (end - max(start, len(known)))

@@ -1,0 +1,111 @@
+"""Simulation's stand-in tokens, read by the prefix cache block by block without building them.
+
+A trace gives no token ids, only (for the Mooncake traces) the id of each 512-token prompt block.
+Stage 7's simulation gives every token a stand-in id (`kvlab.serving.prefix_manager.token_ids`):
+token p of a prompt whose trace block p // 512 has id h gets h x 512 + p % 512; prompt tokens
+past the named blocks and every output token get the request's own id, -1 - request_id. Two
+blocks of the cache then hold equal ids exactly where the trace says the prompts share them.
+
+Building those ids costs a Python int per token, and hashing them (SHA-256 over 16 decimal ids
+per block, `kvlab.prefix.block_hash`) several microseconds per block; the prompts of the whole
+Mooncake conversation trace hold 9 million blocks of 16 tokens. `TraceBlocks` gives the prefix
+cache the same blocks at a few ints each:
+
+* content: the block's stand-in ids written as runs, (first id, length) per run, a run being
+  consecutive ids (h x 512 + o, + 1, ...) or the request's own id repeated. Runs are maximal
+  (a run that continues into the next trace block with the next id is merged), so the content is
+  a function of the ids alone, and the ids can be read back from it (own ids are negative, trace
+  ids >= 0): two blocks have equal contents exactly when they have equal stand-in ids. A block
+  inside one trace block is one run: (h x 512 + o, block_size).
+* hash: Python's built-in hash of (parent hash, content, extra keys), 64 bits and not
+  collision-resistant. That is enough here because the manager confirms every hit (verify=True,
+  the default; `kvlab.prefix.prefix_cache`): a collision only puts two entries under one key, and
+  the exact check still picks the one with equal content and the same parent entry. So the cache
+  finds exactly the blocks that SHA-256 over the stand-in ids would find (`tests/
+  test_serving_trace_blocks.py` replays a Mooncake slice both ways and compares every decision).
+  Do not use it with verify=False, which trusts the hash alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Hashable, Sequence
+
+from ..prefix.block_tokens import BlockTokens
+from .request import Request
+
+__all__ = ["TraceBlocks"]
+
+
+class TraceBlocks(BlockTokens):
+    """A simulated request's tokens (prompt, then outputs so far) as compact block contents.
+
+    Args:
+        request: a request without token ids; its `block_hashes` (trace block ids, each >= 0)
+            name its first prompt blocks of `hash_block_size` tokens. Its num_tokens now are
+            the tokens described.
+
+    Raises:
+        ValueError: a negative trace block id, or block ids with hash_block_size < 1.
+    """
+
+    __slots__ = ("trace_ids", "trace_block_size", "named_end", "own_id", "prompt_len",
+                 "num_tokens")
+
+    def __init__(self, request: Request):
+        trace_ids, size = request.block_hashes, request.hash_block_size
+        if trace_ids and (size < 1 or min(trace_ids) < 0):
+            raise ValueError(f"request {request.request_id}: trace block ids must be >= 0 with a "
+                             f"hash_block_size >= 1, got ids from {min(trace_ids)} and "
+                             f"hash_block_size={size}")
+        self.trace_ids, self.trace_block_size = trace_ids, size
+        # Tokens 0 .. named_end - 1 lie in blocks the trace names; the rest have the own id.
+        self.named_end = min(request.prompt_len, len(trace_ids) * size)
+        self.own_id = -1 - request.request_id
+        self.prompt_len = request.prompt_len
+        self.num_tokens = request.num_tokens
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def block(self, index: int, block_size: int) -> tuple[int, ...]:
+        """Runs of the stand-in ids of block `index`: (first id, length, first id, length, ...)."""
+        start, end = index * block_size, (index + 1) * block_size
+        size = self.trace_block_size
+        if end <= self.named_end and start // size == (end - 1) // size:  # the usual case
+            return (self.trace_ids[start // size] * size + start % size, block_size)
+        runs: list[int] = []
+        position = start
+        while position < min(end, self.named_end):
+            trace_index = position // size
+            run_end = min(end, self.named_end, (trace_index + 1) * size)
+            first = self.trace_ids[trace_index] * size + position % size
+            if runs and runs[-2] + runs[-1] == first:  # the ids go on: one maximal run
+                runs[-1] += run_end - position
+            else:
+                runs += [first, run_end - position]
+            position = run_end
+        if position < end:
+            runs += [self.own_id, end - position]
+        return tuple(runs)
+
+    def block_hash(self, parent_hash: Hashable | None, content: tuple,
+                   extra_keys: tuple[Hashable, ...], hash_fn=None) -> int:
+        """Python's hash of (parent hash, content, extra keys); `hash_fn` is not used (see the
+        module docstring for why a 64-bit hash is enough here)."""
+        return hash((parent_hash, content, extra_keys))
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append output tokens; in simulation they carry the request's own id.
+
+        Raises:
+            ValueError: the prompt is not complete yet, or an id other than the own id.
+        """
+        if self.num_tokens < self.prompt_len or any(t != self.own_id for t in token_ids):
+            raise ValueError(f"a simulated request grows by output tokens with its own id "
+                             f"{self.own_id} after its {self.prompt_len}-token prompt; got "
+                             f"{list(token_ids)[:8]} at token {self.num_tokens}")
+        self.num_tokens += len(token_ids)
+
+    def copy(self) -> "TraceBlocks":
+        return copy.copy(self)

@@ -1,0 +1,155 @@
+"""Simulation's compact stand-in blocks (`kvlab.serving.trace_blocks.TraceBlocks`) against the
+per-token stand-in ids they replace: the same block contents block by block, and the same serving
+decisions (hits, admissions, preemptions, first-token and finish times) on real Mooncake slices."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.config import load_config
+from kvlab.serving import (CostModel, Request, SchedulerConfig, SimulatedExecutor, get_card,
+                           serve, simulated_manager, speed_up)
+from kvlab.serving import prefix_manager
+from kvlab.serving.request import from_sizes, shrink
+from kvlab.serving.trace_blocks import TraceBlocks
+from kvlab.serving.traces import load_trace
+from kvlab.sizing import kv_bytes_per_token
+
+
+def ids_of_runs(content: tuple[int, ...]) -> list[int]:
+    """The ids a content stands for: (first, length) runs, ascending for trace ids (>= 0), the
+    request's own id (< 0) repeated."""
+    ids: list[int] = []
+    for first, length in zip(content[::2], content[1::2]):
+        ids += range(first, first + length) if first >= 0 else [first] * length
+    return ids
+
+
+@st.composite
+def simulated_requests(draw, request_id: int) -> Request:
+    """A small request with trace block ids from a tiny alphabet (so that pairs share blocks),
+    sometimes consecutive ids (runs that continue across trace blocks), sometimes none."""
+    trace_block_size = draw(st.integers(1, 8))
+    prompt_len = draw(st.integers(1, 60))
+    num_named = draw(st.integers(0, -(-prompt_len // trace_block_size)))
+    trace_ids = tuple(draw(st.lists(st.integers(0, 4), min_size=num_named, max_size=num_named)))
+    request = Request(request_id, 0.0, prompt_len, 20, block_hashes=trace_ids,
+                      hash_block_size=trace_block_size if trace_ids else 0)
+    request.num_output_tokens = draw(st.integers(0, 19))
+    return request
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=simulated_requests(0), b=simulated_requests(1), block_size=st.integers(1, 12))
+def test_block_contents_are_equal_exactly_when_stand_in_ids_are(a, b, block_size):
+    blocks_a, blocks_b = TraceBlocks(a), TraceBlocks(b)
+    ids_a = prefix_manager.token_ids(a, 0, a.num_tokens)
+    ids_b = prefix_manager.token_ids(b, 0, b.num_tokens)
+    for index in range(min(a.num_tokens, b.num_tokens) // block_size):
+        window = slice(index * block_size, (index + 1) * block_size)
+        content_a, content_b = blocks_a.block(index, block_size), blocks_b.block(index, block_size)
+        assert ids_of_runs(content_a) == ids_a[window]
+        assert ids_of_runs(content_b) == ids_b[window]
+        assert (content_a == content_b) == (ids_a[window] == ids_b[window])
+    # the same request after a preemption: equal contents, block for block
+    again = TraceBlocks(a)
+    assert all(again.block(i, block_size) == blocks_a.block(i, block_size)
+               for i in range(a.num_tokens // block_size))
+
+
+def test_a_block_inside_one_trace_block_is_one_run_and_consecutive_ids_merge():
+    request = Request(5, 0.0, 1100, 4, block_hashes=(7, 8, 3), hash_block_size=512)
+    blocks = TraceBlocks(request)
+    assert blocks.block(1, 16) == (7 * 512 + 16, 16)
+    assert blocks.block(0, 1024) == (7 * 512, 1024)                     # 7 then 8: one run
+    request.num_output_tokens = 4   # trace block 8 from token 40, block 3, then 4 output tokens
+    assert TraceBlocks(request).block(1, 552) == (8 * 512 + 40, 472, 3 * 512, 76, -6, 4)
+
+
+def test_a_simulated_request_grows_only_by_its_own_output_ids():
+    request = Request(2, 0.0, 40, 3, block_hashes=(1,), hash_block_size=32)
+    blocks = TraceBlocks(request)
+    blocks.extend([-3, -3])
+    assert len(blocks) == 42 and blocks.block(5, 7) == (-3, 7)
+    with pytest.raises(ValueError, match="own id -3"):
+        blocks.extend([7])
+    with pytest.raises(ValueError, match="trace block ids must be >= 0"):
+        TraceBlocks(Request(0, 0.0, 8, 1, block_hashes=(-1,), hash_block_size=8))
+
+
+def test_model_mode_requests_keep_their_real_ids():
+    request = Request(0, 0.0, 5, 2, prompt_token_ids=[9, 8, 7, 6, 5])
+    assert prefix_manager.block_tokens(request) == [9, 8, 7, 6, 5]
+    assert isinstance(prefix_manager.block_tokens(Request(1, 0.0, 5, 2)), TraceBlocks)
+
+
+def decisions(result):
+    return [(r.request_id, r.state, r.first_token_s, r.finish_s, r.num_preemptions,
+             r.num_cached_tokens) for r in sorted(result.served_requests,
+                                                   key=lambda r: r.request_id)]
+
+
+# (lengths divided by, block_size, KV budget in tokens, max_model_len): trace blocks of 64 tokens
+# holding 4 cache blocks; trace blocks of 8 tokens with cache blocks of 12 straddling them
+SLICES = [(8, 16, 2600, 2048), (64, 12, 2000, 1024)]
+
+
+@pytest.mark.parametrize("shrink_by, block_size, budget_tokens, max_model_len", SLICES)
+def test_replay_makes_the_decisions_of_per_token_stand_in_ids(monkeypatch, shrink_by, block_size,
+                                                              budget_tokens, max_model_len):
+    config = load_config("llama-3.1-70b")
+    cost = CostModel(config, get_card("H100-80GB"), tp=4, dtype="bf16")
+    per_token = kv_bytes_per_token(config, "bf16", 4)
+    rows = load_trace("mooncake-conversation", limit=300)
+    requests = speed_up(shrink(from_sizes(rows), shrink_by), 100)
+    scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024)
+
+    def replay():
+        kv = simulated_manager("prefix", budget_tokens * per_token, per_token, max_model_len,
+                               block_size)
+        result = serve(requests, kv, SimulatedExecutor(cost), scheduler, per_token,
+                       progress=False)
+        return result, kv.manager.prefix_stats
+
+    fast, fast_stats = replay()
+    # the reference: the stand-in ids built token by token and hashed with SHA-256
+    monkeypatch.setattr(prefix_manager, "block_tokens",
+                        lambda request: prefix_manager.token_ids(request, 0, request.num_tokens))
+    reference, reference_stats = replay()
+
+    assert decisions(fast) == decisions(reference)
+    assert fast.series.reserved_tokens == reference.series.reserved_tokens
+    assert fast.series.running == reference.series.running
+    assert (fast.preemptions, fast.prefix_hit_rate) == (reference.preemptions,
+                                                        reference.prefix_hit_rate)
+    assert fast_stats == reference_stats
+    # the slice exercises what it claims to: hits, evictions, preemptions
+    assert fast_stats.num_hit_blocks > 0 and fast_stats.num_evictions > 0
+    assert fast.preemptions > 0
+
+
+def test_simulation_retries_the_queue_head_without_rehashing(monkeypatch):
+    from kvlab.serving.runner import SlotlessPrefixCachingManager
+
+    calls = []
+    hash_block = TraceBlocks.block_hash
+
+    def counting(self, *args):
+        calls.append(args)
+        return hash_block(self, *args)
+
+    monkeypatch.setattr(TraceBlocks, "block_hash", counting)
+    kv = prefix_manager.PrefixManager(SlotlessPrefixCachingManager(7, 16), 112)
+    first = Request(0, 0.0, 80, 4, block_hashes=(3, 4), hash_block_size=32)
+    head = Request(1, 0.0, 100, 4, block_hashes=(3, 4), hash_block_size=32)
+    assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
+    assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free
+    assert len(calls) == 10                          # blocks 0-3 hit, block 4 missed
+    for _ in range(5):
+        assert kv.allocate(head, 1024) is None       # every retry: no hashing
+    assert len(calls) == 10
+    kv.free(first)
+    assert kv.allocate(head, 1024) == 64             # 64 shared tokens hit; block 5 new
+    assert len(calls) == 11

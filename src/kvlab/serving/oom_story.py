@@ -56,7 +56,8 @@ from .allocator_figures import ByteLimit
 from .naive import NaiveExecutor, NaiveManager, NaivePrefillStore
 from .oom_report import describe_run, write_record
 from .prefix_manager import PrefixManager
-from .runner import ModelExecutor, serve
+from .model_runner import ModelExecutor
+from .runner import serve
 from .scheduler import SchedulerConfig
 from .traces import load_trace
 
@@ -310,9 +311,7 @@ def naive_run(model, requests, story, limit, in_use, workspace, allocator, bytes
     naive = NaiveManager(model.config, model.dtype, device, story.max_model_len,
                          limit - in_use - workspace, workspace, allocator=allocator,
                          limit_bytes=limit if allocator is None else None)
-    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else \
-        (lambda: None)
-    run = _run("naive", naive, NaiveExecutor(model, naive, synchronize), requests, story,
+    run = _run("naive", naive, NaiveExecutor(model, naive), requests, story,
                lambda: len(naive.kv), bytes_per_token)
     run.update(out_of_memory_errors=len(naive.reports), concurrency_cap=naive.max_running,
                reports=[report.as_dict() for report in naive.reports],

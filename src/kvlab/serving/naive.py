@@ -26,14 +26,11 @@ batch. So after allocating a request's KV the manager also asks for the forward 
 (its peak, measured by a profiling pass at start-up, as vLLM measures it) and gives it straight
 back: if that fails, the request is not admitted. That is the only guard; nothing is reserved.
 
-`NaiveExecutor` runs the model over these tensors (the same model and attention as every
-strategy; greedy next tokens).
+`NaiveExecutor` runs the model over these tensors (the same model, attention and sampling as every
+strategy: `ModelExecutor` with its two forward passes reading each request's own tensor).
 """
 
 from __future__ import annotations
-
-import time
-from typing import Callable
 
 import torch
 
@@ -42,9 +39,10 @@ from ..errors import KVCacheOutOfMemory
 from ..sizing import format_bytes
 from .allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
 from .kv_managers import KVManager
+from .model_runner import ModelExecutor
 from .request import Request
 
-__all__ = ["NaiveManager", "NaiveExecutor"]
+__all__ = ["NaiveManager", "NaiveExecutor", "NaivePrefillStore", "NaiveDecodeStore"]
 
 
 class NaiveManager(KVManager):
@@ -199,52 +197,37 @@ class NaiveManager(KVManager):
             self.drop_tensor(self.kv.pop(request_id))
 
 
-class NaiveExecutor:
-    """The model over `NaiveManager`'s tensors: prefill chunks one request at a time, then every
-    decoding request's next token in one forward pass (attention per request, over its own
-    tensor). Greedy next tokens; the step time is the wall clock.
+class NaiveExecutor(ModelExecutor):
+    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same sampling) with
+    its two forward passes reading the request's own tensor: each prefill chunk on its own, every
+    decoding request's next token in one pass (attention per request, over its own tensor).
 
     Args:
         model: the decoder (`kvlab.model.LlamaForCausalLM`).
-        kv: the `NaiveManager` the scheduler drives.
-        synchronize: called before reading the clock (torch.cuda.synchronize on a GPU).
+        kv: the `NaiveManager` the scheduler drives (it frees the tensors, at finish or preemption).
+        cost_model: if given, its step time is the clock; else the wall clock.
     """
 
-    def __init__(self, model, kv: NaiveManager, synchronize: Callable[[], None] = lambda: None):
-        self.model, self.kv, self.synchronize = model, kv, synchronize
+    def __init__(self, model, kv: NaiveManager, cost_model=None):
+        super().__init__(model, kv, cost_model)
+        self.kv = kv
 
-    @torch.no_grad()
-    def execute(self, output) -> tuple[dict[int, int], float]:
-        started = time.perf_counter()
+    def _forward_one(self, request: Request, num_new: int) -> torch.Tensor:
+        device, start = self.model.device, request.num_computed_tokens
+        ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
+        positions = torch.arange(start, start + num_new, device=device)
+        return self.model(ids, positions, NaivePrefillStore(self.kv.kv[request.request_id], start))
+
+    def _decode(self, batch: list[Request]) -> torch.Tensor:
         device = self.model.device
-        sampled: dict[int, int] = {}
-        decodes = [r for r, n in output.scheduled if n == 1 and r.num_computed_tokens > 0]
-        if decodes:
-            positions = [r.num_computed_tokens for r in decodes]
-            tokens = [r.token_ids(p, p + 1)[0] for r, p in zip(decodes, positions)]
-            store = _DecodeStore([self.kv.kv[r.request_id] for r in decodes])
-            logits = self.model(torch.tensor(tokens, device=device),
-                                torch.tensor(positions, device=device), store)
-            for request, token in zip(decodes, logits.argmax(dim=-1).tolist()):
-                sampled[request.request_id] = token
-        for request, num_new in output.scheduled:
-            if request.request_id in sampled:
-                continue
-            start = request.num_computed_tokens
-            ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
-            positions = torch.arange(start, start + num_new, device=device)
-            logits = self.model(ids, positions, _PrefillStore(self.kv.kv[request.request_id],
-                                                              start))
-            if start + num_new == request.num_tokens:
-                sampled[request.request_id] = int(logits[-1].argmax())
-        self.synchronize()
-        return sampled, time.perf_counter() - started
-
-    def release(self, request: Request) -> None:
-        pass  # the manager frees the tensor (finish or preemption)
+        positions = [request.num_computed_tokens for request in batch]
+        tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
+        store = NaiveDecodeStore([self.kv.kv[request.request_id] for request in batch])
+        return self.model(torch.tensor(tokens, device=device),
+                          torch.tensor(positions, device=device), store)
 
 
-class _PrefillStore:
+class NaivePrefillStore:
     """Tokens start .. start + n - 1 of one request: written into its tensor, attended causally
     over its first start + n tokens."""
 
@@ -259,7 +242,7 @@ class _PrefillStore:
         return grouped_attention(query, layer[0, :end], layer[1, :end], query_positions=positions)
 
 
-class _DecodeStore:
+class NaiveDecodeStore:
     """One new token of each of a batch of requests, token i at position positions[i] of tensor
     i; each attends over its own first positions[i] + 1 tokens."""
 

@@ -2,9 +2,9 @@
 
 The best case for contiguous KV memory: a server that knows, when it admits a request, exactly how
 many tokens it will ever hold (prompt + max_output_tokens) and reserves precisely that many token
-slots, adjacent, in one address space. No slot is reserved for nothing (no internal
-fragmentation beyond what the request leaves unused), and still memory is lost: requests finish in
-a different order than they started, the free slots end up scattered between the reservations that
+slots, adjacent, in one address space. Every slot reserved is one the request will reach by the
+time it ends (no internal fragmentation), and still memory is lost: requests finish in a
+different order than they started, the free slots end up scattered between the reservations that
 remain, and the next request waits *although enough slots are free in total*. That is external
 fragmentation (Kwon et al., *Efficient Memory Management for Large Language Model Serving with
 PagedAttention*, SOSP 2023, section 3 and figure 3; the first-fit placement is the textbook one,

@@ -1,5 +1,5 @@
 """One definition of tokens held: `kvlab.lifetime`, used by `kvlab report`, is what the paged
-engine really holds. A few requests are replayed through `PagedEngine` and, at every step, the
+engine really holds. A few requests are replayed through `LLMEngine` and, at every step, the
 tokens and block slots each sequence holds are read from the cache itself."""
 
 from __future__ import annotations

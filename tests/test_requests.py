@@ -38,7 +38,7 @@ def test_generate_refuses_a_max_model_len_past_the_model(small_llama, cache, mon
         generate(small_llama, [1, 2], 2, cache=cache, max_model_len=129)
 
 
-def test_paged_engine_and_generate_paged_refuse_it_too(small_llama):
+def test_llm_engine_and_generate_batch_refuse_it_too(small_llama):
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
         LLMEngine(small_llama, num_blocks=64, block_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="max_position_embeddings=128"):

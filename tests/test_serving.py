@@ -312,6 +312,43 @@ def test_cli_serve_simulate_json(tmp_path, capsys):
     assert paged["peak_running"] > contiguous["peak_running"]
 
 
+def _serve_json(tmp_path, capsys, *flags):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:15:10.{i}000000,{100 + i},5\n" for i in range(10)))
+    assert main(["serve", "--trace", str(trace), "--simulate", "--model", "llama-3.1-8b",
+                 "--kv-budget", "1", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("gpu, expected", [
+    ("H100-80GB", (1024, 8192)), ("H200", (1024, 8192)), ("MI300X", (1024, 8192)),
+    ("A100-80GB", (256, 2048)),   # >= 70 GiB, but vLLM keeps the A100 on the small defaults
+    ("A100-40GB", (256, 2048)), ("L4", (256, 2048))])
+def test_cli_serve_step_budgets_follow_vllms_rule_for_the_card(tmp_path, capsys, gpu, expected):
+    out = _serve_json(tmp_path, capsys, "--gpu", gpu, "--strategy", "paged")
+    assert (out["max_num_seqs"], out["max_num_batched_tokens"]) == expected
+
+
+def test_cli_serve_explicit_step_budgets_win(tmp_path, capsys):
+    out = _serve_json(tmp_path, capsys, "--gpu", "H100-80GB", "--strategy", "paged",
+                      "--max-num-seqs", "3", "--max-num-batched-tokens", "512")
+    assert (out["max_num_seqs"], out["max_num_batched_tokens"]) == (3, 512)
+    assert out["rows"][0]["peak_running"] <= 3
+
+
+def test_step_budget_defaults_without_a_gpu_are_the_small_ones():
+    from kvlab.cli.serve import scheduler_defaults
+
+    assert scheduler_defaults(None, None) == (256, 2048)   # model mode on the CPU
+
+
+def test_cli_serve_strategy_accepts_the_table_name(tmp_path, capsys):
+    for name in ("prefix", "paged+prefix"):
+        out = _serve_json(tmp_path, capsys, "--strategy", name)
+        assert [row["strategy"] for row in out["rows"]] == ["paged+prefix"]
+
+
 def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 5}\n')

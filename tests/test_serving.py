@@ -16,8 +16,8 @@ from kvlab.cli import main
 from kvlab.config import LlamaConfig, load_config
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
-from kvlab.serving import (CostModel, PagedManager, Request, RequestState, Scheduler,
-                           SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
+from kvlab.serving import (CostModel, PagedManager, Request, RequestState, SamplingParams,
+                           Scheduler, SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
                            percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
                            speed_up)
 from kvlab.serving.traces import load_trace
@@ -165,6 +165,30 @@ def test_model_mode_tokens_equal_solo_generation(model, strategy, budget_tokens)
         solo = generate(model, request.prompt_token_ids, request.max_output_tokens,
                         cache="none").token_ids
         assert served[request.request_id].output_token_ids == solo, request.request_id
+
+
+@pytest.mark.parametrize("strategy", ["contiguous", "paged"])
+def test_one_token_prompt_chunks_count_as_prefill_and_sample_nothing(model, strategy):
+    # A budget of 2 tokens a step: while A decodes, B's prompt goes in 1-token chunks that ride in
+    # the decode pass. They are prefill tokens, and B samples (from its own random stream) only
+    # once its whole prompt is in.
+    def pair():
+        rng = random.Random(5)
+        return [Request(i, 0.0, prompt, output, [rng.randrange(CONFIG.vocab_size)
+                                                  for _ in range(prompt)],
+                        sampling=SamplingParams(temperature=1.0, stream_seed=100 + i))
+                for i, (prompt, output) in enumerate([(3, 12), (9, 4)])]
+
+    def run(config):
+        kv, executor = model_strategy(strategy, model, 2 * 64 * BYTES_PER_TOKEN, 64,
+                                      block_size=4)
+        result = serve(pair(), kv, executor, config)
+        return executor, {r.request_id: r.output_token_ids for r in result.served_requests}
+
+    executor, tokens = run(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2))
+    assert executor.num_prefill_tokens == 3 + 9
+    assert executor.num_decode_tokens == (12 - 1) + (4 - 1)  # every output token but the last
+    assert tokens == run(SchedulerConfig())[1]  # the same samples with room for whole prompts
 
 
 def test_simulation_and_model_mode_make_the_same_decisions(model):

@@ -14,6 +14,7 @@ import torch
 
 from kvlab.cli import main
 from kvlab.config import LlamaConfig, load_config
+from kvlab.errors import KVCacheOutOfMemory
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.serving import (CostModel, PagedManager, Request, RequestState, SamplingParams,
@@ -208,10 +209,19 @@ def test_simulation_and_model_mode_make_the_same_decisions(model):
 
 
 def test_paged_manager_refuses_a_pool_smaller_than_one_request():
-    with pytest.raises(ValueError, match="max_model_len=64 request needs 16 blocks"):
+    # The same error class as PagedKVCache and ContiguousKVCache raise for the same condition.
+    with pytest.raises(KVCacheOutOfMemory, match="max_model_len=64 request needs 16 blocks"):
         simulated_manager("paged", 10 * 4 * 100, 100, max_model_len=64, block_size=4)
-    with pytest.raises(ValueError, match="no slab"):
+    with pytest.raises(KVCacheOutOfMemory, match="no slab"):
         simulated_manager("contiguous", 63 * 100, 100, max_model_len=64)
+
+
+def test_cli_serve_pool_too_small_is_one_line_and_exit_2(capsys):
+    assert main(["serve", "--trace", "azure-conv", "--simulate", "--model", "llama-3.1-8b",
+                 "--kv-budget", "0.01", "--max-model-len", "4096", "--num-requests", "5",
+                 "--strategy", "paged"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "request needs 256 blocks of 16 tokens" in err
 
 
 # ---- arrivals, cost model, metrics --------------------------------------------------------------

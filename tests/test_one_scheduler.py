@@ -132,3 +132,12 @@ def test_the_batch_engine_is_the_serving_scheduler(model):
     assert engine.stats.num_steps == steps and engine.stats.num_preemptions > 0
     assert all(len(c) == 8 for rid in ids for c in engine.outputs(rid))
     assert engine.cache.manager.num_free_blocks == 8
+
+
+def test_sampling_params_refuse_what_would_be_silently_wrong():
+    with pytest.raises(ValueError, match="needs a stream_seed"):
+        SamplingParams(0.7)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(float("nan"), 1)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        SamplingParams(eos_token_id=-1)

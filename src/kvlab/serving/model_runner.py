@@ -108,7 +108,7 @@ class ModelExecutor:
         generator = self.generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=logits.device)
-            generator.manual_seed(params.stream_seed or 0)
+            generator.manual_seed(params.stream_seed)
             self.generators[request.request_id] = generator
         return next_token(logits, params.temperature, generator)
 

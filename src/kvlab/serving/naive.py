@@ -1,21 +1,23 @@
 """The naive strategy: no KV memory manager at all, one tensor per request, the allocator decides.
 
-Before paged attention, a server kept each request's keys and values in tensors of its own, as
-Hugging Face's caches still do: allocated when the request starts, sized for its prompt plus its
-`max_output_tokens`, freed when it ends. Nothing counts memory, so the server admits requests up
-to `max_num_seqs` and finds out it has run out when `torch.empty` raises `torch.OutOfMemoryError`
-(the class `torch.cuda.OutOfMemoryError` names). The tensors have a different size each, so the
-caching allocator splits freed blocks to serve smaller ones and the free memory ends up in pieces
-(see `allocator_figures`).
+Before paged attention, a server kept each request's keys and values in contiguous memory of its
+own, reserved for the most tokens the request could reach (the vLLM paper, Kwon et al., SOSP 2023,
+section 3, describes this in the systems before it; Hugging Face's `StaticCache` is sized the
+same way up front): here one tensor per request, allocated when it is admitted, sized for its
+prompt plus its `max_output_tokens`, freed when it ends. Nothing counts memory, so the server
+admits requests up to `max_num_seqs` and finds out it has run out when `torch.empty` raises
+`torch.OutOfMemoryError` (the class `torch.cuda.OutOfMemoryError` names). The tensors have a
+different size each, so the caching allocator splits freed blocks to serve smaller ones and the
+free memory ends up in pieces: the paper's external fragmentation (see `allocator_figures`).
 
 What this server does when the allocator refuses (a choice, documented and tested):
 
 * the failed allocation changes no state: anything allocated for the request is freed, and the
   request stays at the head of the waiting queue (the scheduler sees "no room now");
 * the allocator's figures are recorded in an `OutOfMemoryReport`;
-* the server's concurrency cap drops to the number of requests running at that moment (early
-  servers found their batch size the same way, by running out), so it does not hammer the
-  allocator every step; the request is admitted once one of them finishes.
+* the server's concurrency cap drops to the number of requests running at that moment (a batch
+  size found by trial, the only way a server without a memory manager can find one), so it does
+  not hammer the allocator every step; the request is admitted once one of them finishes.
 
 No running request is touched: one request that does not fit never takes down the others. A
 request that could not fit even alone is rejected on arrival (`reject_reason`), with the bytes.

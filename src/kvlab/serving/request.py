@@ -54,7 +54,8 @@ class SamplingParams:
             diverge, so copy-on-write shows); None: sampled like the rest.
 
     Raises:
-        ValueError: a temperature that is not a finite number >= 0, or a negative token id.
+        ValueError: a temperature that is not a finite number >= 0, a temperature > 0 without a
+            stream_seed, or a negative token id.
     """
 
     temperature: float = 0.0
@@ -64,6 +65,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
+        if self.temperature > 0 and self.stream_seed is None:
+            # Without it every such request would draw from one default stream: identical samples.
+            raise ValueError(f"temperature={self.temperature} needs a stream_seed (e.g. "
+                             f"kvlab.sampling.stream_seed('request', seed, sibling))")
         for name in ("eos_token_id", "first_token"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -74,6 +74,8 @@ class TraceBlocks(BlockTokens):
         size = self.trace_block_size
         if end <= self.named_end and start // size == (end - 1) // size:  # the usual case
             return (self.trace_ids[start // size] * size + start % size, block_size)
+        if start >= self.named_end:  # outputs, and prompts the trace names no block of (Azure)
+            return (self.own_id, block_size)
         runs: list[int] = []
         position = start
         while position < min(end, self.named_end):

@@ -274,7 +274,27 @@ def test_generate_missing_checkpoint_exits_2(capsys, tmp_path):
 REPORT_KEYS = {"rows", "num_requests", "served", "rejected", "rejected_examples", "max_model_len",
                "kv_budget_bytes", "workload", "model", "kv_budget_source"}
 ROW_KEYS = {"strategy", "kv_bytes_per_token", "kv_reserved_bytes", "kv_used_bytes", "waste",
-            "requests_held", "requests_held_exact"}
+            "requests_held", "requests_held_exact", "requests_held_measured",
+            "requests_held_measured_peak"}
+
+
+def test_report_measure_serves_the_workload_through_the_one_scheduler(capsys):
+    # 4 GiB at 128 KiB/token: 8 slabs of 4,096 tokens; the paged pool holds what requests use.
+    args = ("report", "--num-requests", "300", "--kv-budget", "4", "--measure")
+    data = run_json(capsys, *args)
+    rows = {row["strategy"]: row for row in data["rows"]}
+    contiguous, paged = rows["contiguous"], rows["paged"]
+    # Slabs are all one size: the scheduler holds exactly the report's count, at every step.
+    assert contiguous["requests_held_measured"] == contiguous["requests_held"] == 8
+    assert contiguous["requests_held_measured_peak"] == 8
+    # Paging: the measured mean is near the steady-state estimate, the peak above it.
+    assert abs(paged["requests_held_measured"] - paged["requests_held"]) <= 0.25 * paged["requests_held"]
+    assert paged["requests_held_measured_peak"] > paged["requests_held_measured"]
+    assert main(list(args)) == 0
+    text = capsys.readouterr().out
+    assert "measured mean / peak" in text and "stage 7's scheduler" in text
+    assert main(list(args[:-1])) == 0
+    assert "kvlab report --measure" in capsys.readouterr().out  # the estimate names its check
 
 
 def test_report_json_synthetic(capsys):

@@ -1,5 +1,5 @@
 """One definition of tokens held: `kvlab.lifetime`, used by `kvlab report`, is what the paged
-engine really holds. A few requests are replayed through `PagedEngine` and, at every step, the
+engine really holds. A few requests are replayed through `LLMEngine` and, at every step, the
 tokens and block slots each sequence holds are read from the cache itself."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.lifetime import decode_steps, held_token_steps, tokens_held
-from kvlab.paged import PagedEngine
+from kvlab.serving import LLMEngine
 from kvlab.report import ContiguousStrategy, PagedStrategy, replay
 from kvlab.workload import Request
 
@@ -35,15 +35,15 @@ def test_closed_form_equals_the_sum(prompt_len, output_len):
 
 
 def replay_through_engine(model, requests, block_size):
-    """Run the requests through a PagedEngine with a pool large enough that nothing is preempted.
+    """Run the requests through an LLMEngine with a pool large enough that nothing is preempted.
 
     Returns {request index: [(tokens held, block slots reserved) at each step]}, read from the
     cache's block tables after each step and, for a sequence that finishes, just before its blocks
     are freed.
     """
     num_blocks = sum(-(-r.total_len // block_size) for r in requests) + 1
-    engine = PagedEngine(model, num_blocks=num_blocks, block_size=block_size,
-                         max_model_len=max(r.total_len for r in requests))
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=block_size,
+                       max_model_len=max(r.total_len for r in requests))
     for index, request in enumerate(requests):
         prompt = [(7 * index + t) % model.config.vocab_size for t in range(request.prompt_len)]
         assert engine.add_request(prompt, request.output_len) == index
@@ -53,17 +53,17 @@ def replay_through_engine(model, requests, block_size):
     def holding(seq_id):
         return manager.num_tokens(seq_id), len(manager.block_ids(seq_id)) * block_size
 
-    free = engine.cache.free
+    free = manager.free
 
     def free_and_record(seq_id):
-        seen[seq_id[0]].append(holding(seq_id))
+        seen[seq_id].append(holding(seq_id))
         free(seq_id)
 
-    engine.cache.free = free_and_record
+    manager.free = free_and_record
     while engine.has_unfinished():
         engine.step()
-        for seq in engine.running:
-            seen[seq.seq_id[0]].append(holding(seq.seq_id))
+        for seq in engine.running:  # n = 1: a sequence's id is its request's index
+            seen[seq.request_id].append(holding(seq.request_id))
     assert engine.stats.num_preemptions == 0
     return seen
 

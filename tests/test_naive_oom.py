@@ -205,3 +205,25 @@ def test_cuda_figures_read_the_allocators_books(monkeypatch):
         "(512 MiB) > 524,288,000 B (500 MiB), the most the allocator could hand out (largest "
         "free block in its reserved segments 500 MiB, room for a new segment 256 MiB), with 57 "
         "requests running; 2 GiB reserved but unallocated, 2 GiB of it in split blocks. It waits.")
+
+
+def test_sampling_through_the_naive_server_is_the_same_as_through_paged(model):
+    """Seeded sampling and EOS come from the shared ModelExecutor: the tokens of each request do
+    not depend on the strategy, on the out-of-memory refusals or on who else is running."""
+    from kvlab.sampling import stream_seed
+    from kvlab.serving import SamplingParams, model_strategy
+
+    requests = burst(10, seed=11, max_output=12)
+    for index, request in enumerate(requests):
+        request.sampling = SamplingParams(0.8, stream_seed("request", index, 0),
+                                          eos_token_id=7 if index % 3 == 0 else None)
+    sizes = sorted(r.total_len for r in requests)
+    manager, _ = naive(sizes[-1] + sizes[-2])  # each fits alone, never all ten together
+    config = SchedulerConfig(8, 64)
+    naive_result = serve(requests, manager, NaiveExecutor(model, manager), config)
+    kv, executor = model_strategy("paged", model, 10_000 * BYTES_PER_TOKEN, 64, block_size=4)
+    paged_result = serve(requests, kv, executor, config)
+    assert manager.reports and naive_result.finished == paged_result.finished == len(requests)
+    tokens = {r.request_id: r.output_token_ids for r in paged_result.served_requests}
+    for request in naive_result.served_requests:
+        assert request.output_token_ids == tokens[request.request_id], request.request_id

@@ -9,8 +9,8 @@ import torch
 from kvlab.config import LlamaConfig
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
-from kvlab.paged import (KVCacheOutOfMemory, PagedEngine, PagedKVCache, RequestTooLongError,
-                         generate_paged)
+from kvlab.paged import KVCacheOutOfMemory, PagedKVCache, RequestTooLongError
+from kvlab.serving import LLMEngine, generate_batch
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -40,7 +40,7 @@ RAGGED = [3, 8, 9, 1, 13, 4]
 
 def test_ragged_batch_equals_contiguous_and_no_cache(model):
     prompts = make_prompts(RAGGED)
-    result = generate_paged(model, prompts, NEW, block_size=4)
+    result = generate_batch(model, prompts, NEW, block_size=4)
     assert result.token_ids == reference(model, prompts)
     assert result.token_ids == reference(model, prompts, cache="none")
     assert result.errors == [None] * len(prompts)
@@ -51,7 +51,7 @@ def test_ragged_batch_equals_contiguous_and_no_cache(model):
 def test_block_size_one_and_per_request_max_new_tokens(model):
     prompts = make_prompts([1, 2, 5])
     new = [3, 9, 1]
-    result = generate_paged(model, prompts, new, block_size=1)
+    result = generate_batch(model, prompts, new, block_size=1)
     expected = [generate(model, p, n).token_ids for p, n in zip(prompts, new)]
     assert result.token_ids == expected
     assert [len(t) for t in result.token_ids] == new
@@ -60,7 +60,7 @@ def test_block_size_one_and_per_request_max_new_tokens(model):
 def test_preemption_by_recompute_gives_the_same_tokens(model):
     prompts = make_prompts(RAGGED)
     # max_model_len 24 needs 6 blocks of 4: the smallest pool vLLM would start with.
-    result = generate_paged(model, prompts, NEW, block_size=4, num_blocks=6, max_model_len=24)
+    result = generate_batch(model, prompts, NEW, block_size=4, num_blocks=6, max_model_len=24)
     assert result.stats.num_preemptions > 0
     assert result.stats.num_recomputed_tokens > 0
     assert result.stats.peak_blocks_in_use <= 6
@@ -68,7 +68,7 @@ def test_preemption_by_recompute_gives_the_same_tokens(model):
 
 
 def test_waste_stays_under_one_block_per_sequence_at_every_step(model):
-    engine = PagedEngine(model, num_blocks=8, block_size=4, max_model_len=24)
+    engine = LLMEngine(model, num_blocks=8, block_size=4, max_model_len=24)
     for prompt in make_prompts(RAGGED):
         engine.add_request(prompt, NEW)
     cache = engine.cache
@@ -83,7 +83,7 @@ def test_waste_stays_under_one_block_per_sequence_at_every_step(model):
 
 def test_parallel_sampling_shares_the_prompt(model):
     prompts = make_prompts([6, 8])  # 6 % 4 != 0: the shared last block is copied on write
-    result = generate_paged(model, prompts, NEW, block_size=4, n=4)
+    result = generate_batch(model, prompts, NEW, block_size=4, n=4)
     expected = reference(model, prompts)
     assert result.completions == [[tokens] * 4 for tokens in expected]  # greedy siblings agree
     # At the fork: 4 siblings x (2 + 2) prompt blocks in tables, 2 + 2 blocks stored.
@@ -94,7 +94,7 @@ def test_parallel_sampling_shares_the_prompt(model):
 def test_forced_first_tokens_make_siblings_diverge_without_seeing_each_other(model):
     prompt = make_prompts([6])[0]
     first = [5, 17, 40]
-    result = generate_paged(model, [prompt], NEW, block_size=4, n=3, first_tokens=[first])
+    result = generate_batch(model, [prompt], NEW, block_size=4, n=3, first_tokens=[first])
     assert result.stats.num_cow_copies == 2
     for token, completion in zip(first, result.completions[0]):
         # Each sibling must continue exactly as if it had been alone with prompt + its token.
@@ -104,7 +104,7 @@ def test_forced_first_tokens_make_siblings_diverge_without_seeing_each_other(mod
 def test_forks_survive_preemption(model):
     prompts = make_prompts([6, 5])
     first = [[5, 17, 40], [1, 2, 3]]
-    result = generate_paged(model, prompts, NEW, block_size=4, n=3, first_tokens=first,
+    result = generate_batch(model, prompts, NEW, block_size=4, n=3, first_tokens=first,
                             num_blocks=4, max_model_len=16)
     assert result.stats.num_preemptions > 0
     for prompt, tokens, completions in zip(prompts, first, result.completions):
@@ -115,8 +115,8 @@ def test_forks_survive_preemption(model):
 def test_sampling_is_seeded_per_sequence_and_unchanged_by_preemption(model):
     prompts = make_prompts([6, 3])
     kwargs = dict(block_size=4, n=3, temperature=1.0, seed=7)
-    roomy = generate_paged(model, prompts, NEW, **kwargs)
-    tight = generate_paged(model, prompts, NEW, num_blocks=4, max_model_len=16, **kwargs)
+    roomy = generate_batch(model, prompts, NEW, **kwargs)
+    tight = generate_batch(model, prompts, NEW, num_blocks=4, max_model_len=16, **kwargs)
     assert tight.stats.num_preemptions > 0
     assert roomy.completions == tight.completions
     assert len({tuple(c) for c in roomy.completions[0]}) > 1  # siblings diverged
@@ -125,14 +125,14 @@ def test_sampling_is_seeded_per_sequence_and_unchanged_by_preemption(model):
 def test_eos_stops_a_sequence_early(model):
     prompts = make_prompts(RAGGED)
     eos = reference(model, prompts)[0][2]
-    result = generate_paged(model, prompts, NEW, block_size=4, eos_token_id=eos)
+    result = generate_batch(model, prompts, NEW, block_size=4, eos_token_id=eos)
     assert result.token_ids == reference(model, prompts, eos_token_id=eos)
     assert result.token_ids[0][-1] == eos and len(result.token_ids[0]) == 3
 
 
 def test_too_long_request_is_rejected_and_the_others_finish(model):
     prompts = make_prompts([5, 20, 9])
-    result = generate_paged(model, prompts, NEW, block_size=4, num_blocks=6)  # max_model_len 24
+    result = generate_batch(model, prompts, NEW, block_size=4, num_blocks=6)  # max_model_len 24
     assert result.errors[0] is None and result.errors[2] is None
     message = result.errors[1]
     assert "20 prompt tokens + max_new_tokens=8 = 28 tokens" in message
@@ -142,7 +142,7 @@ def test_too_long_request_is_rejected_and_the_others_finish(model):
 
 
 def test_engine_rejects_at_add_request(model):
-    engine = PagedEngine(model, num_blocks=6, block_size=4, max_model_len=24)
+    engine = LLMEngine(model, num_blocks=6, block_size=4, max_model_len=24)
     with pytest.raises(RequestTooLongError, match="= 25 tokens .* > max_model_len=24"):
         engine.add_request(list(range(20)), 5)
     assert not engine.has_unfinished()
@@ -154,7 +154,7 @@ def test_engine_rejects_at_add_request(model):
 
 def test_start_up_refuses_a_pool_smaller_than_one_max_model_len_request(model):
     with pytest.raises(KVCacheOutOfMemory, match="max_model_len=40 request needs 10 blocks"):
-        generate_paged(model, make_prompts([3]), 4, block_size=4, num_blocks=6, max_model_len=40)
+        generate_batch(model, make_prompts([3]), 4, block_size=4, num_blocks=6, max_model_len=40)
 
 
 def test_step_by_step_api_drives_the_model(model):
@@ -182,9 +182,9 @@ def test_step_by_step_api_drives_the_model(model):
 
 def test_peak_without_sharing_is_what_separate_requests_would_hold(model):
     prompts = make_prompts([6, 8])
-    shared = generate_paged(model, prompts, NEW, block_size=4, n=4)
+    shared = generate_batch(model, prompts, NEW, block_size=4, n=4)
     # The same 8 sequences run as 8 separate requests (no fork, nothing shared): their peak.
-    alone = generate_paged(model, [p for p in prompts for _ in range(4)], NEW, block_size=4)
+    alone = generate_batch(model, [p for p in prompts for _ in range(4)], NEW, block_size=4)
     assert shared.stats.peak_blocks_unshared == alone.stats.peak_blocks_in_use
     assert alone.stats.peak_blocks_unshared == alone.stats.peak_blocks_in_use
     assert shared.stats.peak_blocks_in_use < alone.stats.peak_blocks_in_use

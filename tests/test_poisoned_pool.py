@@ -18,7 +18,8 @@ import torch
 from kvlab.contiguous import ContiguousKVCache
 from kvlab.generate import generate
 from kvlab.oracles import sdpa_attention
-from kvlab.paged import BACKENDS, PagedEngine, PagedKVCache, resolve_backend
+from kvlab.paged import BACKENDS, PagedKVCache, resolve_backend
+from kvlab.serving import LLMEngine
 
 # The small case: a pool of 6 blocks x 4 tokens, 4 query / 2 KV heads, head_dim 8.
 NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 6, 4, 4, 2, 8
@@ -112,7 +113,7 @@ def test_prefill_over_a_poisoned_pool(backend_name, dtype):
 @pytest.mark.parametrize("backend_name", BACKEND_NAMES)
 def test_paged_engine_over_a_poisoned_pool_matches_no_cache(small_llama, backend_name):
     prompts = [[5, 9, 3, 7, 1, 2], [8, 4], [11, 12, 13, 14, 15]]  # ragged: padded decode batches
-    engine = PagedEngine(small_llama, num_blocks=16, block_size=4, max_model_len=32,
+    engine = LLMEngine(small_llama, num_blocks=16, block_size=4, max_model_len=32,
                          attention_backend=backend_name)
     for k_cache, v_cache in zip(engine.cache.k_caches, engine.cache.v_caches):
         k_cache.fill_(float("nan"))

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from kvlab.generate import generate
-from kvlab.paged import PagedEngine, generate_paged
-from kvlab.prefix.engine import PrefixCachingEngine, generate_with_prefix_cache
+from kvlab.serving import LLMEngine, generate_batch
+
+
+def prefix_batch(*args, **kwargs):
+    """generate_batch with stage 6's prefix cache on."""
+    return generate_batch(*args, enable_prefix_caching=True, **kwargs)
+
 
 @pytest.fixture
 def model(small_llama):  # tests/conftest.py's random GQA model (4 query / 2 KV heads, head_dim 8)
@@ -30,9 +35,9 @@ def no_cache(model, prompts, new):
 def test_ragged_batch_with_shared_prefixes_matches_no_cache_and_paged(model):
     prompts = shared_prompts(10, [0, 3, 6, 1, 2])  # 10 tokens: 2 full blocks of 4 shared
     prompts.append(prompts[0][:8])                  # a prompt cached entirely (2 blocks)
-    result = generate_with_prefix_cache(model, prompts, 6, block_size=4)
+    result = prefix_batch(model, prompts, 6, block_size=4)
     assert result.token_ids == no_cache(model, prompts, 6)
-    assert result.token_ids == generate_paged(model, prompts, 6, block_size=4).token_ids
+    assert result.token_ids == generate_batch(model, prompts, 6, block_size=4).token_ids
     stats = result.prefix_stats
     # Prompts 1-4 hit both shared blocks; the fully cached one hits block 0 only (the n - 1 cap).
     assert stats.num_hit_tokens == 4 * 8 + 4
@@ -42,7 +47,8 @@ def test_ragged_batch_with_shared_prefixes_matches_no_cache_and_paged(model):
 
 def test_hits_on_blocks_filled_during_decode(model):
     [prompt] = shared_prompts(5, [0])
-    engine = PrefixCachingEngine(model, num_blocks=16, block_size=4, max_model_len=64)
+    engine = LLMEngine(model, num_blocks=16, block_size=4, max_model_len=64,
+                       enable_prefix_caching=True)
     first = engine.add_request(prompt, 8)
     engine.run()
     follow_up = prompt + engine.outputs(first)[0] + [7, 8]  # the chat's next turn
@@ -55,8 +61,8 @@ def test_hits_on_blocks_filled_during_decode(model):
 def test_preempted_requests_hit_their_own_blocks_and_tokens_stay_the_same(model):
     prompts = shared_prompts(6, [3, 5, 2, 7])
     small = dict(block_size=4, num_blocks=10, max_model_len=40)
-    cached = generate_with_prefix_cache(model, prompts, 12, **small)
-    paged = generate_paged(model, prompts, 12, **small)
+    cached = prefix_batch(model, prompts, 12, **small)
+    paged = generate_batch(model, prompts, 12, **small)
     assert cached.stats.num_preemptions > 0 and paged.stats.num_preemptions > 0
     assert cached.token_ids == paged.token_ids == no_cache(model, prompts, 12)
     assert cached.stats.num_prefill_tokens < paged.stats.num_prefill_tokens
@@ -64,7 +70,7 @@ def test_preempted_requests_hit_their_own_blocks_and_tokens_stay_the_same(model)
 
 def test_forks_share_hit_blocks_and_copy_on_write_still_works(model):
     prompts = shared_prompts(9, [2, 3])
-    engines = [PrefixCachingEngine(model, 32, 4), PagedEngine(model, 32, 4)]
+    engines = [LLMEngine(model, 32, 4, enable_prefix_caching=True), LLMEngine(model, 32, 4)]
     outputs = []
     for engine in engines:
         ids = [engine.add_request(prompt, 5, n=2, first_tokens=[1, 2]) for prompt in prompts]
@@ -77,11 +83,10 @@ def test_forks_share_hit_blocks_and_copy_on_write_still_works(model):
 
 def test_salts_isolate_tenants_in_the_engine(model):
     prompt = shared_prompts(12, [1])[0]
-    result = generate_with_prefix_cache(model, [prompt] * 3, 3, block_size=4,
-                                        cache_salts=["a", "b", "a"])
+    result = prefix_batch(model, [prompt] * 3, 3, block_size=4, cache_salts=["a", "b", "a"])
     assert result.prefix_stats.num_hit_tokens == 12  # only the third (tenant a again) hits
     assert result.token_ids[0] == result.token_ids[1] == result.token_ids[2]
-    bad = generate_with_prefix_cache(model, [prompt], 3, block_size=4, cache_salts=[5])
+    bad = prefix_batch(model, [prompt], 3, block_size=4, cache_salts=[5])
     assert bad.errors[0] and "cache_salt must be a string" in bad.errors[0]
 
 
@@ -90,8 +95,8 @@ def test_prefix_hits_with_the_triton_backend(model, layout, triton_on_cpu):
     from kvlab.paged import resolve_backend
 
     prompts = shared_prompts(9, [2, 5, 0])
-    runs = {name: generate_with_prefix_cache(model, prompts, 5, block_size=4,
-                                             attention_backend=resolve_backend(name, layout))
+    runs = {name: prefix_batch(model, prompts, 5, block_size=4,
+                               attention_backend=resolve_backend(name, layout))
             for name in ("torch", "triton")}
     assert runs["triton"].token_ids == runs["torch"].token_ids == no_cache(model, prompts, 5)
     assert runs["triton"].prefix_stats.num_hit_tokens == 8 + 8  # 9 shared tokens: 2 blocks

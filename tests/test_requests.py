@@ -10,7 +10,8 @@ from hypothesis import given, strategies as st
 from kvlab.contiguous import ContiguousKVCache
 from kvlab.errors import RequestTooLongError
 from kvlab.generate import generate
-from kvlab.paged import PagedEngine, PagedKVCache, generate_paged
+from kvlab.paged import PagedKVCache
+from kvlab.serving import LLMEngine, generate_batch
 from kvlab.requests import check_index, check_int, check_model_len, check_request
 
 # ---- B. max_model_len never above max_position_embeddings ---------------------------------------
@@ -32,41 +33,41 @@ def test_generate_refuses_a_max_model_len_past_the_model(small_llama, cache, mon
         raise AssertionError("a cache was built for a refused max_model_len")
 
     monkeypatch.setattr(generate_module, "ContiguousKVCache", explode)
-    monkeypatch.setattr(generate_module, "generate_paged", explode)
+    monkeypatch.setattr(generate_module, "generate_batch", explode)
     with pytest.raises(ValueError, match="max_model_len=129 > max_position_embeddings=128"):
         generate(small_llama, [1, 2], 2, cache=cache, max_model_len=129)
 
 
-def test_paged_engine_and_generate_paged_refuse_it_too(small_llama):
+def test_llm_engine_and_generate_batch_refuse_it_too(small_llama):
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
-        PagedEngine(small_llama, num_blocks=64, block_size=4, max_model_len=256)
+        LLMEngine(small_llama, num_blocks=64, block_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
-        generate_paged(small_llama, [[1, 2]], 2, max_model_len=256)
+        generate_batch(small_llama, [[1, 2]], 2, max_model_len=256)
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
         PagedKVCache.for_model(small_llama, num_blocks=64, block_size=4, max_model_len=256)
 
 
 def test_other_limits_of_the_engine(small_llama):
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1, got 0"):
-        PagedEngine(small_llama, num_blocks=8, block_size=4, max_num_seqs=0)
+        LLMEngine(small_llama, num_blocks=8, block_size=4, max_num_seqs=0)
     with pytest.raises(ValueError, match=r"eos_token_id must be an integer in \[0, 63\], got 64"):
-        PagedEngine(small_llama, num_blocks=8, block_size=4, eos_token_id=64)
+        LLMEngine(small_llama, num_blocks=8, block_size=4, eos_token_id=64)
     with pytest.raises(ValueError, match=r"eos_token_id must be an integer in \[0, 63\], got -1"):
         generate(small_llama, [1], 2, eos_token_id=-1)
-    engine = PagedEngine(small_llama, num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=2)
+    engine = LLMEngine(small_llama, num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=2)
     with pytest.raises(ValueError,
                        match=r"n \(at most max_num_seqs\) must be an integer in \[1, 2\], got 3"):
         engine.add_request([1, 2], 2, n=3)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got -3"):
         engine.add_request([1, 2], -3)
     with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
-        PagedEngine(small_llama, num_blocks=8, block_size=0)
+        LLMEngine(small_llama, num_blocks=8, block_size=0)
     assert not engine.has_unfinished()
 
 
 def test_one_bad_prompt_does_not_take_down_the_batch(small_llama):
     good = [3, 4, 5]
-    result = generate_paged(small_llama, [good, [], [1, 99], list(range(40))], 3, max_model_len=32)
+    result = generate_batch(small_llama, [good, [], [1, 99], list(range(40))], 3, max_model_len=32)
     assert result.token_ids[0] == generate(small_llama, good, 3).token_ids
     assert result.errors[0] is None
     assert "empty" in result.errors[1]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlab.generate import generate
-from kvlab.paged import generate_paged
+from kvlab.serving import generate_batch
 from kvlab.sampling import check_temperature, make_generator, next_token, stream_seed
 
 PROMPT, OTHERS, NEW = [5, 9, 3, 7], [[1, 2, 3, 4, 5, 6], [8], [40, 41]], 12
@@ -14,10 +14,10 @@ SAMPLE = dict(temperature=1.5, block_size=4)
 
 
 def test_same_prompt_and_seed_give_the_same_samples_wherever_it_sits(small_llama):
-    alone = generate_paged(small_llama, [PROMPT], NEW, seeds=[42], **SAMPLE).token_ids[0]
-    second = generate_paged(small_llama, [OTHERS[0], PROMPT] + OTHERS[1:], NEW,
+    alone = generate_batch(small_llama, [PROMPT], NEW, seeds=[42], **SAMPLE).token_ids[0]
+    second = generate_batch(small_llama, [OTHERS[0], PROMPT] + OTHERS[1:], NEW,
                             seeds=[1, 42, 2, 3], **SAMPLE).token_ids[1]
-    last = generate_paged(small_llama, OTHERS + [PROMPT], NEW, seeds=[None, None, None, 42],
+    last = generate_batch(small_llama, OTHERS + [PROMPT], NEW, seeds=[None, None, None, 42],
                           **SAMPLE).token_ids[3]
     assert alone == second == last
     # ... and through every cache of `generate` (the same stream as sibling 0 of the request).
@@ -33,10 +33,10 @@ def test_the_seed_matters(small_llama):
 
 
 def test_copies_without_their_own_seed_sample_independently(small_llama):
-    result = generate_paged(small_llama, [PROMPT] * 3, NEW, **SAMPLE)
+    result = generate_batch(small_llama, [PROMPT] * 3, NEW, **SAMPLE)
     assert len({tuple(tokens) for tokens in result.token_ids}) == 3
     # Two copies with the same seed are the same request twice: the same samples.
-    twins = generate_paged(small_llama, [PROMPT] * 2, NEW, seeds=[7, 7], **SAMPLE)
+    twins = generate_batch(small_llama, [PROMPT] * 2, NEW, seeds=[7, 7], **SAMPLE)
     assert twins.token_ids[0] == twins.token_ids[1]
 
 

@@ -8,7 +8,7 @@ import torch
 from kvlab.checkpoint import TINY_MHA_MODEL_DIR, TINY_MODEL_DIR, load_model, load_tokenizer
 from kvlab.corpus import corpus_texts, held_out_topics, topic_names
 from kvlab.generate import generate
-from kvlab.paged import generate_paged
+from kvlab.serving import generate_batch
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_greedy_text_is_identical_with_every_cache_and_reads_as_words(tiny):
     prompt = tokenizer.encode("The").ids
     none = generate(model, prompt, 20, cache="none").token_ids
     contiguous = generate(model, prompt, 20, cache="contiguous").token_ids
-    paged = generate_paged(model, [prompt], 20, block_size=4).token_ids[0]
+    paged = generate_batch(model, [prompt], 20, block_size=4).token_ids[0]
     assert none == contiguous == paged
     text = "The" + tokenizer.decode(none)
     words = re.findall(r"[A-Za-z]+", text)

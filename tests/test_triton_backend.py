@@ -11,7 +11,8 @@ import torch
 from kvlab.checkpoint import load_model, load_tokenizer
 from kvlab.cli import main
 from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
-from kvlab.paged import PagedKVCache, generate_paged, resolve_backend
+from kvlab.paged import PagedKVCache, resolve_backend
+from kvlab.serving import generate_batch
 
 pytest.importorskip("triton")
 
@@ -68,7 +69,7 @@ def test_engine_batch_with_preemption_same_tokens_torch_and_triton(tiny):
     prompts = [tokenizer.encode(text).ids for text in
                ["A class definition defines", "If the exception is not handled,", "The"]]
     # 10 blocks of 4 tokens cannot hold all three sequences to the end: someone is preempted.
-    results = {name: generate_paged(model, prompts, 12, block_size=4, num_blocks=10,
+    results = {name: generate_batch(model, prompts, 12, block_size=4, num_blocks=10,
                                     attention_backend=resolve_backend(name, layout))
                for name in ("torch", "triton")}
     assert results["triton"].stats.num_preemptions > 0
@@ -79,7 +80,7 @@ def test_engine_batch_with_preemption_same_tokens_torch_and_triton(tiny):
 def test_head_major_pool_shape_and_torch_reference_equal_to_token_major(tiny):
     model, tokenizer = tiny
     prompt = tokenizer.encode("The return statement").ids
-    runs = {layout: generate_paged(model, [prompt], 10, block_size=4,
+    runs = {layout: generate_batch(model, [prompt], 10, block_size=4,
                                    attention_backend=resolve_backend("torch", layout))
             for layout in (TOKEN_MAJOR, HEAD_MAJOR)}
     assert runs[HEAD_MAJOR].token_ids == runs[TOKEN_MAJOR].token_ids

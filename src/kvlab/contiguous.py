@@ -128,6 +128,23 @@ class ContiguousKVCache:
                 return slab
         raise KVCacheOutOfMemory(f"all {self.max_num_seqs} slabs (max_num_seqs) are in use")
 
+    def fork_sequence(self, slab: int) -> int:
+        """A new slab holding a copy of `slab`'s tokens (parallel sampling's siblings); returns it.
+
+        Slabs cannot share memory, so every sibling copies the whole prompt, in every layer: the
+        cost that block sharing with copy-on-write removes (Kwon et al., SOSP 2023, section 4.4).
+
+        Raises:
+            ValueError: slab outside [0, max_num_seqs), or not in use.
+            KVCacheOutOfMemory: no free slab (nothing changes).
+        """
+        slab = self._slab_in_use(slab)
+        child, held = self.add_sequence(), self.seq_lens[slab]
+        self.k[:, child, :held] = self.k[:, slab, :held]
+        self.v[:, child, :held] = self.v[:, slab, :held]
+        self.seq_lens[child] = held
+        return child
+
     def free_sequence(self, slab: int) -> None:
         """Give a slab back. Its bytes stay reserved: that is the point of this design.
 

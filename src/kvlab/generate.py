@@ -25,12 +25,13 @@ import torch
 
 from .contiguous import ContiguousKVCache
 from .model import LlamaForCausalLM
-from .paged import PagedKVCache, PagedStats, generate_paged
+from .paged import PagedKVCache
 from .paged.backends import BackendLike
-from .prefix.engine import generate_with_prefix_cache
 from .prefix.manager import PrefixCacheStats
 from .requests import check_int, check_model_len, check_request
 from .sampling import check_temperature, make_generator, next_token
+from .serving.batch import generate_batch
+from .serving.engine import EngineStats
 
 __all__ = ["GenerationResult", "generate", "CACHE_KINDS"]
 
@@ -45,8 +46,9 @@ class GenerationResult:
         token_ids: generated ids of the (first) completion, prompt excluded.
         completions: generated ids of each of the n completions ([token_ids] when n = 1).
         cache: the KV cache used (None without one).
-        stats: the paged engine's counts (preemptions, peak blocks, blocks saved by sharing,
+        stats: the engine's counts (`kvlab.serving.EngineStats`: (preemptions, peak blocks, blocks saved by sharing,
             copy-on-write copies, prefill tokens run) for cache="paged" or "prefix", else None.
+            Those caches run through `kvlab.serving.LLMEngine`, the course's one scheduler.
         prefix_stats: prefix cache hit rate, blocks not computed, prefill tokens skipped and
             evictions for cache="prefix", else None.
         prompt_completions: the completions of every prompt, in the order given
@@ -56,7 +58,7 @@ class GenerationResult:
     token_ids: list[int]
     completions: list[list[int]] = dataclasses.field(default_factory=list)
     cache: ContiguousKVCache | PagedKVCache | None = None
-    stats: PagedStats | None = None
+    stats: EngineStats | None = None
     prefix_stats: PrefixCacheStats | None = None
     prompt_completions: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
@@ -83,11 +85,10 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
         max_new_tokens: tokens to generate (fewer if `eos_token_id` comes first).
         cache: 'none' (recompute everything each step), 'contiguous' (one max_model_len slab),
             'paged' (blocks of `block_size` tokens; needed for n > 1, whose completions share
-            the prompt's blocks) or 'prefix' (paged + automatic prefix caching, stage 6;
-            `kvlab.prefix.engine`).
+            the prompt's blocks) or 'prefix' (paged + automatic prefix caching, stage 6).
         max_model_len: longest sequence allowed (prompt + generated); default the model's
             max_position_embeddings, never more. The contiguous cache reserves exactly this many
-            tokens; the paged pool is sized by `kvlab.paged.generate_paged`'s rule.
+            tokens; the paged pool is sized by `kvlab.serving.generate_batch`'s rule.
         eos_token_id: stop after this token.
         n: completions of each prompt (cache='paged' or 'prefix' only).
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
@@ -124,30 +125,24 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
     if eos_token_id is not None:
         check_int("eos_token_id", eos_token_id, 0, config.vocab_size - 1)
     check_int("n", n, 1)
-    if cache == "paged":
-        paged = generate_paged(model, [prompt_ids], max_new_tokens, block_size=block_size,
-                               num_blocks=num_blocks, max_model_len=max_model_len, n=n,
-                               eos_token_id=eos_token_id, temperature=temperature,
-                               seeds=[seed], attention_backend=attention_backend)
-        if paged.errors[0]:  # cannot happen after check_request; kept so nothing is silent
-            raise ValueError(paged.errors[0])
-        return GenerationResult(paged.token_ids[0], paged.completions[0], paged.cache,
-                                paged.stats)
-    if cache == "prefix":
-        prefix = generate_with_prefix_cache(
+    if cache in ("paged", "prefix"):
+        # With the prefix cache, prompt i draws from the stream of (seed, i); with one prompt
+        # on the paged cache, the request's own seed decides (as without a cache).
+        batch = generate_batch(
             model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
             max_model_len=max_model_len, n=n, eos_token_id=eos_token_id, temperature=temperature,
-            seed=seed, attention_backend=attention_backend)
-        for error in prefix.errors:  # cannot happen after check_request; nothing stays silent
+            seed=seed, seeds=None if cache == "prefix" else [seed],
+            enable_prefix_caching=cache == "prefix", attention_backend=attention_backend)
+        for error in batch.errors:  # cannot happen after check_request; nothing stays silent
             if error:
                 raise ValueError(error)
-        return GenerationResult(prefix.token_ids[0], prefix.completions[0], prefix.cache,
-                                prefix.stats, prefix.prefix_stats, prefix.completions)
+        return GenerationResult(batch.token_ids[0], batch.completions[0], batch.cache,
+                                batch.stats, batch.prefix_stats, batch.completions)
     if n != 1:
         raise ValueError(f"n={n} completions need cache='paged' (they share the prompt's "
                          f"blocks); cache={cache!r} generates one")
 
-    # The same stream as sibling 0 of a seeded request in the paged engine.
+    # The same stream as completion 0 of a seeded request in `kvlab.serving.LLMEngine`.
     generator = make_generator(model.device, "request", seed, 0) if temperature > 0 else None
     device = model.device
     tokens = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)

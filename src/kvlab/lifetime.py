@@ -1,7 +1,8 @@
 """A request's life in the KV cache: how many steps it stays, and how many tokens it holds at each.
 
 One definition, shared by `kvlab report`, the notebooks and the tests that replay requests through
-the paged engine (`kvlab.paged.engine`). A request of P prompt tokens that generates G tokens:
+the engine (`kvlab.serving.LLMEngine`: the one scheduler with the paged KV manager). A request of
+P prompt tokens that generates G tokens:
 
 * Step 0 is the prefill: the K/V of the P prompt tokens are written and the first output token is
   sampled from the last position's logits. The cache holds P tokens.

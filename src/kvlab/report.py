@@ -15,8 +15,8 @@ place they are written, and a test replays requests through the paged engine to 
 * requests_held = floor(KV budget / kv_reserved_bytes). For the contiguous strategy every request
   reserves the same max_model_len slab, so that count is exact. For paging it is a **steady-state
   estimate**: the budget divided by what an *average* in-flight request reserves. At a moment when
-  the requests in flight are longer than average, fewer fit; a scheduler replaying the traffic
-  (stage 7) measures the real figure.
+  the requests in flight are longer than average, fewer fit; `measure_held` (`kvlab report
+  --measure`) has stage 7's scheduler measure the real figure.
 
 Requests longer than max_model_len cannot be served by any strategy: they are rejected and counted.
 """
@@ -32,7 +32,7 @@ from .lifetime import decode_steps, held_token_steps
 from .workload import Request
 
 __all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow", "Report", "replay",
-           "format_report", "held_token_steps", "decode_steps"]
+           "measure_held", "format_report", "held_token_steps", "decode_steps"]
 
 
 class CacheStrategy(Protocol):
@@ -110,6 +110,8 @@ class StrategyRow:
     waste: float
     requests_held: int
     requests_held_exact: bool
+    requests_held_measured: float | None = None   # `measure_held`: mean while requests waited
+    requests_held_measured_peak: int | None = None
 
 
 @dataclasses.dataclass
@@ -189,6 +191,31 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
                   kv_budget_bytes, workload, model, kv_budget_source)
 
 
+# The stage-7 KV manager that serves each report row's design.
+MEASURED_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", "paged": "paged",
+                     "paged+prefix": "prefix"}
+
+
+def measure_held(report: Report, requests: Sequence[Request], block_size: int) -> None:
+    """Fill each row's requests_held_measured(_peak): the one scheduler of stage 7 serves the
+    workload with every request queued at once, at the row's KV bytes per token, in the report's
+    budget (`kvlab.serving.capacity.measure_requests_held`). For contiguous rows it equals the
+    exact count; for paging it checks the steady-state estimate.
+
+    Raises:
+        ValueError: a row whose strategy has no stage-7 manager.
+    """
+    from .serving.capacity import measure_requests_held  # stage 7, only when asked for
+
+    for row in report.rows:
+        if row.strategy not in MEASURED_STRATEGY:
+            raise ValueError(f"no stage-7 KV manager serves the {row.strategy!r} row")
+        held = measure_requests_held(requests, MEASURED_STRATEGY[row.strategy],
+                                     report.kv_budget_bytes, row.kv_bytes_per_token,
+                                     report.max_model_len, block_size)
+        row.requests_held_measured, row.requests_held_measured_peak = held.mean, held.peak
+
+
 def _every(count: int, noun: str) -> str:
     """'the 1 request is' / 'all 3 requests are' (the request count in words that agree)."""
     return f"the 1 {noun} is" if count == 1 else f"all {count:,} {noun}s are"
@@ -198,12 +225,15 @@ def format_report(report: Report) -> str:
     """The report as a plain-text table (exact bytes and binary units) with its definitions."""
     from .sizing import format_bytes, plural
 
+    measured = any(row.requests_held_measured is not None for row in report.rows)
     header = ("strategy", "KV/token", "KV reserved / req", "KV used / req", "waste",
-              "requests held")
+              "requests held") + (("measured mean / peak",) if measured else ())
     lines = [(row.strategy, format_bytes(row.kv_bytes_per_token),
               format_bytes(row.kv_reserved_bytes), format_bytes(row.kv_used_bytes),
               f"{row.waste:.1%}", f"{row.requests_held:,}" + ("" if row.requests_held_exact
                                                               else " (est.)"))
+             + ((f"{row.requests_held_measured:,.1f} / {row.requests_held_measured_peak:,}",)
+                if measured else ())
              for row in report.rows]
     widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
     table = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
@@ -223,4 +253,8 @@ def format_report(report: Report) -> str:
     if any(not row.requests_held_exact for row in report.rows):
         notes += ["", "(est.) a steady-state estimate: KV budget / what an average in-flight request",
                   "reserves. While the requests in flight are longer than average, fewer fit."]
+    if measured:
+        notes += ["measured: stage 7's scheduler (kvlab.serving) with every request queued at "
+                  "once; requests", "running while others waited, mean / peak "
+                  "(kvlab.serving.capacity)."]
     return "\n".join(summary) + "\n\n" + "\n".join(table + notes)

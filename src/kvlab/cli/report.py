@@ -47,12 +47,15 @@ def register(commands) -> None:
     rep.add_argument("--block-size", type=int_up_to(MAX_SEQ_LEN), default=16,
                      help="tokens per block of the paged strategy (vLLM's default 16)")
     rep.add_argument("--seed", type=int, default=0, help="seed of the synthetic draws")
+    rep.add_argument("--measure", action="store_true",
+                     help="also serve the workload through stage 7's scheduler (every request "
+                          "queued at once) and print the requests each budget really holds")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import ContiguousStrategy, PagedStrategy, format_report, replay
+    from ..report import ContiguousStrategy, PagedStrategy, format_report, measure_held, replay
     from ..sizing import default_kv_budget, gpu_memory, kv_bytes_per_token
     from ..traces import AZURE_TRACES, azure_trace, load_azure_trace
     from ..traces.shipped import trace_file
@@ -104,9 +107,14 @@ def run(args: argparse.Namespace) -> int:
     dtypes = args.dtype if kv_dtype == args.dtype else f"weights {args.dtype}, KV cache {kv_dtype}"
     report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
                     model=f"{config.name} ({dtypes})", kv_budget_source=source)
+    if args.measure:
+        measure_held(report, requests, args.block_size)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
+        estimated = any(not row.requests_held_exact for row in report.rows)
         print("\n".join([format_report(report)]
+                        + (["kvlab report --measure serves the workload through stage 7's "
+                            "scheduler and measures it."] if estimated and not args.measure else [])
                         + (prefix_row.prefix_note(prefix_hits) if prefix_hits else [])))
     return 0

@@ -18,8 +18,10 @@ One module per idea, in reading order:
   plugs in).
 * `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
-* `engine`: `PagedEngine` (continuous batching with preemption).
-* `batch`: `generate_paged` (one call: a batch of prompts through an engine, to the end).
+* `fragmentation`: stage 4's toy placement model of internal and external fragmentation.
+
+What runs requests over the pool (admission, preemption, forks, sampling) is the one scheduler of
+`kvlab.serving`: `LLMEngine` for a batch, `serve` for traffic arriving over time.
 """
 
 from ..errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
@@ -27,8 +29,6 @@ from .backends import BACKENDS, AttentionBackend, TorchBackend, resolve_backend
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
-from .batch import PagedGenerationResult, generate_paged
-from .engine import PagedEngine, PagedStats, Sequence
 from .free_queue import Block, FreeBlockQueue
 from .kv_cache_manager import KVCacheManager, SlotReservation
 from .paged_cache import DecodeStore, PagedKVCache, PrefillStore
@@ -39,7 +39,6 @@ __all__ = [
     "Block", "FreeBlockQueue", "BlockPool", "BlockTable", "cdiv", "KVCacheManager",
     "SlotReservation", "PagedKVCache", "PrefillStore", "DecodeStore", "write_kv", "gather_kv",
     "paged_prefill_attention", "paged_decode_attention", "kv_block_bytes", "num_blocks_for_budget",
-    "check_pool_fits", "PagedEngine", "PagedGenerationResult", "PagedStats", "Sequence",
-    "generate_paged", "KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError",
+    "check_pool_fits", "KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError",
     "AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend",
 ]

@@ -13,20 +13,20 @@ Modules, in reading order:
 * `prefix_cache`: `PrefixCache` (hash -> block, exact check), `CachingBlockPool` (LRU eviction).
 * `manager`: `PrefixCachingKVCacheManager` (`lookup`, `allocate_with_prefix`, the n - 1 cap,
   statistics: hit rate, blocks saved, prefill tokens skipped, evictions).
-* `engine`: `PrefixCachingEngine` (stage 4's engine admitting through the cache, prefill from
-  the hit on) and `generate_with_prefix_cache`.
 * `trace_hit_rate`: the same classes replayed on the Mooncake traces' block hashes, no tensors:
   unbounded vs LRU hit rate against pool capacity.
 * `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
   multi-turn chats).
 * `report_row` (the `paged+prefix` row of `kvlab report` on a Mooncake trace).
 
-`kvlab.generate.generate(..., cache="prefix")` (and so `kvlab generate --cache prefix`) runs
-several prompts through `generate_with_prefix_cache`.
-
-For a scheduler (stage 7), the manager's interface is small: `can_admit` / `blocks_to_admit`,
-`allocate_with_prefix` (returns num_cached_tokens and the slots to prefill), `append_slots(seq_id,
-n, token_ids)`, `fork`, `free`, `preempt`, `prefix_stats`.
+The scheduler of `kvlab.serving` admits through this manager (`kvlab.serving.PrefixManager`):
+`LLMEngine(..., enable_prefix_caching=True)` runs a batch, prefill starting after the hit (vLLM's
+num_computed_tokens); `kvlab.generate.generate(..., cache="prefix")` (and so `kvlab generate
+--cache prefix`) runs several prompts through it. The manager's interface is small:
+`can_admit` / `blocks_to_admit`, `allocate_with_prefix` (returns num_cached_tokens and the slots
+to prefill), `append_slots(seq_id, n, token_ids)`, `fork`, `free`, `preempt`, `prefix_stats`.
+A preempted sequence is admitted again like any other, so it may hit the blocks it held itself
+(if nothing reused them in between): recompute preemption becomes much cheaper.
 """
 
 from .block_hash import (ROOT_HASH, extra_keys_for, hash_block, hash_full_blocks, sha256, short)

@@ -7,24 +7,42 @@ cache manager that allocates, a runner that executes), one module per idea, in r
 * `kv_managers`: the `KVManager` interface and its strategies (contiguous reservation, paged).
 * `scheduler`: `Scheduler` (continuous batching: admit, run, preempt under step budgets).
 * `cost_model`: simulation mode's roofline step time on named cards.
-* `runner`: `serve` (the loop), `ModelExecutor` (real model), `SimulatedExecutor` (cost model).
+* `model_runner`: `ModelExecutor` (model mode: forward passes over the real cache, sampling).
+* `runner`: `engine_step` (decide, execute, record), `serve` (a trace arriving over time),
+  `SimulatedExecutor` (cost model).
 * `metrics`: concurrency, KV usage, preemptions, TTFT/TPOT percentiles, tokens/s, plots.
+* `engine`, `batch`: `LLMEngine` and `generate_batch`, the same scheduler for a batch of prompts
+  given up front (n > 1 with copy-on-write, sampling, prefix caching): what stages 4-6 run.
+
+On a GPU (the GPU tour's step; `--dry-run` on the CPU):
+
+* `naive`: no memory manager, one KV tensor per request; the allocator decides, and its
+  `torch.OutOfMemoryError` is caught, reported, and never harms a running request.
+* `allocator_figures`: the caching allocator's books (allocated, reserved, split blocks, largest
+  free block) and the "asked > most it could hand out" message; `ByteLimit` for the CPU.
+* `oom_story` (+ `oom_report`): the naive server and paged + prefix through one real burst, at a
+  real model shape, under one lowered gpu_memory_utilization.
 """
 
+from .batch import BatchResult, default_pool_size, generate_batch
 from .cost_model import CARDS, Card, CostModel, get_card
+from .engine import EngineStats, LLMEngine
 from .kv_managers import ContiguousManager, KVManager, PagedManager
 from .metrics import ROW_KEYS, ServeResult, StepSeries, format_rows, percentile, plot_memory
-from .request import (Request, RequestState, from_sizes, poisson_arrivals, shrink, speed_up,
-                      synthetic_prompt_ids)
-from .runner import (STRATEGIES, ModelExecutor, SimulatedExecutor, model_strategy, serve,
-                     simulated_manager)
+from .model_runner import ModelExecutor
+from .prefix_manager import PrefixManager
+from .request import (Request, RequestState, SamplingParams, from_sizes, poisson_arrivals,
+                      shrink, speed_up, synthetic_prompt_ids)
+from .runner import (STRATEGIES, SimulatedExecutor, StepResult, engine_step, model_strategy,
+                     serve, simulated_manager)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = [
-    "Request", "RequestState", "from_sizes", "poisson_arrivals", "speed_up", "shrink",
-    "synthetic_prompt_ids", "KVManager", "ContiguousManager", "PagedManager", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "Card", "CARDS", "get_card", "CostModel",
-    "ModelExecutor", "SimulatedExecutor", "serve", "simulated_manager", "model_strategy",
-    "STRATEGIES", "ServeResult", "StepSeries", "ROW_KEYS", "format_rows", "percentile",
-    "plot_memory",
+    "Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",
+    "shrink", "synthetic_prompt_ids", "KVManager", "ContiguousManager", "PagedManager",
+    "PrefixManager", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Card", "CARDS",
+    "get_card", "CostModel", "ModelExecutor", "SimulatedExecutor", "StepResult", "engine_step",
+    "serve", "simulated_manager", "model_strategy", "STRATEGIES", "ServeResult", "StepSeries",
+    "ROW_KEYS", "format_rows", "percentile", "plot_memory", "LLMEngine", "EngineStats",
+    "BatchResult", "generate_batch", "default_pool_size",
 ]

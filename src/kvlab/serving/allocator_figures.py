@@ -164,8 +164,8 @@ class ByteLimit:
         if self.live_bytes + size > self.limit_bytes:
             self.num_ooms += 1
             raise torch.OutOfMemoryError(
-                f"ByteLimit: tried to allocate {format_bytes(size)}; {format_bytes(self.live_bytes)}"
-                f" in use of a {format_bytes(self.limit_bytes)} limit")
+                f"ByteLimit: tried to allocate {format_bytes(size)}; "
+                f"{format_bytes(self.live_bytes)} in use of a {format_bytes(self.limit_bytes)} limit")
         tensor = torch.empty(shape, dtype=dtype)
         self.live_bytes += size
         return tensor

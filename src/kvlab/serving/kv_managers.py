@@ -10,6 +10,10 @@ questions and acts on the answers. Every strategy of the course answers the same
   else 0), or None if there is no room now (nothing changes).
 * `append(request, num_new_tokens)`: room for more tokens of a running request; False if none now.
 * `free(request)`: it finished; `preempt(request)`: evict it to recompute later (returns tokens lost).
+* `fork(parent, child)`: a sibling of a request for n > 1 completions takes over the parent's
+  computed prompt (paged: the same blocks, shared; contiguous: a slab of its own, copied).
+* `take_copies()`: blocks to copy before the next forward pass (copy-on-write of a shared last
+  block; vLLM v0's `blocks_to_copy`), handed to the runner with the step.
 * `num_reserved_tokens`, `capacity_tokens`, `usage()`: what is held, out of what.
 
 `ContiguousManager` is stage 2's reservation: a max_model_len slab per request, taken whole at
@@ -69,6 +73,15 @@ class KVManager(abc.ABC):
     def preempt(self, request: Request) -> int:
         """Evict a running request (recompute later); returns the tokens whose K/V are dropped."""
 
+    @abc.abstractmethod
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` (one of `parent.forks`, admitted with it) takes over the parent's computed
+        tokens; called right after the parent's prompt is computed."""
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) blocks to copy before the next forward pass, then forgotten."""
+        return []
+
     @property
     @abc.abstractmethod
     def num_reserved_tokens(self) -> int:
@@ -104,27 +117,38 @@ class ContiguousManager(KVManager):
                              f"tokens; lower max_model_len or give the cache more memory")
         self.num_slabs, self.max_model_len = num_slabs, max_model_len
         self.capacity_tokens = num_slabs * max_model_len
-        self.holders: set[int] = set()  # request ids holding a slab
+        # request id -> slabs it holds: 1, or 1 + its forks until they are made (each fork takes
+        # one of its parent's; a copy of the prompt goes into it, nothing is shared)
+        self.holders: dict[int, int] = {}
+        self.num_held = 0
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
-        if len(self.holders) >= self.num_slabs:
+        if self.num_held + request.num_seqs > self.num_slabs:
             return None
-        self.holders.add(request.request_id)
+        self.holders[request.request_id] = request.num_seqs
+        self.num_held += request.num_seqs
         return 0
 
     def append(self, request: Request, num_new_tokens: int) -> bool:
         return True  # the slab was sized for max_model_len at admission
 
     def free(self, request: Request) -> None:
-        self.holders.remove(request.request_id)
+        self.num_held -= self.holders.pop(request.request_id)
 
     def preempt(self, request: Request) -> int:
         self.free(request)
         return request.num_computed_tokens
 
+    def fork(self, parent: Request, child: Request) -> None:
+        if self.holders.get(parent.request_id, 0) < 2:
+            raise RuntimeError(f"request {parent.request_id} holds no slab for its fork "
+                               f"{child.request_id}")
+        self.holders[parent.request_id] -= 1
+        self.holders[child.request_id] = 1
+
     @property
     def num_reserved_tokens(self) -> int:
-        return len(self.holders) * self.max_model_len
+        return self.num_held * self.max_model_len
 
 
 class PagedManager(KVManager):
@@ -147,6 +171,7 @@ class PagedManager(KVManager):
         self.block_size = manager.block_size
         self._pool_blocks = manager.pool.blocks  # ref counts, read on the fast path of `append`
         self.capacity_tokens = manager.pool.num_blocks * self.block_size
+        self._copies: list[tuple[int, int]] = []  # copy-on-write since the last take_copies
         if cdiv(max_model_len, self.block_size) > manager.pool.num_blocks:
             raise ValueError(f"a max_model_len={max_model_len} request needs "
                              f"{cdiv(max_model_len, self.block_size)} blocks of {self.block_size}"
@@ -174,8 +199,7 @@ class PagedManager(KVManager):
             reservation = self.manager.append_slots(request.request_id, num_new_tokens)
         except NoFreeBlocksError:
             return False
-        if reservation.copies:  # serving runs n = 1 per request: nothing is ever forked
-            raise RuntimeError(f"request {request.request_id}: unexpected copy-on-write")
+        self._copies += reservation.copies  # a forked sibling's first write to a shared block
         return True
 
     def free(self, request: Request) -> None:
@@ -183,6 +207,15 @@ class PagedManager(KVManager):
 
     def preempt(self, request: Request) -> int:
         return self.manager.preempt(request.request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        # The child's table points at the parent's blocks (ref count + 1): no block is taken and
+        # nothing is copied until one of them writes into a shared partial block.
+        self.manager.fork(parent.request_id, child.request_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
 
     @property
     def num_reserved_tokens(self) -> int:

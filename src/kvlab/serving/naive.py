@@ -1,21 +1,23 @@
 """The naive strategy: no KV memory manager at all, one tensor per request, the allocator decides.
 
-Before paged attention, a server kept each request's keys and values in tensors of its own, as
-Hugging Face's caches still do: allocated when the request starts, sized for its prompt plus its
-`max_output_tokens`, freed when it ends. Nothing counts memory, so the server admits requests up
-to `max_num_seqs` and finds out it has run out when `torch.empty` raises `torch.OutOfMemoryError`
-(the class `torch.cuda.OutOfMemoryError` names). The tensors have a different size each, so the
-caching allocator splits freed blocks to serve smaller ones and the free memory ends up in pieces
-(see `allocator_figures`).
+Before paged attention, a server kept each request's keys and values in contiguous memory of its
+own, reserved for the most tokens the request could reach (the vLLM paper, Kwon et al., SOSP 2023,
+section 3, describes this in the systems before it; Hugging Face's `StaticCache` is sized the
+same way up front): here one tensor per request, allocated when it is admitted, sized for its
+prompt plus its `max_output_tokens`, freed when it ends. Nothing counts memory, so the server
+admits requests up to `max_num_seqs` and finds out it has run out when `torch.empty` raises
+`torch.OutOfMemoryError` (the class `torch.cuda.OutOfMemoryError` names). The tensors have a
+different size each, so the caching allocator splits freed blocks to serve smaller ones and the
+free memory ends up in pieces: the paper's external fragmentation (see `allocator_figures`).
 
 What this server does when the allocator refuses (a choice, documented and tested):
 
 * the failed allocation changes no state: anything allocated for the request is freed, and the
   request stays at the head of the waiting queue (the scheduler sees "no room now");
 * the allocator's figures are recorded in an `OutOfMemoryReport`;
-* the server's concurrency cap drops to the number of requests running at that moment (early
-  servers found their batch size the same way, by running out), so it does not hammer the
-  allocator every step; the request is admitted once one of them finishes.
+* the server's concurrency cap drops to the number of requests running at that moment (a batch
+  size found by trial, the only way a server without a memory manager can find one), so it does
+  not hammer the allocator every step; the request is admitted once one of them finishes.
 
 No running request is touched: one request that does not fit never takes down the others. A
 request that could not fit even alone is rejected on arrival (`reject_reason`), with the bytes.
@@ -26,14 +28,11 @@ batch. So after allocating a request's KV the manager also asks for the forward 
 (its peak, measured by a profiling pass at start-up, as vLLM measures it) and gives it straight
 back: if that fails, the request is not admitted. That is the only guard; nothing is reserved.
 
-`NaiveExecutor` runs the model over these tensors (the same model and attention as every
-strategy; greedy next tokens).
+`NaiveExecutor` runs the model over these tensors (the same model, attention and sampling as every
+strategy: `ModelExecutor` with its two forward passes reading each request's own tensor).
 """
 
 from __future__ import annotations
-
-import time
-from typing import Callable
 
 import torch
 
@@ -42,9 +41,10 @@ from ..errors import KVCacheOutOfMemory
 from ..sizing import format_bytes
 from .allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
 from .kv_managers import KVManager
+from .model_runner import ModelExecutor
 from .request import Request
 
-__all__ = ["NaiveManager", "NaiveExecutor"]
+__all__ = ["NaiveManager", "NaiveExecutor", "NaivePrefillStore", "NaiveDecodeStore"]
 
 
 class NaiveManager(KVManager):
@@ -119,12 +119,19 @@ class NaiveManager(KVManager):
 
     def reject_reason(self, request: Request) -> str | None:
         reason = super().reject_reason(request)
+        if reason is None and request.forks:
+            reason = (f"n = {request.num_seqs} completions: the naive server runs one per request "
+                      f"(it has no block to share between them)")
         if reason is None and self.request_bytes(request) > self.capacity_bytes:
             reason = (f"{request.total_len:,} tokens x {format_bytes(self.bytes_per_token)} = "
                       f"{format_bytes(self.request_bytes(request))} > "
                       f"{format_bytes(self.capacity_bytes)} of KV memory even with nothing else "
                       f"running")
         return reason
+
+    def fork(self, parent: Request, child: Request) -> None:
+        raise RuntimeError("the naive server never forks: a request for n > 1 completions is "
+                           "rejected on arrival")
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
         if self.max_running is not None and len(self.kv) >= self.max_running:
@@ -192,52 +199,37 @@ class NaiveManager(KVManager):
             self.drop_tensor(self.kv.pop(request_id))
 
 
-class NaiveExecutor:
-    """The model over `NaiveManager`'s tensors: prefill chunks one request at a time, then every
-    decoding request's next token in one forward pass (attention per request, over its own
-    tensor). Greedy next tokens; the step time is the wall clock.
+class NaiveExecutor(ModelExecutor):
+    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same sampling) with
+    its two forward passes reading the request's own tensor: each prefill chunk on its own, every
+    decoding request's next token in one pass (attention per request, over its own tensor).
 
     Args:
         model: the decoder (`kvlab.model.LlamaForCausalLM`).
-        kv: the `NaiveManager` the scheduler drives.
-        synchronize: called before reading the clock (torch.cuda.synchronize on a GPU).
+        kv: the `NaiveManager` the scheduler drives (it frees the tensors, at finish or preemption).
+        cost_model: if given, its step time is the clock; else the wall clock.
     """
 
-    def __init__(self, model, kv: NaiveManager, synchronize: Callable[[], None] = lambda: None):
-        self.model, self.kv, self.synchronize = model, kv, synchronize
+    def __init__(self, model, kv: NaiveManager, cost_model=None):
+        super().__init__(model, kv, cost_model)
+        self.kv = kv
 
-    @torch.no_grad()
-    def execute(self, output) -> tuple[dict[int, int], float]:
-        started = time.perf_counter()
+    def _forward_one(self, request: Request, num_new: int) -> torch.Tensor:
+        device, start = self.model.device, request.num_computed_tokens
+        ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
+        positions = torch.arange(start, start + num_new, device=device)
+        return self.model(ids, positions, NaivePrefillStore(self.kv.kv[request.request_id], start))
+
+    def _decode(self, batch: list[Request]) -> torch.Tensor:
         device = self.model.device
-        sampled: dict[int, int] = {}
-        decodes = [r for r, n in output.scheduled if n == 1 and r.num_computed_tokens > 0]
-        if decodes:
-            positions = [r.num_computed_tokens for r in decodes]
-            tokens = [r.token_ids(p, p + 1)[0] for r, p in zip(decodes, positions)]
-            store = _DecodeStore([self.kv.kv[r.request_id] for r in decodes])
-            logits = self.model(torch.tensor(tokens, device=device),
-                                torch.tensor(positions, device=device), store)
-            for request, token in zip(decodes, logits.argmax(dim=-1).tolist()):
-                sampled[request.request_id] = token
-        for request, num_new in output.scheduled:
-            if request.request_id in sampled:
-                continue
-            start = request.num_computed_tokens
-            ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
-            positions = torch.arange(start, start + num_new, device=device)
-            logits = self.model(ids, positions, _PrefillStore(self.kv.kv[request.request_id],
-                                                              start))
-            if start + num_new == request.num_tokens:
-                sampled[request.request_id] = int(logits[-1].argmax())
-        self.synchronize()
-        return sampled, time.perf_counter() - started
-
-    def release(self, request: Request) -> None:
-        pass  # the manager frees the tensor (finish or preemption)
+        positions = [request.num_computed_tokens for request in batch]
+        tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
+        store = NaiveDecodeStore([self.kv.kv[request.request_id] for request in batch])
+        return self.model(torch.tensor(tokens, device=device),
+                          torch.tensor(positions, device=device), store)
 
 
-class _PrefillStore:
+class NaivePrefillStore:
     """Tokens start .. start + n - 1 of one request: written into its tensor, attended causally
     over its first start + n tokens."""
 
@@ -252,7 +244,7 @@ class _PrefillStore:
         return grouped_attention(query, layer[0, :end], layer[1, :end], query_positions=positions)
 
 
-class _DecodeStore:
+class NaiveDecodeStore:
     """One new token of each of a batch of requests, token i at position positions[i] of tensor
     i; each attends over its own first positions[i] + 1 tokens."""
 

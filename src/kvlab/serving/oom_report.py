@@ -84,7 +84,7 @@ def write_record(record: dict, out: Path | None) -> None:
 
 
 def headline(record: dict) -> str:
-    """One line for the GPU tour's SUMMARY.md: the naive run's first error against paged + prefix."""
+    """One line for the GPU tour's SUMMARY.md: the naive run's first error, and paged + prefix."""
     runs = {run["strategy"]: run for run in record["runs"]}
     naive, paged = runs.get("naive"), runs.get("paged+prefix")
     parts = []

@@ -1,4 +1,4 @@
-"""Stage 7 on a GPU: the naive server runs out of memory under a real burst; paged + prefix holds it.
+"""Stage 7 on a GPU: the naive server runs out of memory under a real burst; paged + prefix holds.
 
     python -m kvlab.serving.oom_story --out DIR            # a CUDA GPU (the GPU tour's step)
     python -m kvlab.serving.oom_story --out DIR --dry-run  # the same code path on the CPU
@@ -15,17 +15,19 @@ One process, one model, one workload, two strategies through the one scheduler (
    of the card the server may use, enforced for both runs with
    `torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)`. It is chosen here so that
    what it allows = what the process holds now (the weights) + the activation peak + `--kv-gib`
-   for KV. On a 139 GiB card at vLLM's 0.9 the naive server would take minutes of traffic to run
-   out; at this share the burst does it in seconds. (Deliberately lowered: said in every report.)
+   for KV. At vLLM's 0.9 of a 139 GiB card about 110 GiB would be left for KV, and the whole
+   default burst (200 requests, 227,745 tokens of prompt + max output = 27.8 GiB at 128 KiB per
+   token, were they all held at once) would fit: no error to see. At this share it runs out during
+   the burst. (Deliberately lowered, and every report says so.)
 4. naive (`kvlab.serving.naive`): one tensor per request; the allocator refuses; the error is
    caught and reported with the allocator's figures (`allocator_figures`); the server goes on.
 5. paged + prefix: the block pool is sized as vLLM sizes it, gpu_memory_utilization x the card -
-   weights - activation peak (= `--kv-gib`) (`kvlab.paged.budget.num_blocks_for_budget`), allocated once; the
-   same burst is served by preempting instead of failing. Reported: peak running, preemptions,
-   `torch.cuda.max_memory_allocated`, every block free at the end.
+   weights - activation peak (= `--kv-gib`) (`kvlab.paged.budget.num_blocks_for_budget`),
+   allocated once; the same burst is served by preempting instead of failing. Reported: peak
+   running, preemptions, `torch.cuda.max_memory_allocated`, every block free at the end.
 
 Each run has a time budget; a run stopped by it is reported as stopped, with what it had done.
-The dry run uses the course's tiny model on the CPU with lengths / 8, and a `ByteLimit` in place of
+The dry run uses the course's tiny model on the CPU with lengths / 16, and a `ByteLimit` in place of
 the GPU's allocator (no fragmentation there: its figures say "emulated"). The results go to
 <out>/<name>.json and <name>.md (name: `--name`, default oom_story), written after each run so a
 stopped stage keeps what it did.
@@ -51,10 +53,11 @@ from ..prefix.manager import PrefixCachingKVCacheManager
 from ..sizing import format_bytes
 from . import request as req
 from .allocator_figures import ByteLimit
-from .naive import NaiveExecutor, NaiveManager, _PrefillStore
+from .naive import NaiveExecutor, NaiveManager, NaivePrefillStore
 from .oom_report import describe_run, write_record
 from .prefix_manager import PrefixManager
-from .runner import ModelExecutor, serve
+from .model_runner import ModelExecutor
+from .runner import serve
 from .scheduler import SchedulerConfig
 from .traces import load_trace
 
@@ -175,7 +178,8 @@ def profile_workspace(model, story: StoryConfig) -> int:
     before = torch.cuda.memory_allocated(device)
     start = story.max_model_len - tokens
     ids = torch.randint(config.vocab_size, (tokens,), device=device)
-    model(ids, torch.arange(start, story.max_model_len, device=device), _PrefillStore(kv, start))
+    positions = torch.arange(start, story.max_model_len, device=device)
+    model(ids, positions, NaivePrefillStore(kv, start))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del kv
@@ -251,7 +255,8 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device, name
         * config.head_dim * dtype.itemsize
     workspace = profile_workspace(model, story)
     kv_room = int(story.kv_gib * 2**30)
-    record = {"name": name, "story": dataclasses.asdict(story), "model": config.name, "dtype": str(dtype),
+    record = {"name": name, "story": dataclasses.asdict(story), "model": config.name,
+              "dtype": str(dtype),
               "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "weights_bytes": model.weights_bytes, "kv_bytes_per_token": bytes_per_token,
@@ -306,9 +311,7 @@ def naive_run(model, requests, story, limit, in_use, workspace, allocator, bytes
     naive = NaiveManager(model.config, model.dtype, device, story.max_model_len,
                          limit - in_use - workspace, workspace, allocator=allocator,
                          limit_bytes=limit if allocator is None else None)
-    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else \
-        (lambda: None)
-    run = _run("naive", naive, NaiveExecutor(model, naive, synchronize), requests, story,
+    run = _run("naive", naive, NaiveExecutor(model, naive), requests, story,
                lambda: len(naive.kv), bytes_per_token)
     run.update(out_of_memory_errors=len(naive.reports), concurrency_cap=naive.max_running,
                reports=[report.as_dict() for report in naive.reports],

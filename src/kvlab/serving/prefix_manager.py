@@ -62,7 +62,7 @@ class PrefixManager(PagedManager):
         tokens = block_tokens(request)
         try:
             allocation = self.manager.allocate_with_prefix(
-                request.request_id, tokens,
+                request.request_id, tokens, request.cache_salt,
                 block_hashes=self._block_hashes.setdefault(request.request_id, []))
         except NoFreeBlocksError:
             return None
@@ -79,9 +79,10 @@ class PrefixManager(PagedManager):
         if self.manager.append_in_last_block(request.request_id, new_ids):
             return True
         try:
-            self.manager.append_slots(request.request_id, len(new_ids), new_ids)
+            reservation = self.manager.append_slots(request.request_id, len(new_ids), new_ids)
         except NoFreeBlocksError:
             return False
+        self._copies += reservation.copies
         return True
 
     def free(self, request: Request) -> None:

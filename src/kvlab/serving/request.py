@@ -11,6 +11,11 @@ token behind. After a preemption by recompute (Kwon et al., SOSP 2023, section 4
 count drops to 0 and the request catches up again, prompt and output alike. That one rule covers
 prefill, chunked prefill, decode, prefix-cache hits and recomputation.
 
+What to do with the logits is the request's `SamplingParams` (vLLM's name): greedy or a
+temperature, the seed of its random stream, its end-of-sequence token. A request for n > 1
+completions of one prompt (parallel sampling) carries n - 1 `forks`: siblings that share its
+prompt's KV once that is computed, each then sampling on its own (Kwon et al., section 4.4).
+
 Helpers here turn trace rows (`kvlab.workload.Request`: sizes and arrival times) into requests,
 replace arrival times by a Poisson process, and give token ids to requests for model mode.
 """
@@ -22,7 +27,9 @@ import enum
 import random
 from typing import Iterable, Sequence
 
-__all__ = ["Request", "RequestState", "from_sizes", "poisson_arrivals", "speed_up",
+from ..sampling import check_temperature
+
+__all__ = ["Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",
            "shrink", "synthetic_prompt_ids"]
 
 
@@ -31,6 +38,45 @@ class RequestState(enum.Enum):
     RUNNING = "running"      # holds KV memory and is scheduled step after step
     FINISHED = "finished"    # produced max_output_tokens; its memory is free
     REJECTED = "rejected"    # can never fit (reason in `reject_reason`); never queued
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a request's next tokens are chosen from the logits (vLLM's `SamplingParams`, cut down).
+
+    Attributes:
+        temperature: 0 = greedy (arg-max); T > 0 samples from softmax(logits / T).
+        stream_seed: seed of the request's own random stream (`kvlab.sampling.stream_seed`), so
+            its samples do not depend on its batch or on preemption; None with temperature 0.
+        eos_token_id: the request finishes right after sampling this token (finish reason
+            "stop"); None: it runs to max_output_tokens (finish reason "length").
+        first_token: a forced first output token (the course's way to make greedy siblings
+            diverge, so copy-on-write shows); None: sampled like the rest.
+
+    Raises:
+        ValueError: a temperature that is not a finite number >= 0, a temperature > 0 without a
+            stream_seed, or a negative token id.
+    """
+
+    temperature: float = 0.0
+    stream_seed: int | None = None
+    eos_token_id: int | None = None
+    first_token: int | None = None
+
+    def __post_init__(self) -> None:
+        check_temperature(self.temperature)
+        if self.temperature > 0 and self.stream_seed is None:
+            # Without it every such request would draw from one default stream: identical samples.
+            raise ValueError(f"temperature={self.temperature} needs a stream_seed (e.g. "
+                             f"kvlab.sampling.stream_seed('request', seed, sibling))")
+        for name in ("eos_token_id", "first_token"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be a token id >= 0 or None, got {value!r}")
+
+
+GREEDY = SamplingParams()
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,6 +93,12 @@ class Request:
         block_hashes: optional ids of the prompt's consecutive blocks of `hash_block_size` tokens
             (a trace's prefix information: equal ids at equal positions = a shared prefix).
         hash_block_size: tokens per entry of `block_hashes` (0 when there are none).
+        sampling: `SamplingParams` (greedy by default; model mode only reads it).
+        cache_salt: only prefix-cache blocks hashed with the same salt are shared (one tenant's
+            prompts never hit another's; vLLM's `cache_salt`).
+        forks: n - 1 sibling requests of the same prompt (parallel sampling). They wait inside
+            this request: admitted with it (counted in max_num_seqs), they share its KV when its
+            prompt is computed, and from then on run as requests of their own.
 
     Raises:
         ValueError: a non-positive length, a negative arrival time, or prompt ids of the wrong
@@ -60,6 +112,9 @@ class Request:
     prompt_token_ids: list[int] | None = None
     block_hashes: tuple[int, ...] = ()
     hash_block_size: int = 0
+    sampling: SamplingParams = GREEDY
+    cache_salt: str | None = None
+    forks: list["Request"] = dataclasses.field(default_factory=list)
     # ---- progress, written by the scheduler ----
     state: RequestState = RequestState.WAITING
     num_computed_tokens: int = 0
@@ -69,6 +124,7 @@ class Request:
     num_preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
+    finish_reason: str | None = None  # "length" (max_output_tokens) or "stop" (eos_token_id)
     reject_reason: str | None = None
 
     def __post_init__(self) -> None:
@@ -93,7 +149,12 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.num_output_tokens >= self.max_output_tokens
+        return self.state is RequestState.FINISHED
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request will run once admitted: itself + its forks not yet made."""
+        return 1 + len(self.forks)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Ids of tokens start .. end - 1 (prompt then output); model mode only."""
@@ -102,7 +163,8 @@ class Request:
     def fresh_copy(self) -> "Request":
         """The same request, not yet served (to replay one workload through several strategies)."""
         return Request(self.request_id, self.arrival_s, self.prompt_len, self.max_output_tokens,
-                       self.prompt_token_ids, self.block_hashes, self.hash_block_size)
+                       self.prompt_token_ids, self.block_hashes, self.hash_block_size,
+                       self.sampling, self.cache_salt, [fork.fresh_copy() for fork in self.forks])
 
 
 def from_sizes(sizes: Iterable, prompt_ids: bool = False, vocab_size: int = 0,

@@ -11,11 +11,9 @@
 
 The scheduler and the KV managers are the same in both modes; only the executor differs:
 
-* `ModelExecutor` (model mode) runs the real model, with K/V written to and read from the real
-  cache tensors: stage 2's `ContiguousKVCache` (one slab per request) or stage 4's `PagedKVCache`
-  (slot mapping through the block tables the scheduler's `PagedManager` fills). Decode tokens of
-  the paged cache go in one batched forward pass; prefill chunks run one request at a time.
-  Greedy sampling. The step time is the wall clock, or a cost model's (so runs are repeatable).
+* `ModelExecutor` (model mode, `kvlab.serving.model_runner`) runs the real model, with K/V
+  written to and read from the real cache tensors, and samples each request's next token. The
+  step time is the wall clock, or a cost model's (so runs are repeatable).
 * `SimulatedExecutor` (simulation mode) runs nothing: the cost model (`cost_model.CostModel`) says
   how long the step would take on a named card, so a 19,366-request trace replays in seconds.
 """
@@ -23,25 +21,23 @@ The scheduler and the KV managers are the same in both modes; only the executor 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
-import torch
-
-from ..attention import grouped_attention
 from ..contiguous import ContiguousKVCache
-from ..paged.block_table import cdiv
-from ..paged.paged_cache import DecodeStore, PagedKVCache, PrefillStore
+from ..paged.paged_cache import PagedKVCache
 from .cost_model import CostModel
 from ..prefix.manager import PrefixCachingKVCacheManager
 from .kv_managers import ContiguousManager, KVManager, PagedManager, SlotlessKVCacheManager
 from .metrics import ServeResult, StepSeries, summarize
+from .model_runner import ModelExecutor
 from .prefix_manager import PrefixManager
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Executor", "SimulatedExecutor", "ModelExecutor", "serve", "STRATEGIES",
-           "simulated_manager", "model_strategy"]
+__all__ = ["Executor", "SimulatedExecutor", "ModelExecutor", "StepResult", "engine_step", "serve",
+           "STRATEGIES", "simulated_manager", "model_strategy"]
 
 STRATEGIES = ("contiguous", "paged", "prefix")
 
@@ -71,107 +67,51 @@ class SimulatedExecutor:
         pass
 
 
-class ModelExecutor:
-    """The real model over a real cache; greedy next tokens.
+@dataclasses.dataclass
+class StepResult:
+    """One engine step, as `engine_step` ran it.
 
-    Args:
-        model: the decoder.
-        cache: a `ContiguousKVCache` (slabs handed out per request here) or a `PagedKVCache` whose
-            `manager` is the one the scheduler's `PagedManager` drives.
-        cost_model: if given, its step time is the clock (repeatable); else the wall clock.
+    Attributes:
+        output: what the scheduler decided (`output.scheduled` empty: nothing ran).
+        finished: requests that finished in this step (their memory is free again).
+        seconds: the step's time (model: wall clock or cost model; simulation: cost model).
+        num_running: requests running during the step.
+        reserved_tokens: KV token slots held during the step (before finished requests freed).
+        used_tokens: of those, slots holding a token's K/V.
     """
 
-    def __init__(self, model, cache, cost_model: CostModel | None = None):
-        self.model, self.cache, self.cost_model = model, cache, cost_model
-        self.paged = isinstance(cache, PagedKVCache)
-        self.slab_of: dict[int, int] = {}  # contiguous only: request_id -> slab
-
-    @torch.no_grad()
-    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int], float]:
-        started = time.perf_counter()
-        modelled = self.cost_model.step_time_of(output.scheduled) if self.cost_model else None
-        sampled: dict[int, int] = {}
-        decodes = [r for r, n in output.scheduled if n == 1 and r.num_computed_tokens > 0]
-        if decodes:
-            self._decode(decodes, sampled)
-        for request, num_new in output.scheduled:
-            if request.request_id in sampled:
-                continue  # decoded in the batch above
-            logits = self._forward_one(request, num_new)
-            if request.num_computed_tokens + num_new == request.num_tokens:
-                sampled[request.request_id] = int(logits[-1].argmax())
-        elapsed = time.perf_counter() - started
-        return sampled, (modelled if modelled is not None else elapsed)
-
-    def release(self, request: Request) -> None:
-        slab = self.slab_of.pop(request.request_id, None)
-        if slab is not None:
-            self.cache.free_sequence(slab)
-
-    def _forward_one(self, request: Request, num_new: int) -> torch.Tensor:
-        """Tokens computed .. computed + num_new - 1 of one request, at their absolute positions."""
-        device = self.model.device
-        start = request.num_computed_tokens
-        ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
-        positions = torch.arange(start, start + num_new, device=device)
-        if self.paged:
-            blocks = self.cache.manager.block_ids(request.request_id)
-            size = self.cache.block_size
-            slots = [blocks[p // size] * size + p % size for p in range(start, start + num_new)]
-            store = PrefillStore(self.cache, torch.tensor(slots, device=device),
-                                 torch.tensor(blocks, device=device), start + num_new)
-        else:
-            if request.request_id not in self.slab_of:
-                self.slab_of[request.request_id] = self.cache.add_sequence()
-            store = self.cache.view(self.slab_of[request.request_id])
-        return self.model(ids, positions, store)
-
-    def _decode(self, batch: list[Request], sampled: dict[int, int]) -> None:
-        """One forward pass for the newest token of every decoding request, flat [num_seqs]."""
-        device = self.model.device
-        positions = [request.num_computed_tokens for request in batch]
-        tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
-        if self.paged:
-            size = self.cache.block_size
-            slots = []
-            for request, position in zip(batch, positions):
-                blocks = self.cache.manager.block_ids(request.request_id)
-                slots.append(blocks[position // size] * size + position % size)
-            block_tables, seq_lens = self.cache.block_tables_tensor(
-                [request.request_id for request in batch])
-            store = DecodeStore(self.cache, torch.tensor(slots, device=device), block_tables,
-                                seq_lens)
-        else:
-            store = ContiguousDecodeStore(self.cache, [self.slab_of[r.request_id] for r in batch])
-        logits = self.model(torch.tensor(tokens, device=device),
-                            torch.tensor(positions, device=device), store)
-        for request, row in zip(batch, logits):
-            sampled[request.request_id] = int(row.argmax())
+    output: SchedulerOutput
+    finished: list[Request]
+    seconds: float = 0.0
+    num_running: int = 0
+    reserved_tokens: int = 0
+    used_tokens: int = 0
 
 
-class ContiguousDecodeStore:
-    """KV store for one new token of each of a batch of requests, each in its own slab.
+def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
+                on_scheduled: Callable[[SchedulerOutput], None] | None = None) -> StepResult:
+    """One step of the engine core: decide, execute, record (the body of vLLM v1's busy loop).
 
-    Writes token i's K/V at [slab_i, position_i] and attends it over its slab's first
-    position_i + 1 tokens (the per-request loop is what a padded batched kernel would do).
+    `serve` calls it for a trace arriving over time; `kvlab.serving.engine.LLMEngine` calls it
+    for a batch given up front. `now_s` is the clock at the start of the step (seconds);
+    `on_scheduled`, if given, sees the decision before it runs (memory is at its fullest then).
     """
-
-    def __init__(self, cache: ContiguousKVCache, slabs: list[int]):
-        self.cache, self.slabs = cache, slabs
-
-    def attend(self, layer_index, query, key, value, positions):
-        cache, slabs = self.cache, torch.tensor(self.slabs, device=query.device)
-        cache.k[layer_index, slabs, positions] = key
-        cache.v[layer_index, slabs, positions] = value
-        outputs = []
-        for i, (slab, position) in enumerate(zip(self.slabs, positions.tolist())):
-            keys = cache.k[layer_index, slab, :position + 1]
-            values = cache.v[layer_index, slab, :position + 1]
-            outputs.append(grouped_attention(query[i:i + 1], keys, values,
-                                             query_positions=positions[i:i + 1]))
-            if layer_index == cache.config.num_hidden_layers - 1:
-                cache.seq_lens[slab] = position + 1
-        return torch.cat(outputs)
+    output = scheduler.schedule()
+    if on_scheduled is not None:
+        on_scheduled(output)
+    for request in output.preempted:
+        executor.release(request)  # preempted: its slab (contiguous) is free again
+    if not output.scheduled:
+        return StepResult(output, [])
+    sampled, seconds = executor.execute(output)
+    # Memory during the step, before finished requests free theirs.
+    reserved = scheduler.kv.num_reserved_tokens
+    used = sum(r.num_computed_tokens for r in scheduler.running) + output.num_batched_tokens
+    running = len(scheduler.running)
+    finished = scheduler.update(output, sampled, now_s + seconds)
+    for request in finished:
+        executor.release(request)
+    return StepResult(output, finished, seconds, running, reserved, used)
 
 
 def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
@@ -199,7 +139,7 @@ def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
 
     pending = collections.deque(sorted((r.fresh_copy() for r in requests),
                                        key=lambda r: r.arrival_s))
-    served = list(pending)
+    served = [member for request in pending for member in (request, *request.forks)]
     scheduler = Scheduler(kv, config)
     series = StepSeries()
     now = pending[0].arrival_s if pending else 0.0
@@ -209,34 +149,26 @@ def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
                disable=None if wanted else True)
     while pending or scheduler.has_unfinished():
         while pending and pending[0].arrival_s <= now:
-            if not scheduler.add_request(pending.popleft()):
-                bar.update(1)
+            request = pending.popleft()
+            if not scheduler.add_request(request):
+                bar.update(request.num_seqs)
         if not scheduler.has_unfinished():
             now = pending[0].arrival_s  # idle: jump to the next arrival
             continue
-        output = scheduler.schedule()
-        for request in output.preempted:
-            executor.release(request)
-        if not output.scheduled:
+        step = engine_step(scheduler, executor, now)
+        if not step.output.scheduled:
             idle_steps += 1
             if idle_steps > 1:
                 raise RuntimeError(f"scheduler stuck at t={now:.3f} s: {len(scheduler.waiting)} "
                                    f"waiting, {len(scheduler.running)} running")
             continue  # the only running request preempted itself; next step re-admits it
         idle_steps = 0
-        sampled, seconds = executor.execute(output)
-        # Memory during the step, before finished requests free theirs.
-        reserved = kv.num_reserved_tokens
-        used = sum(r.num_computed_tokens for r in scheduler.running) + output.num_batched_tokens
-        running = len(scheduler.running)
-        now += seconds
-        finished = scheduler.update(output, sampled, now)
-        for request in finished:
-            executor.release(request)
-        events += len(output.scheduled)
-        series.record(now, seconds, running, len(scheduler.waiting), reserved, used)
-        if finished:
-            bar.update(len(finished))
+        now += step.seconds
+        events += len(step.output.scheduled)
+        series.record(now, step.seconds, step.num_running, len(scheduler.waiting),
+                      step.reserved_tokens, step.used_tokens)
+        if step.finished:
+            bar.update(len(step.finished))
     bar.close()
     hits = scheduler.num_hit_tokens if kv.has_prefix_cache else None
     return summarize(kv.name, served, series, scheduler.num_preemptions,

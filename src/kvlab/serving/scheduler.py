@@ -22,7 +22,10 @@ waiting for its longest member. Each step has two budgets, as in vLLM:
    preemption would only hand the freed memory to a newer request.)
 
 `update()` then records what the step computed: a request whose every token is computed has just
-produced its next token; one that reached max_output_tokens finishes and frees its memory.
+produced its next token; one that reached max_output_tokens, or sampled its end-of-sequence token,
+finishes and frees its memory. A request for n completions is admitted with its n - 1 forks
+(all n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV,
+and run as requests of their own from their first token on (Kwon et al., section 4.4).
 
 The scheduler talks to memory only through `KVManager`: the same code runs the contiguous
 reservation, the paged pool and the paged pool with a prefix cache, in model mode and simulation.
@@ -70,12 +73,15 @@ class SchedulerOutput:
         admitted: requests admitted this step (new, or back after a preemption).
         preempted: requests preempted this step (their memory is already freed).
         num_batched_tokens: sum of num_new_tokens.
+        blocks_to_copy: (source, destination) block ids to copy before the forward pass
+            (copy-on-write; vLLM v0's name).
     """
 
     scheduled: list[tuple[Request, int]]
     admitted: list[Request]
     preempted: list[Request]
     num_batched_tokens: int
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -99,6 +105,7 @@ class Scheduler:
         self.rejected: list[Request] = []
         self.finished: list[Request] = []
         self.num_preemptions = 0
+        self.num_unforked = 0  # forks admitted inside a running request, not yet made
         self.num_recomputed_tokens = 0
         self.num_queried_tokens = 0   # tokens looked up in the prefix cache at admissions
         self.num_hit_tokens = 0       # of those, tokens found cached
@@ -106,11 +113,13 @@ class Scheduler:
     # ---- arrivals -----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> bool:
-        """Queue an arrived request; False if it can never fit (state REJECTED, reason set)."""
+        """Queue an arrived request; False if it can never fit (state REJECTED, reason set, on
+        its forks too)."""
         reason = self.kv.reject_reason(request)
         if reason is not None:
-            request.state, request.reject_reason = RequestState.REJECTED, reason
-            self.rejected.append(request)
+            for member in (request, *request.forks):  # n completions of one prompt: all of them
+                member.state, member.reject_reason = RequestState.REJECTED, reason
+                self.rejected.append(member)
             return False
         request.state = RequestState.WAITING
         self.waiting.append(request)
@@ -118,6 +127,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Sequences admitted: running requests + forks admitted with them, not yet made."""
+        return len(self.running) + self.num_unforked
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -149,9 +163,10 @@ class Scheduler:
             break  # `request` preempted itself: it was the newest, nothing is left after it
 
         admitted: list[Request] = []
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while not preempted and self.waiting and budget > 0:
             request = self.waiting[0]
+            if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
+                break
             cached = self.kv.allocate(request, budget)
             if cached is None:
                 break  # the head waits for memory; no overtaking
@@ -162,16 +177,18 @@ class Scheduler:
             self.num_hit_tokens += cached
             request.state = RequestState.RUNNING
             request.num_computed_tokens = request.num_cached_tokens = cached
+            self.num_unforked += len(request.forks)
             self.running.append(request)
             admitted.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, admitted, preempted,
-                               self.config.max_num_batched_tokens - budget)
+                               self.config.max_num_batched_tokens - budget, self.kv.take_copies())
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop its KV, queue it first; it will recompute every token."""
         self.num_recomputed_tokens += self.kv.preempt(request)
+        self.num_unforked -= len(request.forks)  # they wait with it
         self.num_preemptions += 1
         request.num_preemptions += 1
         request.num_computed_tokens = 0
@@ -185,8 +202,8 @@ class Scheduler:
 
         Args:
             output: this step's `SchedulerOutput`.
-            sampled: request_id -> sampled token id (model mode), or None (simulation: only the
-                count of tokens matters).
+            sampled: request_id -> sampled token id (model mode; forks made this step included),
+                or None (simulation: only the count of tokens matters).
             now_s: time at the end of the step (first-token and finish times).
         """
         done = []
@@ -194,16 +211,40 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: no token yet
-            if sampled is not None:
-                request.output_token_ids.append(sampled[request.request_id])
-            request.num_output_tokens += 1
-            if request.first_token_s is None:
-                request.first_token_s = now_s
-            if request.num_output_tokens >= request.max_output_tokens:
-                request.state, request.finish_s = RequestState.FINISHED, now_s
-                self.kv.free(request)
-                done.append(request)
+            family = [request] + self._fork(request) if request.forks else [request]
+            for member in family:
+                token = None if sampled is None else sampled[member.request_id]
+                if self._record_token(member, token, now_s):
+                    done.append(member)
         if done:
             self.running = [r for r in self.running if r.state is RequestState.RUNNING]
             self.finished += done
         return done
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The parent's prompt is computed: its forks take over its KV and start running."""
+        forks, parent.forks = parent.forks, []
+        self.num_unforked -= len(forks)
+        for child in forks:
+            self.kv.fork(parent, child)
+            child.state = RequestState.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.running.append(child)
+        return forks
+
+    def _record_token(self, request: Request, token: int | None, now_s: float) -> bool:
+        """Append one output token; finish (and free) the request if it is done. True if done."""
+        if token is not None:
+            request.output_token_ids.append(token)
+        request.num_output_tokens += 1
+        if request.first_token_s is None:
+            request.first_token_s = now_s
+        if token is not None and token == request.sampling.eos_token_id:
+            request.finish_reason = "stop"
+        elif request.num_output_tokens >= request.max_output_tokens:
+            request.finish_reason = "length"
+        else:
+            return False
+        request.state, request.finish_s = RequestState.FINISHED, now_s
+        self.kv.free(request)
+        return True

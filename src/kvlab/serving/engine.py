@@ -1,0 +1,243 @@
+"""Offline generation on the one serving design: `LLMEngine`, a batch of prompts given up front.
+
+vLLM runs offline batches (`LLM.generate`) and online traffic (the API server) on the same engine
+core. So does the course: `LLMEngine` is stage 7's `Scheduler` (admit, run, preempt), a KV
+manager (`PagedManager`, or `PrefixManager` with `enable_prefix_caching=True`) and a
+`ModelExecutor` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
+trace arriving over time. What this module adds is what a caller of `generate` needs:
+
+* a request for n completions of one prompt (parallel sampling), whose n - 1 forks share the
+  prompt's blocks and copy a block only when they write into a shared one (copy-on-write,
+  Kwon et al., SOSP 2023, section 4.4);
+* sampling: greedy, or a temperature with one random stream per completion, seeded by the
+  request's own seed or by the engine's seed and the request's index (`kvlab.sampling`);
+* forced first tokens (to make greedy siblings diverge), an end-of-sequence token;
+* validation of every request before it is queued (one bad request never reaches the scheduler);
+* the counts stage 4 and stage 6 print: preemptions, recomputed tokens, prefill tokens, peak
+  blocks, blocks saved by sharing, copy-on-write copies, prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence as Seq
+
+from ..errors import RequestTooLongError
+from ..paged.backends import BackendLike
+from ..paged.block_table import cdiv
+from ..paged.paged_cache import PagedKVCache
+from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
+from ..prefix.manager import PrefixCacheStats, PrefixCachingKVCacheManager
+from ..requests import check_int, check_model_len, check_request
+from ..sampling import check_temperature, stream_seed
+from .kv_managers import PagedManager
+from .model_runner import ModelExecutor
+from .prefix_manager import PrefixManager
+from .request import Request, SamplingParams
+from .runner import engine_step
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+__all__ = ["EngineStats", "LLMEngine"]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What a run cost. Counts are tokens or blocks, never bytes (multiply by the cache's
+    bytes_per_token or block_bytes)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0   # tokens whose K/V were dropped by preemption and redone
+    num_prefill_tokens: int = 0      # tokens run through prefill, recomputation included
+    peak_blocks_in_use: int = 0      # physical blocks held at the fullest moment
+    blocks_saved_by_sharing: int = 0  # most block-table entries that pointed at a shared block
+    peak_blocks_unshared: int = 0    # most block-table entries at once: what the same sequences
+                                     # would hold as separate requests, nothing shared
+    num_cow_copies: int = 0          # blocks copied by copy-on-write
+
+
+class LLMEngine:
+    """Continuous batching of a batch of requests over a paged KV cache: `add_request`, then
+    `step` (or `run`), then `outputs`.
+
+    Args:
+        model: the decoder (its dtype and device are the pool's).
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        max_model_len: longest request (prompt + max_new_tokens, tokens); default the model's
+            max_position_embeddings, never more. Checked against the pool at start-up.
+        max_num_seqs: most sequences running at once (a request for n completions counts n).
+        eos_token_id: a completion stops after generating it.
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        seed: the seed of requests that bring none of their own (see `kvlab.sampling`).
+        attention_backend: the paged cache's attention backend (see `kvlab.paged.backends`).
+        enable_prefix_caching: share full blocks between requests by prefix (stage 6; vLLM's
+            option of the same name).
+        hash_fn: the block hash function of the prefix cache (default SHA-256).
+        max_num_batched_tokens: tokens computed per step (default max(max_model_len, 2,048), as
+            vLLM's offline default: a prompt longer than what is left is prefilled in chunks).
+
+    Attributes:
+        cache: the `PagedKVCache` (pool tensors and block tables).
+        scheduler: the `Scheduler`; `running` and `waiting` are its queues.
+        stats: `EngineStats` so far.
+
+    Raises:
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (numbers in the message).
+        ValueError: bad sizes, max_model_len > max_position_embeddings, eos_token_id outside the
+            vocabulary, a temperature that is not a finite number >= 0.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 eos_token_id: int | None = None, temperature: float = 0.0, seed: int = 0,
+                 attention_backend: BackendLike = None, enable_prefix_caching: bool = False,
+                 hash_fn: HashFunction = sha256, max_num_batched_tokens: int | None = None):
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        self.temperature = check_temperature(temperature)
+        self.seed = check_int("seed", seed, 0)
+        if eos_token_id is not None:
+            check_int("eos_token_id", eos_token_id, 0, model.config.vocab_size - 1)
+        self.model, self.eos_token_id = model, eos_token_id
+        self.max_model_len = check_model_len(model.config, max_model_len)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
+                                            attention_backend)
+        if enable_prefix_caching:
+            # The pool tensors do not care which manager names their blocks: swap in the caching
+            # one before any block is handed out.
+            self.cache.manager = PrefixCachingKVCacheManager(num_blocks, block_size, hash_fn)
+            self.kv = PrefixManager(self.cache.manager, self.max_model_len)
+        else:
+            self.kv = PagedManager(self.cache.manager, self.max_model_len)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(self.max_model_len, 2048)
+        self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_num_batched_tokens))
+        self.executor = ModelExecutor(model, self.cache)
+        self.requests: list[list[Request]] = []  # request_id -> its n completions
+        self.stats = EngineStats()
+        self._num_sequences = 0
+        self._clock_start = time.perf_counter()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, prompt: Seq[int], max_new_tokens: int, n: int = 1,
+                    first_tokens: Seq[int] | None = None, seed: int | None = None,
+                    cache_salt: str | None = None) -> int:
+        """Queue a request for n completions of one prompt; returns its request_id (0, 1, ...).
+
+        Args:
+            prompt: token ids.
+            max_new_tokens: tokens to generate per completion.
+            n: completions (parallel sampling); they share the prompt's blocks.
+            first_tokens: optional n token ids forced as each completion's first token.
+            seed: this request's sampling seed (temperature > 0): the same prompt and seed give
+                the same samples wherever the request sits in a batch. None: derived from the
+                engine's seed and the request's index (independent of every other request).
+            cache_salt: with prefix caching, only blocks of requests with the same salt are
+                shared (one tenant's prompts never hit another's).
+
+        Raises:
+            RequestTooLongError: prompt + max_new_tokens > max_model_len. The start-up check makes
+                the pool hold max_model_len tokens, so this also covers "longer than the pool".
+            ValueError: empty prompt, bad token ids, bad n, first_tokens or seed.
+            TypeError: cache_salt is not a str.
+        """
+        check_int("max_new_tokens", max_new_tokens, 1)
+        total = len(prompt) + max_new_tokens
+        if total > self.max_model_len:
+            cache = self.cache
+            raise RequestTooLongError(
+                f"request of {len(prompt)} prompt tokens + max_new_tokens={max_new_tokens} = "
+                f"{total} tokens ({cdiv(total, cache.block_size)} blocks of {cache.block_size}) > "
+                f"max_model_len={self.max_model_len} (the pool holds {cache.num_blocks} blocks = "
+                f"{cache.num_blocks * cache.block_size} tokens); rejected")
+        vocab_size = self.model.config.vocab_size
+        check_request(prompt, max_new_tokens, self.max_model_len, vocab_size)
+        check_int("n (at most max_num_seqs)", n, 1, self.scheduler.config.max_num_seqs)
+        if seed is not None:
+            check_int("seed", seed, 0)
+        if first_tokens is not None:
+            if len(first_tokens) != n:
+                raise ValueError(f"first_tokens has {len(first_tokens)} ids for n={n} completions")
+            for token in first_tokens:
+                check_int("first_tokens entry", token, 0, vocab_size - 1)
+        extra_keys_for(cache_salt)  # refuse a bad salt before anything is queued
+
+        prompt = [check_int("token id", t, 0, vocab_size - 1) for t in prompt]
+        request_id = len(self.requests)
+        family = []
+        for sibling in range(n):
+            # A request's own seed alone decides its streams; without one, its index does.
+            parts = ("request", seed) if seed is not None else ("engine", self.seed, request_id)
+            sampling = SamplingParams(
+                self.temperature, stream_seed(*parts, sibling) if self.temperature else None,
+                self.eos_token_id, None if first_tokens is None else int(first_tokens[sibling]))
+            family.append(Request(self._num_sequences, 0.0, len(prompt), max_new_tokens,
+                                  prompt, sampling=sampling, cache_salt=cache_salt))
+            self._num_sequences += 1
+        family[0].forks = family[1:]  # forked from completion 0 once its prompt is computed
+        self.requests.append(family)
+        self.scheduler.add_request(family[0])  # fits: max_model_len was checked above
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def running(self) -> list[Request]:
+        """Sequences holding blocks now, oldest admission first."""
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Sequences queued for admission (preempted ones first)."""
+        return list(self.scheduler.waiting)
+
+    def sequences(self, request_id: int) -> list[Request]:
+        """The n completions of a request (their `request_id` is the block-table key)."""
+        return self.requests[request_id]
+
+    def outputs(self, request_id: int) -> list[list[int]]:
+        """Generated ids of each completion of a request (so far)."""
+        return [list(seq.output_token_ids) for seq in self.requests[request_id]]
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """Hit rate, blocks saved, prefill tokens skipped, evictions (prefix caching only)."""
+        manager = self.cache.manager
+        return manager.prefix_stats if isinstance(manager, PrefixCachingKVCacheManager) else None
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    def step(self) -> None:
+        """One scheduler step: reserve (preempting when the pool is dry), admit, run, sample.
+
+        Raises:
+            RuntimeError: nothing could be scheduled while requests wait (cannot happen after the
+                start-up check that the pool holds a max_model_len request).
+        """
+        stats, scheduler = self.stats, self.scheduler
+        stats.num_steps += 1
+        now = time.perf_counter() - self._clock_start
+        step = engine_step(scheduler, self.executor, now, on_scheduled=self._record_memory)
+        if not step.output.scheduled and not scheduler.running and scheduler.waiting:
+            raise RuntimeError("scheduler stuck: nothing running and the head of the queue does "
+                               "not fit in an empty pool")
+        self._record_memory()  # forks made this step share blocks: count their table entries
+        stats.num_preemptions = scheduler.num_preemptions
+        stats.num_recomputed_tokens = scheduler.num_recomputed_tokens
+        stats.num_prefill_tokens = self.executor.num_prefill_tokens
+        stats.num_cow_copies = self.cache.manager.num_cow_copies
+
+    def _record_memory(self, output: SchedulerOutput | None = None) -> None:
+        manager, stats = self.cache.manager, self.stats
+        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, manager.num_used_blocks)
+        stats.peak_blocks_unshared = max(stats.peak_blocks_unshared, manager.num_logical_blocks)
+        saved = manager.num_logical_blocks - manager.num_used_blocks
+        stats.blocks_saved_by_sharing = max(stats.blocks_saved_by_sharing, saved)

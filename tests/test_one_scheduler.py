@@ -1,0 +1,143 @@
+"""Issue 10: one scheduler for every strategy, offline and online. The batch engine of stages 4-6
+(`LLMEngine`) and stage 7's `serve` run the same `Scheduler`, KV managers and `ModelExecutor`, so
+what the engine does (n > 1 forks with copy-on-write, sampling from per-request streams, forced
+first tokens, end-of-sequence) must come out the same through `serve` for every strategy,
+contiguous included, with or without preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvlab.config import LlamaConfig
+from kvlab.generate import generate
+from kvlab.model import LlamaForCausalLM
+from kvlab.sampling import stream_seed
+from kvlab.serving import (STRATEGIES, LLMEngine, Request, RequestState, SamplingParams,
+                           SchedulerConfig, generate_batch, model_strategy, serve)
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     max_position_embeddings=128, name="test-tiny")
+BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # K and V x layers x KV heads x head_dim x float32
+N = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG).eval()
+
+
+def prompts(num=5, seed=4):
+    rng = random.Random(seed)
+    return [[rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(3, 14))]
+            for _ in range(num)]
+
+
+def families(prompt_list, new, temperature, eos=None, first_tokens=None):
+    """`serve`'s requests for n = N completions of each prompt, seeded as `LLMEngine` seeds a
+    request with its own seed (here: the prompt's index)."""
+    requests, next_id = [], 0
+    for index, prompt in enumerate(prompt_list):
+        members = []
+        for sibling in range(N):
+            first = None if first_tokens is None else first_tokens[sibling]
+            params = SamplingParams(temperature, stream_seed("request", index, sibling)
+                                    if temperature else None, eos, first)
+            members.append(Request(next_id, 0.001 * index, len(prompt), new, prompt,
+                                   sampling=params))
+            next_id += 1
+        members[0].forks = members[1:]
+        requests.append(members[0])
+    return requests
+
+
+def outputs_by_prompt(result):
+    ordered = sorted(result.served_requests, key=lambda r: r.request_id)
+    return [[r.output_token_ids for r in ordered[i:i + N]] for i in range(0, len(ordered), N)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("budget_tokens", [2000, 100], ids=["roomy", "tight"])
+def test_serve_samples_forks_exactly_as_the_batch_engine(model, strategy, budget_tokens):
+    prompt_list = prompts()
+    expected = generate_batch(model, prompt_list, 9, block_size=4, n=N, temperature=0.9,
+                              seeds=list(range(len(prompt_list)))).completions
+    if strategy == "contiguous":
+        budget_tokens = {2000: 2000, 100: 4 * 32}[budget_tokens]  # 4 slabs: room for one family
+    kv, executor = model_strategy(strategy, model, budget_tokens * BYTES_PER_TOKEN, 32,
+                                  block_size=4)
+    result = serve(families(prompt_list, 9, 0.9), kv, executor,
+                   SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=24))
+    assert outputs_by_prompt(result) == expected
+    assert result.finished == N * len(prompt_list)
+    if budget_tokens < 200 and strategy != "contiguous":
+        assert result.preemptions > 0  # siblings preempted and recomputed, samples unchanged
+    assert kv.num_reserved_tokens == 0 and not executor.generators
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_forced_first_tokens_and_eos_through_every_strategy(model, strategy):
+    prompt_list = prompts(3, seed=9)
+    greedy = [[generate(model, p + [t], 6, cache="none").token_ids for t in (5, 6, 7)]
+              for p in prompt_list]
+    eos = greedy[0][1][2]  # a token the second sibling of prompt 0 produces: it stops there
+    kv, executor = model_strategy(strategy, model, 1000 * BYTES_PER_TOKEN, 32, block_size=4)
+    result = serve(families(prompt_list, 7, 0.0, eos=eos, first_tokens=(5, 6, 7)), kv, executor)
+    for got, want in zip(outputs_by_prompt(result), greedy):
+        for sibling_got, (first, rest) in zip(got, zip((5, 6, 7), want)):
+            full = [first] + rest
+            stop = full.index(eos) + 1 if eos in full[1:] else len(full)
+            assert sibling_got == full[:stop]
+    reasons = {r.finish_reason for r in result.served_requests}
+    assert reasons == {"stop", "length"}
+    if strategy != "contiguous":
+        assert kv.manager.num_cow_copies > 0  # siblings diverged inside a shared block
+
+
+def test_contiguous_fork_takes_a_slab_of_its_own_and_copies_the_prompt(model):
+    kv, executor = model_strategy("contiguous", model, 3 * 32 * BYTES_PER_TOKEN, 32)
+    [parent] = families(prompts(1), 4, 0.0)
+    result = serve([parent], kv, executor)
+    assert result.peak_running == N and result.finished == N
+    assert kv.num_held == 0 and not any(executor.cache.in_use)
+    # A family needs n slabs at once: with 2 slabs it waits forever, so it is refused up front.
+    kv, executor = model_strategy("contiguous", model, 2 * 32 * BYTES_PER_TOKEN, 32)
+    assert kv.allocate(families(prompts(1), 4, 0.0)[0], 100) is None
+
+
+def test_a_rejected_request_takes_its_forks_with_it_and_the_others_run(model):
+    kv, executor = model_strategy("paged", model, 200 * BYTES_PER_TOKEN, 32, block_size=4)
+    too_long, fine = families([[1] * 30, [2, 3, 4]], 8, 0.0)
+    result = serve([too_long, fine], kv, executor)
+    states = sorted((r.request_id, r.state) for r in result.served_requests)
+    assert states == [(0, RequestState.REJECTED), (1, RequestState.REJECTED),
+                      (2, RequestState.REJECTED), (3, RequestState.FINISHED),
+                      (4, RequestState.FINISHED), (5, RequestState.FINISHED)]
+    assert result.rejected == N and "max_model_len=32" in result.reject_examples[0]
+
+
+def test_the_batch_engine_is_the_serving_scheduler(model):
+    engine = LLMEngine(model, num_blocks=8, block_size=4, max_model_len=24, max_num_seqs=4)
+    ids = [engine.add_request(p, 8, n=2, first_tokens=[1, 2]) for p in prompts(3)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert len(engine.running) <= 4  # max_num_seqs counts every completion of a request
+        assert engine.cache.manager.num_used_blocks <= 8
+    assert engine.stats.num_steps == steps and engine.stats.num_preemptions > 0
+    assert all(len(c) == 8 for rid in ids for c in engine.outputs(rid))
+    assert engine.cache.manager.num_free_blocks == 8
+
+
+def test_sampling_params_refuse_what_would_be_silently_wrong():
+    with pytest.raises(ValueError, match="needs a stream_seed"):
+        SamplingParams(0.7)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(float("nan"), 1)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        SamplingParams(eos_token_id=-1)

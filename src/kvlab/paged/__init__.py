@@ -18,7 +18,8 @@ One module per idea, in reading order:
   plugs in).
 * `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
-* `fragmentation`: stage 4's toy placement model of internal and external fragmentation.
+* `fragmentation`: `first_fit` / `place`, a memory drawn as a string to show external
+  fragmentation (measured on real traffic by `kvlab.serving.exact_reservation`).
 
 What runs requests over the pool (admission, preemption, forks, sampling) is the one scheduler of
 `kvlab.serving`: `LLMEngine` for a batch, `serve` for traffic arriving over time.

@@ -5,6 +5,9 @@ cache manager that allocates, a runner that executes), one module per idea, in r
 
 * `request`: `Request` (sizes, arrival, progress), arrival processes (Poisson, speed-up).
 * `kv_managers`: the `KVManager` interface and its strategies (contiguous reservation, paged).
+* `exact_reservation`: exact-size reservations known in advance, placed first fit in one address
+  space (`FirstFitSlabManager`, external fragmentation counted) or in blocks
+  (`ExactBlocksManager`): stage 4's fragmentation measurement.
 * `scheduler`: `Scheduler` (continuous batching: admit, run, preempt under step budgets).
 * `cost_model`: simulation mode's roofline step time on named cards.
 * `model_runner`: `ModelExecutor` (model mode: forward passes over the real cache, sampling).
@@ -27,6 +30,7 @@ On a GPU (the GPU tour's step; `--dry-run` on the CPU):
 from .batch import BatchResult, default_pool_size, generate_batch
 from .cost_model import CARDS, Card, CostModel, get_card
 from .engine import EngineStats, LLMEngine
+from .exact_reservation import ExactBlocksManager, FirstFitSlabManager, GapRefusal
 from .kv_managers import ContiguousManager, KVManager, PagedManager
 from .metrics import ROW_KEYS, ServeResult, StepSeries, format_rows, percentile, plot_memory
 from .model_runner import ModelExecutor
@@ -45,4 +49,5 @@ __all__ = [
     "serve", "simulated_manager", "model_strategy", "STRATEGIES", "ServeResult", "StepSeries",
     "ROW_KEYS", "format_rows", "percentile", "plot_memory", "LLMEngine", "EngineStats",
     "BatchResult", "generate_batch", "default_pool_size",
+    "FirstFitSlabManager", "ExactBlocksManager", "GapRefusal",
 ]

@@ -87,7 +87,7 @@ class StoryConfig:
 
     @classmethod
     def dry(cls, **changes) -> "StoryConfig":
-        """The CPU dry run: tiny model, lengths / 8, a small emulated limit, short budgets."""
+        """The CPU dry run: tiny model, lengths / 16, a small emulated limit, short budgets."""
         return cls(**{**dict(model="tiny", num_requests=60, speedup=200.0, shrink=16,
                              max_model_len=512, max_num_seqs=64, max_num_batched_tokens=256,
                              kv_gib=0.0015, attention="torch", budget_s=15.0, dry_run=True),
@@ -119,6 +119,9 @@ class TimedExecutor:
 
     def release(self, request) -> None:
         self.inner.release(request)
+
+    def __getattr__(self, name):  # anything else the loop asks of an executor: the inner one's
+        return getattr(self.inner, name)
 
 
 def random_model(name: str, dtype: torch.dtype, device: torch.device,

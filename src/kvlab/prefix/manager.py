@@ -269,17 +269,14 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         """Give every full block of the sequence not yet in its chain a hash and a cache entry."""
         table, tokens = self.tables[seq_id], self._tokens[seq_id]
         chain, extra_keys = self._chains[seq_id], self._extra_keys[seq_id]
-        size = self.block_size
-        while len(chain) < table.num_tokens // size:
-            index = len(chain)
-            parent = chain[-1] if chain else None
+        size, hashes, cache = self.block_size, self._hashes[seq_id], self.prefix_cache
+        for index in range(len(chain), table.num_tokens // size):
             content = tokens.block(index, size)
-            block_hash = self._block_hash(self._hashes[seq_id], index, tokens, content,
-                                          extra_keys)
+            block_hash = self._block_hash(hashes, index, tokens, content, extra_keys)
             block_id = table.block_ids[index]
             # A full block is never written again, so an existing entry of it is still right.
-            entry = self.prefix_cache.entry(block_id) or self.prefix_cache.insert(
-                block_id, block_hash, content, extra_keys, parent)
+            entry = cache.entry(block_id) or cache.insert(block_id, block_hash, content,
+                                                          extra_keys, chain[-1] if chain else None)
             chain.append(entry)
 
     # ---- the stage-4 operations, keeping the token ids --------------------------------------

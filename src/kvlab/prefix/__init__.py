@@ -17,6 +17,8 @@ Modules, in reading order:
   unbounded vs LRU hit rate against pool capacity.
 * `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
   multi-turn chats).
+* `chats`: multi-turn chats in real text, rendered with a model's chat template (SmolLM2's), each
+  turn re-sending the conversation with the model's own answers.
 * `report_row` (the `paged+prefix` row of `kvlab report` on a Mooncake trace).
 
 The scheduler of `kvlab.serving` admits through this manager (`kvlab.serving.PrefixManager`):

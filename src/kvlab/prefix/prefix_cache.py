@@ -41,7 +41,7 @@ from ..paged.free_queue import Block
 __all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: a trace replay makes millions of them
 class CachedBlock:
     """The cache entry of one full block. Compared by identity (eq=False), never by value.
 

@@ -29,7 +29,7 @@ cache the same blocks at a few ints each:
 from __future__ import annotations
 
 import copy
-from typing import Hashable, Sequence
+from typing import Hashable
 
 from ..prefix.block_tokens import BlockTokens
 from .request import Request
@@ -74,6 +74,8 @@ class TraceBlocks(BlockTokens):
         size = self.trace_block_size
         if end <= self.named_end and start // size == (end - 1) // size:  # the usual case
             return (self.trace_ids[start // size] * size + start % size, block_size)
+        if start >= self.named_end:  # outputs, and prompts the trace names no block of (Azure)
+            return (self.own_id, block_size)
         runs: list[int] = []
         position = start
         while position < min(end, self.named_end):
@@ -95,13 +97,13 @@ class TraceBlocks(BlockTokens):
         module docstring for why a 64-bit hash is enough here)."""
         return hash((parent_hash, content, extra_keys))
 
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """Append output tokens; in simulation they carry the request's own id.
+    def extend(self, token_ids: list[int]) -> None:
+        """Append output tokens (a list or tuple); in simulation they carry the request's own id.
 
         Raises:
             ValueError: the prompt is not complete yet, or an id other than the own id.
         """
-        if self.num_tokens < self.prompt_len or any(t != self.own_id for t in token_ids):
+        if self.num_tokens < self.prompt_len or token_ids.count(self.own_id) != len(token_ids):
             raise ValueError(f"a simulated request grows by output tokens with its own id "
                              f"{self.own_id} after its {self.prompt_len}-token prompt; got "
                              f"{list(token_ids)[:8]} at token {self.num_tokens}")

@@ -141,3 +141,24 @@ def test_sampling_params_refuse_what_would_be_silently_wrong():
         SamplingParams(float("nan"), 1)
     with pytest.raises(ValueError, match="eos_token_id must be a token id"):
         SamplingParams(eos_token_id=-1)
+
+
+def test_prefix_manager_reserves_step_by_step_like_the_paged_one():
+    # Issue 10's fair comparison: with nothing to share, paged + prefix must take the same blocks
+    # at the same steps as paging (vLLM v1 allocates what each step computes), chunked prefill
+    # included. It used to reserve whole prompts at admission, which alone spared it preemptions.
+    from kvlab.serving import SimulatedExecutor, simulated_manager
+    from kvlab.serving.cost_model import CostModel, get_card
+
+    rng = random.Random(2)
+    requests = [Request(i, 0.0, rng.randint(20, 90), rng.randint(1, 30)) for i in range(40)]
+    cost = CostModel(CONFIG, get_card("H100-80GB"), dtype="fp32")
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=32)  # prompts in chunks
+    runs = {name: serve(requests, simulated_manager(name, 2000 * BYTES_PER_TOKEN, BYTES_PER_TOKEN,
+                                                    128, block_size=4),
+                        SimulatedExecutor(cost), config)
+            for name in ("paged", "prefix")}
+    paged, prefix = runs["paged"], runs["prefix"]
+    assert paged.preemptions == prefix.preemptions == 0 and prefix.prefix_hit_rate == 0
+    assert prefix.series.reserved_tokens == paged.series.reserved_tokens
+    assert prefix.series.running == paged.series.running

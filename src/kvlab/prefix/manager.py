@@ -45,6 +45,7 @@ import dataclasses
 from typing import Hashable, Sequence
 
 from ..paged.block_table import BlockTable, cdiv
+from ..requests import check_int
 from ..errors import NoFreeBlocksError, RequestTooLongError
 from ..paged.kv_cache_manager import KVCacheManager, SlotReservation
 from .block_hash import BlockHash, HashFunction, extra_keys_for, sha256, short
@@ -189,7 +190,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
 
     def allocate_with_prefix(self, seq_id: Hashable, token_ids: Sequence[int] | BlockTokens,
                              cache_salt: str | None = None,
-                             block_hashes: list[BlockHash] | None = None) -> PrefixAllocation:
+                             block_hashes: list[BlockHash] | None = None,
+                             token_budget: int | None = None) -> PrefixAllocation:
         """Admit a sequence: share its cached prefix blocks, allocate the rest, cache full blocks.
 
         Args:
@@ -203,6 +205,12 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                 the hashes in it, appends the ones it computes (also those of blocks that fill up
                 later in `append_slots`) and keeps a reference until `free`. A retried admission
                 with the same list computes no hash.
+            token_budget: reserve slots only for what the first step computes: the cached prefix
+                plus at most this many tokens (vLLM v1 allocates, step by step, the slots of the
+                tokens each step computes; a long prompt prefilled in chunks takes its blocks chunk
+                by chunk through `append_slots`). None: all of token_ids at once. The hit is
+                looked up over all of token_ids either way; the manager keeps them all, so later
+                `append_slots` calls over them need no ids.
 
         Raises:
             ValueError: seq_id already has a block table, or token_ids is empty.
@@ -228,7 +236,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                             block_hashes=block_hashes)
         hit_ids = [entry.block_id for entry in hits]
         table = BlockTable(size, list(hit_ids), num_tokens=len(hits) * size)
-        new_blocks = table.num_blocks_after(len(token_ids) - table.num_tokens)
+        num_new = len(token_ids) - table.num_tokens
+        if token_budget is not None:
+            num_new = min(num_new, check_int("token_budget", token_budget, 1))
+        new_blocks = table.num_blocks_after(num_new)
         needed = new_blocks + pool.num_free_to_touch(hit_ids)  # a free hit leaves the queue too
         if needed > pool.num_free_blocks:
             raise NoFreeBlocksError(
@@ -240,7 +251,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         table.block_ids += pool.allocate(new_blocks)
         self.tables[seq_id] = table
         num_cached = table.num_tokens
-        slots = self._reserve(table, len(token_ids) - num_cached)
+        slots = self._reserve(table, num_new)
         self._tokens[seq_id] = tokens
         self._extra_keys[seq_id] = extra_keys
         self._hashes[seq_id] = block_hashes
@@ -283,15 +294,23 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             KeyError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.append_slots`.
         """
         tracked = seq_id in self._tokens
-        if tracked and (token_ids is None or len(token_ids) != num_new_tokens):
+        if tracked and self._num_unknown(seq_id, num_new_tokens) > 0 and (
+                token_ids is None or len(token_ids) != num_new_tokens):
             got = "none" if token_ids is None else len(token_ids)
             raise ValueError(f"sequence {seq_id!r} is prefix-cached: append_slots needs the "
                              f"{num_new_tokens} new token ids, got {got}")
+        unknown = self._num_unknown(seq_id, num_new_tokens) if tracked else 0
         reservation = super().append_slots(seq_id, num_new_tokens)
         if tracked:
-            self._tokens[seq_id].extend(token_ids)
+            if unknown > 0:
+                self._tokens[seq_id].extend(token_ids[num_new_tokens - unknown:])
             self._cache_full_blocks(seq_id)
         return reservation
+
+    def _num_unknown(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Of `num_new_tokens` more slots, how many hold tokens the manager has not been given
+        (the rest were given at admission: a prompt reserved chunk by chunk)."""
+        return self.tables[seq_id].num_tokens + num_new_tokens - len(self._tokens[seq_id])
 
     def append_in_last_block(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
         """A decode step's fast path: record new tokens that fit in the sequence's last block.
@@ -313,9 +332,11 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                 and end <= len(table.block_ids) * self.block_size
                 and self.pool.blocks[table.block_ids[-1]].ref_count == 1):
             return False
-        table.num_tokens = end
         if seq_id in self._tokens:
-            self._tokens[seq_id].extend(token_ids)
+            unknown = self._num_unknown(seq_id, len(token_ids))
+            if unknown > 0:
+                self._tokens[seq_id].extend(token_ids[len(token_ids) - unknown:])
+        table.num_tokens = end
         return True
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:

@@ -9,6 +9,8 @@ admits requests up to `max_num_seqs` and finds out it has run out when `torch.em
 `torch.OutOfMemoryError` (the class `torch.cuda.OutOfMemoryError` names). The tensors have a
 different size each, so the caching allocator splits freed blocks to serve smaller ones and the
 free memory ends up in pieces: the paper's external fragmentation (see `allocator_figures`).
+`exact_reservation.FirstFitSlabManager` places the same reservations by first fit in an address
+space it draws and counts; here the real allocator places them, and only its books tell.
 
 What this server does when the allocator refuses (a choice, documented and tested):
 

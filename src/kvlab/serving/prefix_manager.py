@@ -55,31 +55,36 @@ class PrefixManager(PagedManager):
         super().__init__(manager, max_model_len)
         # request_id -> its full-block hash chain, filled by the manager (see module docstring)
         self._block_hashes: dict[int, list[bytes]] = {}
+        self._num_given: dict[int, int] = {}  # request_id -> tokens given at its last admission
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
-        # The whole prompt (+ outputs after a preemption) is reserved at admission, the cached
-        # part shared; chunks computed in later steps find their slots already there.
-        tokens = block_tokens(request)
+        # Like `PagedManager`: slots only for what this step computes, the cached prefix shared
+        # (vLLM v1). The manager is given every token the request has, so the hit is found over
+        # the whole prompt and the chunks of later steps need no ids.
         try:
             allocation = self.manager.allocate_with_prefix(
-                request.request_id, tokens, request.cache_salt,
-                block_hashes=self._block_hashes.setdefault(request.request_id, []))
+                request.request_id, block_tokens(request), request.cache_salt,
+                block_hashes=self._block_hashes.setdefault(request.request_id, []),
+                token_budget=token_budget)
         except NoFreeBlocksError:
             return None
+        self._num_given[request.request_id] = request.num_tokens
         return allocation.num_cached_tokens
 
     def append(self, request: Request, num_new_tokens: int) -> bool:
-        table = self.manager.tables[request.request_id]
+        rid = request.request_id
+        start = self.manager.tables[rid].num_tokens
         end = request.num_computed_tokens + num_new_tokens
-        if end <= table.num_tokens:
-            return True  # the rest of a prompt reserved at admission
-        new_ids = token_ids(request, table.num_tokens, end)
-        # Most decode steps: the tokens fit in the last block without filling it, so no block is
-        # taken and none hashed; the manager records the ids and hashes them once the block fills.
-        if self.manager.append_in_last_block(request.request_id, new_ids):
-            return True
+        if end <= self._num_given.get(rid, 0):  # a fork was given nothing: it only decodes
+            new_ids = None  # a later chunk of what it brought at admission: the manager has them
+        else:
+            new_ids = token_ids(request, start, end)
+            # Most decode steps: the tokens fit in the last block without filling it, so no block
+            # is taken and none hashed; the manager records the ids and hashes the block once full.
+            if self.manager.append_in_last_block(rid, new_ids):
+                return True
         try:
-            reservation = self.manager.append_slots(request.request_id, len(new_ids), new_ids)
+            reservation = self.manager.append_slots(rid, end - start, new_ids)
         except NoFreeBlocksError:
             return False
         self._copies += reservation.copies
@@ -88,6 +93,7 @@ class PrefixManager(PagedManager):
     def free(self, request: Request) -> None:
         super().free(request)
         self._block_hashes.pop(request.request_id, None)
+        self._num_given.pop(request.request_id, None)
 
 
 def block_tokens(request: Request) -> list[int] | BlockTokens:

@@ -55,7 +55,7 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     budget = max_num_batched_tokens
     scheduled: list = []
     preempted: list = []
-    raise NotImplementedError("TODO(stage 7): index = 0; while index < len(running) and budget > 0: n = min( request.num_tokens - request.num_computed_tokens, budget); while not kv.append(request, n): victim = running.pop(); preempt it (kv.preempt, reset, waiting.appendleft) and stop if victim is request; else schedule (request, n), budget -= n, index += 1")
+    raise NotImplementedError("TODO(stage 7): index = 0; while index < len(running) and budget > 0: n = min(request.num_tokens - request.num_computed_tokens, budget); while not kv.append(request, n): victim = running.pop(); preempt it (kv.preempt, reset, waiting.appendleft) and stop if victim is request; else schedule (request, n), budget -= n, index += 1")
 
     admitted: list = []
     raise NotImplementedError("TODO(stage 7): only if not preempted: while waiting and budget > 0 and len(running) < max_num_seqs: cached = kv.allocate(waiting[0], budget); stop on None; else popleft, set num_computed_tokens = cached, append to running and admitted, schedule min(num_tokens - cached, budget) tokens and take them from the budget")

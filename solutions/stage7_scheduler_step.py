@@ -52,10 +52,11 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     budget = max_num_batched_tokens
     scheduled: list = []
     preempted: list = []
-    # BEGIN SOLUTION hint: index = 0; while index < len(running) and budget > 0: n = min(
-    # hint: request.num_tokens - request.num_computed_tokens, budget); while not kv.append(request,
-    # hint: n): victim = running.pop(); preempt it (kv.preempt, reset, waiting.appendleft) and stop
-    # hint: if victim is request; else schedule (request, n), budget -= n, index += 1
+    # BEGIN SOLUTION hint: index = 0; while index < len(running) and budget > 0:
+    # hint: n = min(request.num_tokens - request.num_computed_tokens, budget); while not
+    # hint: kv.append(request, n): victim = running.pop(); preempt it (kv.preempt, reset,
+    # hint: waiting.appendleft) and stop if victim is request; else schedule (request, n),
+    # hint: budget -= n, index += 1
     index = 0
     while index < len(running) and budget > 0:
         request = running[index]

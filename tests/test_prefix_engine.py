@@ -45,6 +45,16 @@ def test_ragged_batch_with_shared_prefixes_matches_no_cache_and_paged(model):
     assert result.cache.manager.num_free_blocks == result.cache.num_blocks
 
 
+def test_a_hit_leaving_one_prompt_token_still_prefills_it(model):
+    # 17 tokens in blocks of 16: the second copy hits block 0 and runs its last prompt token in
+    # the decode pass; that token is prefill work all the same.
+    [prompt] = shared_prompts(17, [0])
+    result = prefix_batch(model, [prompt, prompt], 4, block_size=16)
+    assert result.prefix_stats.num_hit_tokens == 16
+    assert result.stats.num_prefill_tokens == 17 + 1
+    assert result.token_ids == no_cache(model, [prompt, prompt], 4)
+
+
 def test_hits_on_blocks_filled_during_decode(model):
     [prompt] = shared_prompts(5, [0])
     engine = LLMEngine(model, num_blocks=16, block_size=4, max_model_len=64,

@@ -14,10 +14,11 @@ import torch
 
 from kvlab.cli import main
 from kvlab.config import LlamaConfig, load_config
+from kvlab.errors import KVCacheOutOfMemory
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
-from kvlab.serving import (CostModel, PagedManager, Request, RequestState, Scheduler,
-                           SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
+from kvlab.serving import (CostModel, PagedManager, Request, RequestState, SamplingParams,
+                           Scheduler, SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
                            percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
                            speed_up)
 from kvlab.serving.traces import load_trace
@@ -167,6 +168,30 @@ def test_model_mode_tokens_equal_solo_generation(model, strategy, budget_tokens)
         assert served[request.request_id].output_token_ids == solo, request.request_id
 
 
+@pytest.mark.parametrize("strategy", ["contiguous", "paged"])
+def test_one_token_prompt_chunks_count_as_prefill_and_sample_nothing(model, strategy):
+    # A budget of 2 tokens a step: while A decodes, B's prompt goes in 1-token chunks that ride in
+    # the decode pass. They are prefill tokens, and B samples (from its own random stream) only
+    # once its whole prompt is in.
+    def pair():
+        rng = random.Random(5)
+        return [Request(i, 0.0, prompt, output, [rng.randrange(CONFIG.vocab_size)
+                                                  for _ in range(prompt)],
+                        sampling=SamplingParams(temperature=1.0, stream_seed=100 + i))
+                for i, (prompt, output) in enumerate([(3, 12), (9, 4)])]
+
+    def run(config):
+        kv, executor = model_strategy(strategy, model, 2 * 64 * BYTES_PER_TOKEN, 64,
+                                      block_size=4)
+        result = serve(pair(), kv, executor, config)
+        return executor, {r.request_id: r.output_token_ids for r in result.served_requests}
+
+    executor, tokens = run(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2))
+    assert executor.num_prefill_tokens == 3 + 9
+    assert executor.num_decode_tokens == (12 - 1) + (4 - 1)  # every output token but the last
+    assert tokens == run(SchedulerConfig())[1]  # the same samples with room for whole prompts
+
+
 def test_simulation_and_model_mode_make_the_same_decisions(model):
     requests = workload(12)  # no shared prefix: simulation's stand-in ids then hit alike
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20)
@@ -184,10 +209,19 @@ def test_simulation_and_model_mode_make_the_same_decisions(model):
 
 
 def test_paged_manager_refuses_a_pool_smaller_than_one_request():
-    with pytest.raises(ValueError, match="max_model_len=64 request needs 16 blocks"):
+    # The same error class as PagedKVCache and ContiguousKVCache raise for the same condition.
+    with pytest.raises(KVCacheOutOfMemory, match="max_model_len=64 request needs 16 blocks"):
         simulated_manager("paged", 10 * 4 * 100, 100, max_model_len=64, block_size=4)
-    with pytest.raises(ValueError, match="no slab"):
+    with pytest.raises(KVCacheOutOfMemory, match="no slab"):
         simulated_manager("contiguous", 63 * 100, 100, max_model_len=64)
+
+
+def test_cli_serve_pool_too_small_is_one_line_and_exit_2(capsys):
+    assert main(["serve", "--trace", "azure-conv", "--simulate", "--model", "llama-3.1-8b",
+                 "--kv-budget", "0.01", "--max-model-len", "4096", "--num-requests", "5",
+                 "--strategy", "paged"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "request needs 256 blocks of 16 tokens" in err
 
 
 # ---- arrivals, cost model, metrics --------------------------------------------------------------
@@ -310,6 +344,43 @@ def test_cli_serve_simulate_json(tmp_path, capsys):
     assert prefix["prefix_hit_rate"] == 0.0 or prefix["preemptions"] > 0
     assert contiguous["peak_running"] == (2**30 // (2048 * 131072))  # 4 slabs of 2,048 tokens
     assert paged["peak_running"] > contiguous["peak_running"]
+
+
+def _serve_json(tmp_path, capsys, *flags):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:15:10.{i}000000,{100 + i},5\n" for i in range(10)))
+    assert main(["serve", "--trace", str(trace), "--simulate", "--model", "llama-3.1-8b",
+                 "--kv-budget", "1", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("gpu, expected", [
+    ("H100-80GB", (1024, 8192)), ("H200", (1024, 8192)), ("MI300X", (1024, 8192)),
+    ("A100-80GB", (256, 2048)),   # >= 70 GiB, but vLLM keeps the A100 on the small defaults
+    ("A100-40GB", (256, 2048)), ("L4", (256, 2048))])
+def test_cli_serve_step_budgets_follow_vllms_rule_for_the_card(tmp_path, capsys, gpu, expected):
+    out = _serve_json(tmp_path, capsys, "--gpu", gpu, "--strategy", "paged")
+    assert (out["max_num_seqs"], out["max_num_batched_tokens"]) == expected
+
+
+def test_cli_serve_explicit_step_budgets_win(tmp_path, capsys):
+    out = _serve_json(tmp_path, capsys, "--gpu", "H100-80GB", "--strategy", "paged",
+                      "--max-num-seqs", "3", "--max-num-batched-tokens", "512")
+    assert (out["max_num_seqs"], out["max_num_batched_tokens"]) == (3, 512)
+    assert out["rows"][0]["peak_running"] <= 3
+
+
+def test_step_budget_defaults_without_a_gpu_are_the_small_ones():
+    from kvlab.cli.serve import scheduler_defaults
+
+    assert scheduler_defaults(None, None) == (256, 2048)   # model mode on the CPU
+
+
+def test_cli_serve_strategy_accepts_the_table_name(tmp_path, capsys):
+    for name in ("prefix", "paged+prefix"):
+        out = _serve_json(tmp_path, capsys, "--strategy", name)
+        assert [row["strategy"] for row in out["rows"]] == ["paged+prefix"]
 
 
 def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):

@@ -7,6 +7,8 @@
 
 Simulation mode (`--simulate`) times each step with the roofline cost model of the named card;
 model mode runs the real model on the CPU (or `--device cuda`) with real cache tensors.
+
+The step budgets default to what vLLM v1's API server picks for the card (`scheduler_defaults`).
 """
 
 from __future__ import annotations
@@ -18,17 +20,55 @@ import json
 
 from .arguments import positive_float, positive_int
 
-__all__ = ["register", "run_serve"]
+__all__ = ["register", "run_serve", "scheduler_defaults"]
+
+# vLLM v1's API-server defaults (vllm/engine/arg_utils.py, `EngineArgs._set_default_args_v1`,
+# later `get_batch_defaults`): cards with >= 70 GiB other than the A100 get the large pair; an
+# A100 stays on the small one because a larger token budget lowered its throughput (vLLM PR
+# #17885). vLLM's offline `LLM` class doubles the token budget (16,384 / 8,192); a server is what
+# `kvlab serve` models. Later vLLM releases add tiers in between; this is the two-tier rule.
+LARGE_CARD_GIB = 70
+LARGE_CARD_DEFAULTS = (1024, 8192)   # (max_num_seqs, max_num_batched_tokens)
+OTHER_DEFAULTS = (256, 2048)
+
+
+def scheduler_defaults(card_name: str | None, memory_bytes: int | None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) vLLM v1's API server uses on this card.
+
+    Args:
+        card_name: the GPU's name (an A100 of any size keeps the small defaults), or None (no
+            GPU: the model runs on the CPU).
+        memory_bytes: the card's memory in bytes (nominal for a named card), or None.
+
+    Returns:
+        (1024, 8192) for a card of >= 70 GiB that is not an A100, else (256, 2048).
+    """
+    if card_name is None or memory_bytes is None:
+        return OTHER_DEFAULTS
+    if memory_bytes >= LARGE_CARD_GIB * 2**30 and "a100" not in card_name.lower():
+        return LARGE_CARD_DEFAULTS
+    return OTHER_DEFAULTS
 
 
 def register(commands) -> None:
     """Add `kvlab serve` to the argparse subparsers (imports nothing heavy: `kvlab size` must not
     pay for torch)."""
-    p = commands.add_parser("serve", help="serve a trace with every KV-cache strategy (stage 7)")
+    from ..traces.shipped import SHIPPED_TRACES  # a dict of names: no torch
+
+    p = commands.add_parser(
+        "serve", help="serve a trace with every KV-cache strategy (stage 7)",
+        description="Replay a request trace through one continuous-batching scheduler for each "
+                    "KV-cache strategy. Step budgets default to vLLM v1's API-server values for "
+                    "the card: max_num_seqs 1024 and max_num_batched_tokens 8192 on a card of "
+                    ">= 70 GiB that is not an A100 (H100-80GB, H200, MI300X), 256 and 2048 on "
+                    "any other card and on the CPU.")
     p.add_argument("--trace", required=True,
-                   help="Azure trace .csv (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake "
-                        ".jsonl")
-    p.add_argument("--strategy", choices=("contiguous", "paged", "prefix", "all"), default="all")
+                   help=f"a shipped trace ({', '.join(SHIPPED_TRACES)}) or a file: Azure .csv "
+                        f"(TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake .jsonl")
+    p.add_argument("--strategy", choices=("contiguous", "paged", "prefix", "paged+prefix", "all"),
+                   default="all",
+                   help="one strategy, or all (default); prefix and paged+prefix are the same "
+                        "(the tables call it paged+prefix)")
     p.add_argument("--simulate", action="store_true",
                    help="no tensors: step times from the card's roofline (default: run the model)")
     p.add_argument("--model", default=None,
@@ -46,9 +86,15 @@ def register(commands) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest request; longer ones are rejected (default 4096 simulated, the "
                         "model's limit otherwise)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="most requests running at once (default: 1024 on a card of >= 70 GiB "
+                        "other than an A100, else 256; vLLM v1's API-server rule)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="most tokens computed in one step; longer prompts are prefilled in "
+                        "chunks (default: 8192 on a card of >= 70 GiB other than an A100, else "
+                        "2048)")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per KV block (default 16, vLLM's)")
     p.add_argument("--num-requests", type=positive_int, default=None,
                    help="replay only the first N requests of the trace")
     p.add_argument("--speedup", type=positive_float, default=1.0,
@@ -70,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..serving.runner import STRATEGIES
     from ..serving.traces import load_trace
 
-    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    strategy = "prefix" if args.strategy == "paged+prefix" else args.strategy
+    strategies = STRATEGIES if strategy == "all" else (strategy,)
     rows = load_trace(args.trace, args.num_requests)
     if not rows:
         raise ValueError(f"{args.trace}: no requests in the trace")
@@ -91,7 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         setup, results = _run_model(args, requests, strategies)
     if args.json:
-        print(json.dumps({**setup, "workload": workload,
+        print(json.dumps({**setup, "workload": workload, "max_num_seqs": args.max_num_seqs,
+                          "max_num_batched_tokens": args.max_num_batched_tokens,
                           "rows": [r.row() for r in results]}, indent=2))
         return 0
     print(f"{setup['description']}\nworkload {workload}; max_model_len {setup['max_model_len']:,}, "
@@ -111,7 +159,6 @@ def _simulate(args, requests, strategies):
     from ..config import load_config
     from ..serving.cost_model import CostModel, get_card
     from ..serving.runner import SimulatedExecutor, serve, simulated_manager
-    from ..serving.scheduler import SchedulerConfig
     from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token, weights_bytes
 
     config = load_config(args.model or "llama-3.1-70b")
@@ -129,7 +176,7 @@ def _simulate(args, requests, strategies):
             raise ValueError(f"{config.name} ({dtype}) weights take {weights:,} B per GPU, more "
                              f"than {args.gpu_memory_utilization} x {card.name}; raise --tp")
     max_model_len = args.max_model_len or 4096
-    scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    scheduler = _scheduler_config(args, card.name, card.memory_bytes)
     # A replay creates and drops millions of small objects (cache entries, block tables) while
     # tens of thousands stay alive (the pool, the cache), so CPython's cyclic garbage collector
     # would walk the live ones again and again: a third of the prefix-cache replay of the whole
@@ -159,8 +206,7 @@ def _run_model(args, requests, strategies):
     from ..dtypes import torch_dtype
     from ..serving.request import synthetic_prompt_ids
     from ..serving.runner import model_strategy, serve
-    from ..serving.scheduler import SchedulerConfig
-    from ..sizing import format_bytes
+    from ..sizing import format_bytes, local_gpu_memory
     from .generate import default_threads
 
     if args.kv_budget is None:
@@ -179,7 +225,8 @@ def _run_model(args, requests, strategies):
         request.prompt_token_ids = synthetic_prompt_ids(request, model.config.vocab_size,
                                                         args.seed)
     budget = int(args.kv_budget * 2**30)
-    scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    gpu = local_gpu_memory() if args.device == "cuda" else None  # the card the model runs on
+    scheduler = _scheduler_config(args, gpu and gpu.name, gpu and gpu.total_bytes)
     results = []
     for name in strategies:
         kv, executor = model_strategy(name, model, budget, max_model_len, args.block_size)
@@ -190,3 +237,16 @@ def _run_model(args, requests, strategies):
              "device": args.device, "kv_budget_bytes": budget, "max_model_len": max_model_len,
              "description": description, "clock": f"measured wall-clock time on {args.device}"}
     return setup, results
+
+
+def _scheduler_config(args, card_name, memory_bytes):
+    """The step budgets: the flags, or where a flag is absent, vLLM's default for this card (the
+    chosen values are written back to `args` so the summary line prints them)."""
+    from ..serving.scheduler import SchedulerConfig
+
+    max_num_seqs, max_num_batched_tokens = scheduler_defaults(card_name, memory_bytes)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max_num_seqs
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max_num_batched_tokens
+    return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)

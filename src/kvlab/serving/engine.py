@@ -49,7 +49,7 @@ class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0   # tokens whose K/V were dropped by preemption and redone
-    num_prefill_tokens: int = 0      # tokens run through prefill, recomputation included
+    num_prefill_tokens: int = 0      # prompt tokens run (prefix hits are not), plus recomputation
     peak_blocks_in_use: int = 0      # physical blocks held at the fullest moment
     blocks_saved_by_sharing: int = 0  # most block-table entries that pointed at a shared block
     peak_blocks_unshared: int = 0    # most block-table entries at once: what the same sequences
@@ -60,6 +60,13 @@ class EngineStats:
 class LLMEngine:
     """Continuous batching of a batch of requests over a paged KV cache: `add_request`, then
     `step` (or `run`), then `outputs`.
+
+    Two numbers name things here. A *request* (one prompt, n completions) is named by the index
+    `add_request` returns: 0, 1, 2, ... in the order added; `outputs` and `sequences` take it. Each
+    completion is a *sequence*: one scheduler `Request`, whose own `request_id` is a running number
+    over every sequence of the engine (the key of its block table, like a sequence id in vLLM v0).
+    With n = 1 for every request the two numbers coincide; with n > 1 they do not (request 1's
+    first sequence is number n).
 
     Args:
         model: the decoder (its dtype and device are the pool's).
@@ -75,8 +82,10 @@ class LLMEngine:
         enable_prefix_caching: share full blocks between requests by prefix (stage 6; vLLM's
             option of the same name).
         hash_fn: the block hash function of the prefix cache (default SHA-256).
-        max_num_batched_tokens: tokens computed per step (default max(max_model_len, 2,048), as
-            vLLM's offline default: a prompt longer than what is left is prefilled in chunks).
+        max_num_batched_tokens: tokens computed per step; a prompt longer than what is left of
+            it is prefilled in chunks. Default max(max_model_len, 2,048), so any prompt fits in
+            one step (the rule vLLM used before chunked prefill; vLLM v1's offline `LLM` default
+            is 16,384 on large GPUs, 8,192 elsewhere, and chunks longer prompts).
 
     Attributes:
         cache: the `PagedKVCache` (pool tensors and block tables).
@@ -111,6 +120,7 @@ class LLMEngine:
         else:
             self.kv = PagedManager(self.cache.manager, self.max_model_len)
         if max_num_batched_tokens is None:
+            # Whole prompts in one step unless the caller asks for chunks (see the docstring).
             max_num_batched_tokens = max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_num_batched_tokens))
         self.executor = ModelExecutor(model, self.cache)
@@ -124,7 +134,8 @@ class LLMEngine:
     def add_request(self, prompt: Seq[int], max_new_tokens: int, n: int = 1,
                     first_tokens: Seq[int] | None = None, seed: int | None = None,
                     cache_salt: str | None = None) -> int:
-        """Queue a request for n completions of one prompt; returns its request_id (0, 1, ...).
+        """Queue a request for n completions of one prompt; returns the request's index (0, 1,
+        ... in the order added), not a sequence's `request_id` (see the class docstring).
 
         Args:
             prompt: token ids.
@@ -195,11 +206,15 @@ class LLMEngine:
         return list(self.scheduler.waiting)
 
     def sequences(self, request_id: int) -> list[Request]:
-        """The n completions of a request (their `request_id` is the block-table key)."""
+        """The n sequences (scheduler `Request`s) of the request with this index.
+
+        Each sequence's own `request_id` is its sequence number, the key of its block table in
+        `cache.manager`; it equals the request's index only when every request so far had n = 1.
+        """
         return self.requests[request_id]
 
     def outputs(self, request_id: int) -> list[list[int]]:
-        """Generated ids of each completion of a request (so far)."""
+        """Generated ids of each completion of the request with this index (so far)."""
         return [list(seq.output_token_ids) for seq in self.requests[request_id]]
 
     @property

@@ -26,7 +26,8 @@ from __future__ import annotations
 import abc
 
 from ..paged.block_table import cdiv
-from ..errors import NoFreeBlocksError
+from ..errors import KVCacheOutOfMemory, NoFreeBlocksError
+from ..paged.budget import check_pool_fits
 from ..paged.kv_cache_manager import KVCacheManager
 from .request import Request
 
@@ -103,8 +104,9 @@ class ContiguousManager(KVManager):
     but a request of 300 tokens holds 4,096 slots (internal fragmentation, vLLM paper section 3).
 
     Raises:
-        ValueError: num_slabs < 1 (the budget cannot hold one max_model_len request; the message
-            says so) or max_model_len < 1.
+        KVCacheOutOfMemory: num_slabs < 1 (the budget cannot hold one max_model_len request; the
+            message says so).
+        ValueError: max_model_len < 1.
     """
 
     name = "contiguous"
@@ -113,8 +115,9 @@ class ContiguousManager(KVManager):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if num_slabs < 1:
-            raise ValueError(f"the KV budget holds no slab of max_model_len={max_model_len} "
-                             f"tokens; lower max_model_len or give the cache more memory")
+            raise KVCacheOutOfMemory(f"the KV budget holds no slab of max_model_len="
+                                     f"{max_model_len} tokens; lower max_model_len or give the "
+                                     f"cache more memory")
         self.num_slabs, self.max_model_len = num_slabs, max_model_len
         self.capacity_tokens = num_slabs * max_model_len
         # request id -> slabs it holds: 1, or 1 + its forks until they are made (each fork takes
@@ -161,7 +164,8 @@ class PagedManager(KVManager):
         max_model_len: longest request accepted (the pool must hold one; checked here).
 
     Raises:
-        ValueError: the pool cannot hold one max_model_len request (vLLM's start-up check).
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (vLLM's start-up
+            check, `kvlab.paged.budget.check_pool_fits`, as `PagedKVCache` does).
     """
 
     name = "paged"
@@ -172,11 +176,7 @@ class PagedManager(KVManager):
         self._pool_blocks = manager.pool.blocks  # ref counts, read on the fast path of `append`
         self.capacity_tokens = manager.pool.num_blocks * self.block_size
         self._copies: list[tuple[int, int]] = []  # copy-on-write since the last take_copies
-        if cdiv(max_model_len, self.block_size) > manager.pool.num_blocks:
-            raise ValueError(f"a max_model_len={max_model_len} request needs "
-                             f"{cdiv(max_model_len, self.block_size)} blocks of {self.block_size}"
-                             f" tokens, the pool has {manager.pool.num_blocks}; lower "
-                             f"max_model_len or give the cache more memory")
+        check_pool_fits(manager.pool.num_blocks, self.block_size, max_model_len)
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
         try:

@@ -44,8 +44,11 @@ class ModelExecutor:
         cost_model: if given, its step time is the clock (repeatable); else the wall clock.
 
     Attributes:
-        num_prefill_tokens, num_decode_tokens: tokens run so far through each kind of pass
-            (prefill counts recomputation after preemption; a prefix-cache hit is not run).
+        num_decode_tokens: output tokens fed back one at a time, on top of a cache holding
+            every earlier token of the request.
+        num_prefill_tokens: every other token run: prompt tokens (a lone last prompt token too,
+            though it rides in the decode pass) and tokens recomputed after preemption. A
+            prefix-cache hit is not run.
     """
 
     def __init__(self, model, cache, cost_model: CostModel | None = None):
@@ -63,15 +66,24 @@ class ModelExecutor:
         for source, destination in output.blocks_to_copy:
             self.cache.copy_block(source, destination)
         sampled: dict[int, int] = {}
+        # One new token on top of a cache: batched in one decode pass. Usually the newest output
+        # token, but it can also be the last prompt token (a prefix hit or a chunk leaving one)
+        # or a 1-token chunk inside the prompt: those are prefill tokens, and only a request
+        # whose every token is now computed gets a token sampled.
         decodes = [r for r, n in output.scheduled if n == 1 and r.num_computed_tokens > 0]
         if decodes:
             logits = self._decode(decodes)
             for request, row in zip(decodes, logits):
-                self._sample(request, row, sampled)
-            self.num_decode_tokens += len(decodes)
+                if request.num_computed_tokens >= request.prompt_len:
+                    self.num_decode_tokens += 1   # an output token fed back
+                else:
+                    self.num_prefill_tokens += 1
+                if request.num_computed_tokens + 1 == request.num_tokens:
+                    self._sample(request, row, sampled)
+        batched = {request.request_id for request in decodes}
         for request, num_new in output.scheduled:
-            if request.request_id in sampled:
-                continue  # decoded in the batch above
+            if request.request_id in batched:
+                continue  # run in the decode pass above
             logits = self._forward_one(request, num_new)
             self.num_prefill_tokens += num_new
             if request.num_computed_tokens + num_new == request.num_tokens:

@@ -36,7 +36,7 @@ __all__ = ["Request", "RequestState", "SamplingParams", "from_sizes", "poisson_a
 class RequestState(enum.Enum):
     WAITING = "waiting"      # arrived and queued (again, after a preemption)
     RUNNING = "running"      # holds KV memory and is scheduled step after step
-    FINISHED = "finished"    # produced max_output_tokens; its memory is free
+    FINISHED = "finished"    # max_output_tokens produced or EOS sampled; its memory is free
     REJECTED = "rejected"    # can never fit (reason in `reject_reason`); never queued
 
 

@@ -50,7 +50,7 @@ class SchedulerConfig:
     """The step budgets (vLLM's names).
 
     Attributes:
-        max_num_seqs: most requests running at once (vLLM's default 256).
+        max_num_seqs: most requests running at once (vLLM v1: 1,024 on large GPUs, 256 elsewhere).
         max_num_batched_tokens: most tokens computed in one step (vLLM v1 uses 8,192 for online
             serving on large GPUs, 2,048 elsewhere; a prompt beyond it is prefilled in chunks).
     """

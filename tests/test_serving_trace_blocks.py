@@ -153,3 +153,26 @@ def test_simulation_retries_the_queue_head_without_rehashing(monkeypatch):
     kv.free(first)
     assert kv.allocate(head, 1024) == 64             # 64 shared tokens hit; block 5 new
     assert len(calls) == 11
+
+
+def test_simulated_forks_take_per_token_stand_ins_and_decide_alike(monkeypatch):
+    """A request for n > 1 completions without ids: its forks inherit the parent's record and
+    append outputs under their own ids, so it is admitted with per-token stand-ins."""
+    cost = CostModel(load_config("llama-3.1-70b"), get_card("H100-80GB"), tp=4, dtype="bf16")
+
+    def replay():
+        requests = []
+        for parent_id in range(0, 12, 3):
+            family = [Request(parent_id + i, 0.01 * parent_id, 70, 9, block_hashes=(1, 2, 3),
+                              hash_block_size=32) for i in range(3)]
+            family[0].forks = family[1:]
+            requests.append(family[0])
+        return serve(requests, simulated_manager("prefix", 24 * 16 * 100, 100, 128, 16),
+                     SimulatedExecutor(cost), SchedulerConfig(8, 64), 100, progress=False)
+
+    fast = replay()
+    monkeypatch.setattr(prefix_manager, "block_tokens",
+                        lambda request: prefix_manager.token_ids(request, 0, request.num_tokens))
+    reference = replay()
+    assert decisions(fast) == decisions(reference)
+    assert fast.row()["finished"] == 12 and fast.preemptions == reference.preemptions

@@ -23,7 +23,7 @@
   admission attempt: hashes already in it are reused, missing ones are computed and appended. A
   scheduler that retries the head of its queue every step then hashes nothing on a retry; only the
   exact token check of each hit block (`PrefixCache.find`) runs again.
-* The manager reads a sequence block by block through `BlockTokens` (`block_tokens`): real ids by
+* The manager reads a sequence block by block through `BlockTokens` (`.block_tokens`): real ids by
   default (a block's content is its ids, hashed with `hash_fn`); a trace simulation may pass a
   `BlockTokens` that describes its blocks without building one id per token.
 

@@ -98,8 +98,10 @@ class PrefixManager(PagedManager):
 
 def block_tokens(request: Request) -> list[int] | BlockTokens:
     """All tokens of a request as the prefix cache reads them at admission: its ids (model mode,
-    or a prompt given with ids), else its stand-in ids described block by block (`TraceBlocks`)."""
-    if request.prompt_token_ids is not None:
+    or a prompt given with ids), else its stand-in ids described block by block (`TraceBlocks`).
+    A request with forks still to make gets its stand-in ids one by one: each fork inherits the
+    record and appends outputs under its own id, which `TraceBlocks` does not describe."""
+    if request.prompt_token_ids is not None or request.forks:
         return token_ids(request, 0, request.num_tokens)
     return TraceBlocks(request)
 

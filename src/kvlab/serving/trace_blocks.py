@@ -21,9 +21,12 @@ cache the same blocks at a few ints each:
   collision-resistant. That is enough here because the manager confirms every hit (verify=True,
   the default; `kvlab.prefix.prefix_cache`): a collision only puts two entries under one key, and
   the exact check still picks the one with equal content and the same parent entry. So the cache
-  finds exactly the blocks that SHA-256 over the stand-in ids would find (`tests/
-  test_serving_trace_blocks.py` replays a Mooncake slice both ways and compares every decision).
-  Do not use it with verify=False, which trusts the hash alone.
+  finds exactly the blocks that SHA-256 over the stand-in ids would find
+  (`tests/test_serving_trace_blocks.py` replays Mooncake slices both ways and compares every
+  decision). Do not use it with verify=False, which trusts the hash alone.
+
+Outputs are described by count only (they all carry the own id), so a request whose forks will
+inherit its record keeps per-token stand-ins (`prefix_manager.block_tokens`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,217 @@
+"""How long each notebook takes to read, counted from the committed notebooks rather than typed.
+
+The rule (docs/instructor_notes.md, "Time per stage, measured"):
+
+    reading minutes = markdown words / 120 words per minute
+                    + non-blank code lines / 15 lines per minute,   rounded to the nearest 5 minutes
+
+* a *word* is a whitespace-separated token of a markdown cell's source (headings, list bullets and
+  formulas count as they are written; outputs never count);
+* a *code line* is a line of a code cell's source holding anything other than whitespace.
+
+Halves round up (22.5 minutes reads as 25), so a figure does not flip with Python's round-half-even.
+
+    python scripts/reading_times.py           # print the table
+    python scripts/reading_times.py --write   # rewrite the figures in the notes and headers
+
+`--write` rewrites three things and nothing else:
+
+* the *reading* and *total* cells of the instructor notes' table (total = reading + the exercise
+  minutes already written in the row's exercise cell, "~N min");
+* the sums of totals in the sentences below the table ("Stages 0–4 add up to 7 h 45 min",
+  "Stages 5–7 (4 h 20 min)");
+* the "about N minutes to read and run" in each notebook's first (markdown) cell. Only that line of
+  the .ipynb file changes: the notebook is loaded and saved as JSON the way Jupyter stores it
+  (one-space indent, non-ASCII kept, trailing newline), and it is not re-executed. Changing the
+  number in the header does not change the word count, so the figures are stable.
+
+tests/test_reading_times.py recomputes everything and fails when a figure is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+INSTRUCTOR_NOTES = ROOT / "docs" / "instructor_notes.md"
+
+WORDS_PER_MINUTE = 120
+CODE_LINES_PER_MINUTE = 15
+ROUND_TO_MINUTES = 5
+
+# "**Time:** about 25 minutes to read and run, plus about 30 for the exercise."
+HEADER_TIME = re.compile(r"(\*\*Time:\*\* about )(\d+)( minutes to read and run)")
+# A row of the table: "| 4 paged allocator | 22 s | 55 min (3,335 words, 441 lines) | ... |"
+TABLE_ROW = re.compile(r"^\| (?P<stage>\d+) (?P<name>[^|]+?) \| (?P<run>[^|]+) "
+                       r"\| (?P<reading>[^|]+) \| (?P<exercise>[^|]+) \| (?P<total>[^|]+) \|$",
+                       re.M)
+EXERCISE_MINUTES = re.compile(r"~(\d+) min")
+# A duration in the prose: "7 h 45 min", "4 h", or "50 min".
+DURATION = r"(?:\d+ h \d+ min|\d+ h|\d+ min)"
+STAGE_SUMS = [re.compile(r"(Stages (\d+)–(\d+) add up to )(" + DURATION + ")"),
+              re.compile(r"(Stages (\d+)–(\d+) \()(" + DURATION + r")(\))")]
+
+
+@dataclass(frozen=True)
+class ReadingTime:
+    """What a learner reads in one notebook, and the minutes the rule gives for it."""
+
+    stage: int
+    notebook: str           # file name, e.g. "04_paged_allocator.ipynb"
+    markdown_words: int     # whitespace-separated tokens of all markdown cells
+    code_lines: int         # non-blank lines of all code cells
+    minutes: int            # rounded to ROUND_TO_MINUTES
+
+    @property
+    def reading_cell(self) -> str:
+        """The table's reading cell, e.g. "55 min (3,335 words, 441 lines)"."""
+        return f"{self.minutes} min ({self.markdown_words:,} words, {self.code_lines:,} lines)"
+
+
+def round_to_five(minutes: float) -> int:
+    """Round minutes to the nearest multiple of ROUND_TO_MINUTES, halves up (22.5 -> 25)."""
+    return ROUND_TO_MINUTES * math.floor(minutes / ROUND_TO_MINUTES + 0.5)
+
+
+def count_notebook(notebook: dict) -> tuple[int, int]:
+    """(markdown words, non-blank code lines) of a notebook loaded from its JSON."""
+    words = code_lines = 0
+    for cell in notebook["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            words += len(source.split())
+        elif cell["cell_type"] == "code":
+            code_lines += sum(1 for line in source.splitlines() if line.strip())
+    return words, code_lines
+
+
+def reading_minutes(words: int, code_lines: int) -> int:
+    """Minutes to read `words` of markdown and `code_lines` of code, rounded to 5 minutes."""
+    return round_to_five(words / WORDS_PER_MINUTE + code_lines / CODE_LINES_PER_MINUTE)
+
+
+def reading_time(path: Path) -> ReadingTime:
+    """Count one notebook; its stage is the number its file name starts with ("04_..." -> 4)."""
+    words, code_lines = count_notebook(json.loads(path.read_text(encoding="utf-8")))
+    return ReadingTime(stage=int(path.name.split("_", 1)[0]), notebook=path.name,
+                       markdown_words=words, code_lines=code_lines,
+                       minutes=reading_minutes(words, code_lines))
+
+
+def all_reading_times(notebooks: Path = NOTEBOOKS) -> dict[int, ReadingTime]:
+    """Every notebook's reading time, keyed by stage."""
+    times = [reading_time(path) for path in sorted(notebooks.glob("[0-9]*.ipynb"))]
+    return {time.stage: time for time in times}
+
+
+def format_duration(minutes: int) -> str:
+    """465 -> "7 h 45 min", 240 -> "4 h", 50 -> "50 min"."""
+    hours, rest = divmod(minutes, 60)
+    if not hours:
+        return f"{rest} min"
+    return f"{hours} h {rest} min" if rest else f"{hours} h"
+
+
+def exercise_minutes(exercise_cell: str) -> int:
+    """The "~N min" of a table's exercise cell; ValueError if the cell has none."""
+    found = EXERCISE_MINUTES.search(exercise_cell)
+    if not found:
+        raise ValueError(f"exercise cell {exercise_cell!r} has no '~N min' estimate")
+    return int(found.group(1))
+
+
+def updated_notes(text: str, times: dict[int, ReadingTime]) -> str:
+    """The instructor notes with the table's reading and total cells and the stage sums recomputed.
+
+    Raises ValueError when a table row names a stage without a notebook, or a notebook has no row.
+    """
+    totals: dict[int, int] = {}
+
+    def row(match: re.Match) -> str:
+        stage = int(match["stage"])
+        if stage not in times:
+            raise ValueError(f"the table has a row for stage {stage}, which has no notebook")
+        totals[stage] = times[stage].minutes + exercise_minutes(match["exercise"])
+        return (f"| {stage} {match['name']} | {match['run']} | {times[stage].reading_cell} "
+                f"| {match['exercise']} | {totals[stage]} min |")
+
+    text = TABLE_ROW.sub(row, text)
+    if missing := sorted(set(times) - set(totals)):
+        raise ValueError(f"the instructor notes' table has no row for stages {missing}")
+
+    def stage_sum(match: re.Match) -> str:
+        first, last = int(match.group(2)), int(match.group(3))
+        total = sum(totals[stage] for stage in range(first, last + 1))
+        return match.group(1) + format_duration(total) + "".join(match.groups()[4:])
+
+    for pattern in STAGE_SUMS:
+        text = pattern.sub(stage_sum, text)
+    return text
+
+
+def updated_header(notebook: dict, minutes: int) -> bool:
+    """Set "about N minutes to read and run" in the first cell; True if it changed.
+
+    Raises ValueError when the first cell is not markdown or has no such phrase.
+    """
+    cell = notebook["cells"][0]
+    if cell["cell_type"] != "markdown":
+        raise ValueError("the first cell is not markdown")
+    for index, line in enumerate(cell["source"]):
+        if HEADER_TIME.search(line):
+            new_line = HEADER_TIME.sub(lambda m: f"{m.group(1)}{minutes}{m.group(3)}", line)
+            cell["source"][index] = new_line
+            return new_line != line
+    raise ValueError("the first cell has no 'about N minutes to read and run'")
+
+
+def header_minutes(notebook: dict) -> int:
+    """The N of "about N minutes to read and run" in a notebook's first cell."""
+    found = HEADER_TIME.search("".join(notebook["cells"][0]["source"]))
+    if not found:
+        raise ValueError("the first cell has no 'about N minutes to read and run'")
+    return int(found.group(2))
+
+
+def write_notebook(path: Path, notebook: dict) -> None:
+    """Save as Jupyter does (nbformat: indent 1, non-ASCII kept, newline at the end)."""
+    path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def format_table(times: dict[int, ReadingTime]) -> str:
+    lines = [f"{'notebook':<36} {'words':>6} {'code lines':>10} {'minutes':>7}"]
+    for time in times.values():
+        lines.append(f"{time.notebook:<36} {time.markdown_words:>6,} {time.code_lines:>10,} "
+                     f"{time.minutes:>7}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv not in ([], ["--write"]):
+        print("usage: python scripts/reading_times.py [--write]", file=sys.stderr)
+        return 2
+    times = all_reading_times()
+    print(format_table(times))
+    if argv == ["--write"]:
+        notes = INSTRUCTOR_NOTES.read_text(encoding="utf-8")
+        new_notes = updated_notes(notes, times)
+        if new_notes != notes:
+            INSTRUCTOR_NOTES.write_text(new_notes, encoding="utf-8")
+            print(f"rewrote {INSTRUCTOR_NOTES.relative_to(ROOT)}")
+        for time in times.values():
+            path = NOTEBOOKS / time.notebook
+            notebook = json.loads(path.read_text(encoding="utf-8"))
+            if updated_header(notebook, time.minutes):
+                write_notebook(path, notebook)
+                print(f"rewrote the header of {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,100 @@
+"""The reading times in the instructor notes and the notebook headers are what the rule gives now.
+
+The rule and the counting live in scripts/reading_times.py; when a notebook's text changes, these
+tests fail until `python scripts/reading_times.py --write` is run.
+"""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTES = ROOT / "docs" / "instructor_notes.md"
+STALE = "stale: run python scripts/reading_times.py --write"
+
+
+def load_script():
+    path = ROOT / "scripts" / "reading_times.py"
+    spec = importlib.util.spec_from_file_location("reading_times", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+rt = load_script()
+TIMES = rt.all_reading_times()
+
+
+def table_rows() -> dict[int, re.Match]:
+    text = NOTES.read_text(encoding="utf-8")
+    return {int(row["stage"]): row for row in rt.TABLE_ROW.finditer(text)}
+
+
+def test_the_rule():
+    # 1,200 words = 10 min, 150 code lines = 10 min.
+    assert rt.reading_minutes(1200, 150) == 20
+    assert rt.reading_minutes(1200 + 120 * 2, 150) == 20     # 22 min rounds down
+    assert rt.reading_minutes(1200 + 60 * 5, 150) == 25      # 22.5 min: halves round up
+    assert rt.round_to_five(27.4) == 25 and rt.round_to_five(27.5) == 30
+    assert [rt.format_duration(m) for m in (50, 240, 465)] == ["50 min", "4 h", "7 h 45 min"]
+
+
+def test_counting_words_and_code_lines():
+    notebook = {"cells": [
+        {"cell_type": "markdown", "source": ["# Stage 9 — a title\n", "\n", "Two  words\n"]},
+        {"cell_type": "code", "source": ["x = 1\n", "\n", "   \n", "# a comment counts\n", "y = x"],
+         "outputs": [{"output_type": "stream", "text": ["many words that are not counted\n"]}]},
+        {"cell_type": "raw", "source": ["not read\n"]},
+    ]}
+    assert rt.count_notebook(notebook) == (8, 3)  # "#" and "—" are words too
+
+
+def test_every_notebook_has_a_row_and_nothing_in_the_notes_is_stale():
+    text = NOTES.read_text(encoding="utf-8")
+    assert sorted(table_rows()) == sorted(TIMES), "one table row per notebook"
+    assert rt.updated_notes(text, TIMES) == text, f"docs/instructor_notes.md times are {STALE}"
+
+
+def test_stage_sums_are_in_the_notes():
+    text = NOTES.read_text(encoding="utf-8")
+    sums = [match for pattern in rt.STAGE_SUMS for match in pattern.finditer(text)]
+    assert len(sums) >= 2, "the notes no longer state the time of stages 0–4 and 5–7"
+
+
+@pytest.mark.parametrize("stage", sorted(TIMES))
+def test_notebook_header_states_the_tables_times(stage):
+    notebook = json.loads((ROOT / "notebooks" / TIMES[stage].notebook).read_text(encoding="utf-8"))
+    header = "".join(notebook["cells"][0]["source"])
+    assert rt.header_minutes(notebook) == TIMES[stage].minutes, f"{TIMES[stage].notebook}: {STALE}"
+    exercise = re.search(r"plus about (\d+) for the exercise", header)
+    assert exercise, f"{TIMES[stage].notebook}: the header gives no exercise time"
+    assert int(exercise.group(1)) == rt.exercise_minutes(table_rows()[stage]["exercise"]), (
+        f"{TIMES[stage].notebook}: the header's exercise time differs from the instructor notes'")
+
+
+def test_rewriting_a_header_changes_one_line_of_the_file(tmp_path):
+    source = ROOT / "notebooks" / TIMES[0].notebook
+    notebook = json.loads(source.read_text(encoding="utf-8"))
+    assert rt.updated_header(notebook, 95)
+    copy = tmp_path / source.name
+    rt.write_notebook(copy, notebook)
+    before = source.read_text(encoding="utf-8").splitlines()
+    after = copy.read_text(encoding="utf-8").splitlines()
+    changed = [(old, new) for old, new in zip(before, after) if old != new]
+    assert len(before) == len(after) and len(changed) == 1, changed
+    assert "about 95 minutes to read and run" in changed[0][1]
+    assert copy.read_text(encoding="utf-8").endswith("}\n")
+
+
+def test_a_notebook_without_a_row_is_an_error():
+    text = NOTES.read_text(encoding="utf-8")
+    extra = dict(TIMES)
+    extra[99] = rt.ReadingTime(stage=99, notebook="99_extra.ipynb", markdown_words=1, code_lines=1,
+                               minutes=0)
+    with pytest.raises(ValueError, match=r"no row for stages \[99\]"):
+        rt.updated_notes(text, extra)

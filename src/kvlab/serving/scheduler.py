@@ -18,8 +18,10 @@ waiting for its longest member. Each step has two budgets, as in vLLM:
    oldest always progress, so the server never livelocks.
 2. If nothing was preempted this step, waiting requests are admitted first come, first served,
    while the manager has room, max_num_seqs allows and token budget is left. The head of the queue
-   that does not fit waits; nothing overtakes it, so it cannot starve. (Admitting right after a
-   preemption would only hand the freed memory to a newer request.)
+   that does not fit waits; nothing overtakes it, so it cannot starve. A step that had to preempt
+   admits nobody, as in vLLM v1: memory is already too short for the requests running, and the
+   first in line is the request just preempted, which, let back in with a small first chunk,
+   would only be preempted again (thrashing).
 
 `update()` then records what the step computed: a request whose every token is computed has just
 produced its next token; one that reached max_output_tokens, or sampled its end-of-sequence token,

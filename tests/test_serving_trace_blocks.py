@@ -176,3 +176,38 @@ def test_simulated_forks_take_per_token_stand_ins_and_decide_alike(monkeypatch):
     reference = replay()
     assert decisions(fast) == decisions(reference)
     assert fast.row()["finished"] == 12 and fast.preemptions == reference.preemptions
+
+
+def test_a_refused_admission_retry_finds_what_a_fresh_lookup_finds(monkeypatch):
+    """The manager keeps a refused admission's hits and on the retry only checks they are still
+    cached; replaying with that shortcut disabled must decide exactly alike."""
+    from kvlab.serving.runner import SlotlessPrefixCachingManager
+
+    config = load_config("llama-3.1-70b")
+    cost = CostModel(config, get_card("H100-80GB"), tp=4, dtype="bf16")
+    per_token = kv_bytes_per_token(config, "bf16", 4)
+    requests = speed_up(shrink(from_sizes(load_trace("mooncake-conversation", limit=300)), 8), 100)
+    scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024)
+
+    def replay():
+        kv = simulated_manager("prefix", 2600 * per_token, per_token, 2048, 16)
+        return (serve(requests, kv, SimulatedExecutor(cost), scheduler, per_token,
+                      progress=False), kv.manager.prefix_stats)
+
+    remembered = SlotlessPrefixCachingManager._hits_of_refusal
+    reused = []
+
+    def counting(self, seq_id, block_hashes):
+        hits = remembered(self, seq_id, block_hashes)
+        reused.append(len(hits))
+        return hits
+
+    monkeypatch.setattr(SlotlessPrefixCachingManager, "_hits_of_refusal", counting)
+    shortcut, shortcut_stats = replay()
+    assert sum(reused) > 0  # retries did start from remembered hits
+    monkeypatch.setattr(SlotlessPrefixCachingManager, "_hits_of_refusal",
+                        lambda self, seq_id, block_hashes: [])
+    full, full_stats = replay()
+    assert decisions(shortcut) == decisions(full)
+    assert shortcut.series.reserved_tokens == full.series.reserved_tokens
+    assert shortcut_stats == full_stats

@@ -21,8 +21,9 @@
 * Each full block of a sequence is hashed once. A caller may keep the sequence's hash chain in a
   list it owns (`block_hashes`, vLLM v1's `request.block_hashes`) and pass the same list at every
   admission attempt: hashes already in it are reused, missing ones are computed and appended. A
-  scheduler that retries the head of its queue every step then hashes nothing on a retry; only the
-  exact token check of each hit block (`PrefixCache.find`) runs again.
+  scheduler that retries the head of its queue every step then hashes nothing on a retry, and the
+  hits a refused admission found are only checked to be still cached (the lookup goes on from
+  there with the exact check of `PrefixCache.find`).
 * The manager reads a sequence block by block through `BlockTokens` (`.block_tokens`): real ids by
   default (a block's content is its ids, hashed with `hash_fn`); a trace simulation may pass a
   `BlockTokens` that describes its blocks without building one id per token.
@@ -127,6 +128,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         self._hashes: dict[Hashable, list[BlockHash]] = {}
         self._extra_keys: dict[Hashable, tuple] = {}
         self._chains: dict[Hashable, list[CachedBlock]] = {}
+        # A refused admission's hits, kept for its retry: seq_id -> (its hash chain, the entries).
+        self._refused_hits: dict[Hashable, tuple[list[BlockHash], list[CachedBlock]]] = {}
         self._stats = PrefixCacheStats()
 
     # ---- lookup ------------------------------------------------------------------------------
@@ -157,12 +160,20 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         return block_hash
 
     def _lookup(self, tokens: BlockTokens, extra_keys: tuple, count_collisions: bool,
-                block_hashes: list[BlockHash]) -> list[CachedBlock]:
+                block_hashes: list[BlockHash],
+                known_hits: Sequence[CachedBlock] = ()) -> list[CachedBlock]:
         size = self.block_size
         max_blocks = (len(tokens) - 1) // size  # at least one prompt token is computed
+        # Hits an earlier lookup of the same blocks found are found again while each is still
+        # cached: a bucket keeps insertion order, so an entry stays the first one there with its
+        # parent and content until it is dropped (a refused admission's retry checks only this).
         hits: list[CachedBlock] = []
-        parent: CachedBlock | None = None
-        for index in range(max_blocks):
+        for entry in known_hits[:max_blocks]:
+            if self.prefix_cache.entry(entry.block_id) is not entry:
+                break
+            hits.append(entry)
+        parent: CachedBlock | None = hits[-1] if hits else None
+        for index in range(len(hits), max_blocks):
             content = tokens.block(index, size)
             # A hit's hash is the hash looked up, so block_hashes[index - 1] is parent's hash.
             block_hash = self._block_hash(block_hashes, index, tokens, content, extra_keys)
@@ -232,8 +243,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         if block_hashes is None:
             block_hashes = []
         tokens = as_block_tokens(token_ids)
-        hits = self._lookup(tokens, extra_keys, count_collisions=True,
-                            block_hashes=block_hashes)
+        hits = self._lookup(tokens, extra_keys, count_collisions=True, block_hashes=block_hashes,
+                            known_hits=self._hits_of_refusal(seq_id, block_hashes))
         hit_ids = [entry.block_id for entry in hits]
         table = BlockTable(size, list(hit_ids), num_tokens=len(hits) * size)
         num_new = len(token_ids) - table.num_tokens
@@ -242,6 +253,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         new_blocks = table.num_blocks_after(num_new)
         needed = new_blocks + pool.num_free_to_touch(hit_ids)  # a free hit leaves the queue too
         if needed > pool.num_free_blocks:
+            self._refused_hits[seq_id] = (block_hashes, hits)  # for its retry; changes no state
             raise NoFreeBlocksError(
                 f"sequence {seq_id!r} needs {needed} free blocks ({new_blocks} new + "
                 f"{needed - new_blocks} cached ones that are free), {pool.num_free_blocks} of "
@@ -264,6 +276,13 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         stats.num_hit_tokens += num_cached
         stats.num_hit_blocks += len(hits)
         return PrefixAllocation(num_cached, slots, hit_ids)
+
+    def _hits_of_refusal(self, seq_id: Hashable, block_hashes: list[BlockHash]
+                         ) -> list[CachedBlock]:
+        """The hits of this sequence's last admission if it was refused and the caller passes the
+        same hash chain (so the same tokens: see `allocate_with_prefix`), else none."""
+        refused = self._refused_hits.pop(seq_id, None)
+        return refused[1] if refused is not None and refused[0] is block_hashes else []
 
     def _cache_full_blocks(self, seq_id: Hashable) -> None:
         """Give every full block of the sequence not yet in its chain a hash and a cache entry."""

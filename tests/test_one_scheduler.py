@@ -162,3 +162,14 @@ def test_prefix_manager_reserves_step_by_step_like_the_paged_one():
     assert paged.preemptions == prefix.preemptions == 0 and prefix.prefix_hit_rate == 0
     assert prefix.series.reserved_tokens == paged.series.reserved_tokens
     assert prefix.series.running == paged.series.running
+
+
+def test_designs_with_one_sequence_per_request_refuse_forks_on_arrival():
+    from kvlab.serving.naive import NaiveManager
+
+    kv = NaiveManager(CONFIG, torch.float32, "cpu", 32, capacity_bytes=10**6)
+    [parent] = families(prompts(1), 4, 0.0)
+    assert "n = 3 completions: the naive strategy holds one sequence" in kv.reject_reason(parent)
+    with pytest.raises(RuntimeError, match="never forks"):
+        kv.fork(parent, parent.forks[0])
+    assert kv.reject_reason(families(prompts(1), 4, 0.0)[0].forks[0]) is None  # n = 1 is fine

@@ -74,6 +74,8 @@ class _ExactReservation(KVManager):
         ValueError: capacity_tokens < 1 or max_model_len < 1.
     """
 
+    supports_forks = False  # one reservation per request: n > 1 is refused on arrival
+
     def __init__(self, capacity_tokens: int, max_model_len: int,
                  reserve: Callable[[Request], int] = exact_size):
         if capacity_tokens < 1 or max_model_len < 1:
@@ -98,9 +100,6 @@ class _ExactReservation(KVManager):
 
     def reject_reason(self, request: Request) -> str | None:
         reason = super().reject_reason(request)
-        if reason is None and request.forks:
-            reason = (f"n = {request.num_seqs} completions: an exact reservation holds one "
-                      f"sequence (nothing is shared between forks)")
         if reason is None and self.reservation(request) > self.capacity_tokens:
             reason = (f"reserves {self.reservation(request):,} token slots > "
                       f"{self.capacity_tokens:,} in the whole memory")
@@ -114,10 +113,6 @@ class _ExactReservation(KVManager):
         # interface (and correct: the reservation goes back, every computed token is lost).
         self.free(request)
         return request.num_computed_tokens
-
-    def fork(self, parent: Request, child: Request) -> None:
-        raise RuntimeError("an exact reservation never forks: a request for n > 1 completions is "
-                           "rejected on arrival")
 
 
 class FirstFitSlabManager(_ExactReservation):

@@ -48,12 +48,18 @@ class KVManager(abc.ABC):
     max_model_len: int
     capacity_tokens: int
     has_prefix_cache = False  # True when `allocate` can find cached tokens
+    # False for a design that holds one sequence per request (nothing to share between the n
+    # completions of one prompt): requests with forks are then refused on arrival.
+    supports_forks = True
 
     def reject_reason(self, request: Request) -> str | None:
         """Why this request can never be served, or None. Checked once, on arrival."""
         if request.total_len > self.max_model_len:
             return (f"{request.prompt_len} prompt + {request.max_output_tokens} output = "
                     f"{request.total_len} tokens > max_model_len={self.max_model_len}")
+        if request.forks and not self.supports_forks:
+            return (f"n = {request.num_seqs} completions: the {self.name} strategy holds one "
+                    f"sequence per request (nothing to share between them)")
         return None
 
     @abc.abstractmethod
@@ -74,10 +80,12 @@ class KVManager(abc.ABC):
     def preempt(self, request: Request) -> int:
         """Evict a running request (recompute later); returns the tokens whose K/V are dropped."""
 
-    @abc.abstractmethod
     def fork(self, parent: Request, child: Request) -> None:
         """`child` (one of `parent.forks`, admitted with it) takes over the parent's computed
-        tokens; called right after the parent's prompt is computed."""
+        tokens; called right after the parent's prompt is computed. A strategy with
+        supports_forks = False never gets here (such requests are refused on arrival)."""
+        raise RuntimeError(f"the {self.name} strategy never forks: a request for n > 1 "
+                           f"completions is refused on arrival")
 
     def take_copies(self) -> list[tuple[int, int]]:
         """(source, destination) blocks to copy before the next forward pass, then forgotten."""

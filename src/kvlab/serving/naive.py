@@ -76,6 +76,7 @@ class NaiveManager(KVManager):
     """
 
     name = "naive"
+    supports_forks = False  # one tensor per request: n > 1 is refused on arrival
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | str, max_model_len: int,
                  capacity_bytes: int, workspace_bytes: int = 0, allocator: ByteLimit | None = None,
@@ -121,19 +122,12 @@ class NaiveManager(KVManager):
 
     def reject_reason(self, request: Request) -> str | None:
         reason = super().reject_reason(request)
-        if reason is None and request.forks:
-            reason = (f"n = {request.num_seqs} completions: the naive server runs one per request "
-                      f"(it has no block to share between them)")
         if reason is None and self.request_bytes(request) > self.capacity_bytes:
             reason = (f"{request.total_len:,} tokens x {format_bytes(self.bytes_per_token)} = "
                       f"{format_bytes(self.request_bytes(request))} > "
                       f"{format_bytes(self.capacity_bytes)} of KV memory even with nothing else "
                       f"running")
         return reason
-
-    def fork(self, parent: Request, child: Request) -> None:
-        raise RuntimeError("the naive server never forks: a request for n > 1 completions is "
-                           "rejected on arrival")
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
         if self.max_running is not None and len(self.kv) >= self.max_running:

@@ -37,7 +37,9 @@ def test_dry_run_naive_meets_the_limit_and_paged_prefix_serves_the_same_burst(dr
     assert figures["most_servable_bytes"] == record["limit_bytes"] - figures["allocated_bytes"]
     assert first["requested_bytes"] == (first["prompt_len"] + first["max_output_tokens"]) \
         * record["kv_bytes_per_token"]
-    assert first["num_running"] == naive["peak_running"]  # the first refusal came at the peak
+    # The dry run's clock is this CPU's (arrivals land between steps of varying length), so how
+    # many run at the first refusal varies; the cap it sets never rises above it.
+    assert 1 <= naive["concurrency_cap"] <= first["num_running"] <= naive["peak_running"]
     # Paged + prefix: the pool vLLM's rule gives (the same memory), all blocks free at the end.
     assert paged["blocks_in_use_at_end"] == 0 and paged["rejected"] == 0
     assert paged["pool_bytes"] <= record["kv_room_bytes"]

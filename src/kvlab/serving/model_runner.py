@@ -25,7 +25,7 @@ import torch
 
 from ..attention import grouped_attention
 from ..contiguous import ContiguousKVCache
-from ..paged.paged_cache import DecodeStore, PagedKVCache, PrefillStore
+from ..paged.paged_cache import PagedKVCache
 from ..sampling import next_token
 from .cost_model import CostModel
 from .request import Request, RequestState
@@ -134,11 +134,12 @@ class ModelExecutor:
         ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
         positions = torch.arange(start, start + num_new, device=device)
         if self.paged:
-            blocks = self.cache.manager.block_ids(request.request_id)
-            size = self.cache.block_size
-            slots = [blocks[p // size] * size + p % size for p in range(start, start + num_new)]
-            store = PrefillStore(self.cache, torch.tensor(slots, device=device),
-                                 torch.tensor(blocks, device=device), start + num_new)
+            # The scheduler's manager reserved exactly these slots this step, so the table's
+            # token count is start + num_new: the sequence length the store attends over.
+            table = self.cache.manager.tables[request.request_id]
+            slots = [table.slot(p) for p in range(start, start + num_new)]
+            store = self.cache.prefill_store(request.request_id,
+                                             torch.tensor(slots, device=device))
         else:
             if request.request_id not in self.slab_of:
                 self.slab_of[request.request_id] = self.cache.add_sequence()
@@ -152,15 +153,10 @@ class ModelExecutor:
         positions = [request.num_computed_tokens for request in batch]
         tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
         if self.paged:
-            size = self.cache.block_size
-            slots = []
-            for request, position in zip(batch, positions):
-                blocks = self.cache.manager.block_ids(request.request_id)
-                slots.append(blocks[position // size] * size + position % size)
-            block_tables, seq_lens = self.cache.block_tables_tensor(
-                [request.request_id for request in batch])
-            store = DecodeStore(self.cache, torch.tensor(slots, device=device), block_tables,
-                                seq_lens)
+            tables = self.cache.manager.tables
+            slots = [tables[r.request_id].slot(p) for r, p in zip(batch, positions)]
+            store = self.cache.decode_store([request.request_id for request in batch],
+                                            torch.tensor(slots, device=device))
         else:
             store = ContiguousDecodeStore(self.cache, [self.slab_of[r.request_id] for r in batch])
         return self.model(torch.tensor(tokens, device=device),

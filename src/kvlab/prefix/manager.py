@@ -313,12 +313,11 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             KeyError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.append_slots`.
         """
         tracked = seq_id in self._tokens
-        if tracked and self._num_unknown(seq_id, num_new_tokens) > 0 and (
-                token_ids is None or len(token_ids) != num_new_tokens):
+        unknown = self._num_unknown(seq_id, num_new_tokens) if tracked else 0
+        if unknown > 0 and (token_ids is None or len(token_ids) != num_new_tokens):
             got = "none" if token_ids is None else len(token_ids)
             raise ValueError(f"sequence {seq_id!r} is prefix-cached: append_slots needs the "
                              f"{num_new_tokens} new token ids, got {got}")
-        unknown = self._num_unknown(seq_id, num_new_tokens) if tracked else 0
         reservation = super().append_slots(seq_id, num_new_tokens)
         if tracked:
             if unknown > 0:
@@ -326,10 +325,15 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             self._cache_full_blocks(seq_id)
         return reservation
 
+    def num_known_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of a sequence the manager holds ids of (more than it reserved while a prompt
+        given whole is reserved chunk by chunk): `append_slots` up to here needs no ids.
+        Raises KeyError for a sequence not admitted by `allocate_with_prefix`."""
+        return len(self._tokens[seq_id])
+
     def _num_unknown(self, seq_id: Hashable, num_new_tokens: int) -> int:
-        """Of `num_new_tokens` more slots, how many hold tokens the manager has not been given
-        (the rest were given at admission: a prompt reserved chunk by chunk)."""
-        return self.tables[seq_id].num_tokens + num_new_tokens - len(self._tokens[seq_id])
+        """Of `num_new_tokens` more slots, how many hold tokens the manager has not been given."""
+        return self.tables[seq_id].num_tokens + num_new_tokens - self.num_known_tokens(seq_id)
 
     def append_in_last_block(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
         """A decode step's fast path: record new tokens that fit in the sequence's last block.

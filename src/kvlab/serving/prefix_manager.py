@@ -55,7 +55,6 @@ class PrefixManager(PagedManager):
         super().__init__(manager, max_model_len)
         # request_id -> its full-block hash chain, filled by the manager (see module docstring)
         self._block_hashes: dict[int, list[bytes]] = {}
-        self._num_given: dict[int, int] = {}  # request_id -> tokens given at its last admission
 
     def allocate(self, request: Request, token_budget: int) -> int | None:
         # Like `PagedManager`: slots only for what this step computes, the cached prefix shared
@@ -68,14 +67,13 @@ class PrefixManager(PagedManager):
                 token_budget=token_budget)
         except NoFreeBlocksError:
             return None
-        self._num_given[request.request_id] = request.num_tokens
         return allocation.num_cached_tokens
 
     def append(self, request: Request, num_new_tokens: int) -> bool:
         rid = request.request_id
         start = self.manager.tables[rid].num_tokens
         end = request.num_computed_tokens + num_new_tokens
-        if end <= self._num_given.get(rid, 0):  # a fork was given nothing: it only decodes
+        if end <= self.manager.num_known_tokens(rid):
             new_ids = None  # a later chunk of what it brought at admission: the manager has them
         else:
             new_ids = token_ids(request, start, end)
@@ -93,7 +91,6 @@ class PrefixManager(PagedManager):
     def free(self, request: Request) -> None:
         super().free(request)
         self._block_hashes.pop(request.request_id, None)
-        self._num_given.pop(request.request_id, None)
 
 
 def block_tokens(request: Request) -> list[int] | BlockTokens:

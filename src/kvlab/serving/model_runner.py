@@ -133,18 +133,7 @@ class ModelExecutor:
         start = request.num_computed_tokens
         ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
         positions = torch.arange(start, start + num_new, device=device)
-        if self.paged:
-            # The scheduler's manager reserved exactly these slots this step, so the table's
-            # token count is start + num_new: the sequence length the store attends over.
-            table = self.cache.manager.tables[request.request_id]
-            slots = [table.slot(p) for p in range(start, start + num_new)]
-            store = self.cache.prefill_store(request.request_id,
-                                             torch.tensor(slots, device=device))
-        else:
-            if request.request_id not in self.slab_of:
-                self.slab_of[request.request_id] = self.cache.add_sequence()
-            store = self.cache.view(self.slab_of[request.request_id])
-        return self.model(ids, positions, store)
+        return self.model(ids, positions, self._prefill_store(request, start, num_new))
 
     def _decode(self, batch: list[Request]) -> torch.Tensor:
         """One forward pass for the newest token of every decoding request, flat [num_seqs].
@@ -152,15 +141,33 @@ class ModelExecutor:
         device = self.model.device
         positions = [request.num_computed_tokens for request in batch]
         tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
+        return self.model(torch.tensor(tokens, device=device),
+                          torch.tensor(positions, device=device),
+                          self._decode_store(batch, positions))
+
+    # ---- where the K/V live: the cache's KV stores (see `kvlab.model.KVStore`) ---------------
+
+    def _prefill_store(self, request: Request, start: int, num_new: int):
+        """The store for tokens start .. start + num_new - 1 of one request."""
+        if self.paged:
+            # The scheduler's manager reserved exactly these slots this step, so the table's
+            # token count is start + num_new: the sequence length the store attends over.
+            table = self.cache.manager.tables[request.request_id]
+            slots = [table.slot(p) for p in range(start, start + num_new)]
+            return self.cache.prefill_store(request.request_id,
+                                            torch.tensor(slots, device=self.model.device))
+        if request.request_id not in self.slab_of:
+            self.slab_of[request.request_id] = self.cache.add_sequence()
+        return self.cache.view(self.slab_of[request.request_id])
+
+    def _decode_store(self, batch: list[Request], positions: list[int]):
+        """The store for one new token of each request of `batch`, at `positions`."""
         if self.paged:
             tables = self.cache.manager.tables
             slots = [tables[r.request_id].slot(p) for r, p in zip(batch, positions)]
-            store = self.cache.decode_store([request.request_id for request in batch],
-                                            torch.tensor(slots, device=device))
-        else:
-            store = ContiguousDecodeStore(self.cache, [self.slab_of[r.request_id] for r in batch])
-        return self.model(torch.tensor(tokens, device=device),
-                          torch.tensor(positions, device=device), store)
+            return self.cache.decode_store([request.request_id for request in batch],
+                                           torch.tensor(slots, device=self.model.device))
+        return ContiguousDecodeStore(self.cache, [self.slab_of[r.request_id] for r in batch])
 
 
 class ContiguousDecodeStore:

@@ -196,8 +196,8 @@ class NaiveManager(KVManager):
 
 
 class NaiveExecutor(ModelExecutor):
-    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same sampling) with
-    its two forward passes reading the request's own tensor: each prefill chunk on its own, every
+    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same passes, same
+    sampling) whose KV stores are each request's own tensor: each prefill chunk on its own, every
     decoding request's next token in one pass (attention per request, over its own tensor).
 
     Args:
@@ -210,19 +210,11 @@ class NaiveExecutor(ModelExecutor):
         super().__init__(model, kv, cost_model)
         self.kv = kv
 
-    def _forward_one(self, request: Request, num_new: int) -> torch.Tensor:
-        device, start = self.model.device, request.num_computed_tokens
-        ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
-        positions = torch.arange(start, start + num_new, device=device)
-        return self.model(ids, positions, NaivePrefillStore(self.kv.kv[request.request_id], start))
+    def _prefill_store(self, request: Request, start: int, num_new: int) -> "NaivePrefillStore":
+        return NaivePrefillStore(self.kv.kv[request.request_id], start)
 
-    def _decode(self, batch: list[Request]) -> torch.Tensor:
-        device = self.model.device
-        positions = [request.num_computed_tokens for request in batch]
-        tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
-        store = NaiveDecodeStore([self.kv.kv[request.request_id] for request in batch])
-        return self.model(torch.tensor(tokens, device=device),
-                          torch.tensor(positions, device=device), store)
+    def _decode_store(self, batch: list[Request], positions: list[int]) -> "NaiveDecodeStore":
+        return NaiveDecodeStore([self.kv.kv[request.request_id] for request in batch])
 
 
 class NaivePrefillStore:

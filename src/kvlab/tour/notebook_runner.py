@@ -219,6 +219,8 @@ def run_notebook(path: Path, dry_run: bool = False, timeout_s: int | None = None
     if timeout_s:
         signal.signal(signal.SIGALRM, _cell_timeout)
         signal.alarm(timeout_s)
+    if "matplotlib.pyplot" in sys.modules:  # a fresh kernel has no figures: earlier code's
+        sys.modules["matplotlib.pyplot"].close("all")  # must not show up in this notebook
     try:
         os.chdir(Path(path).resolve().parent)
         for cell in cells:

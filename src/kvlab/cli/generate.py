@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from ..dtypes import torch_dtype
     from ..generate import chat, default_cache, generate
 
-    args.cache = args.cache or default_cache(len(args.prompt or args.prompt_ids))
+    num_prompts = len(args.prompt or args.prompt_ids)
+    args.cache = args.cache or default_cache(num_prompts)
     chat_template = _chat_template(args)  # before the weights load: a refusal costs nothing
     if args.block_size is None:
         args.block_size = 16
@@ -89,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
     if args.n > 1 and args.temperature == 0:
         raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
                          f"greedy completions; add e.g. --temperature 0.8 to sample them")
-    num_prompts = len(args.prompt or args.prompt_ids)
     if num_prompts > 1 and args.cache not in ("paged", "prefix"):
         raise ValueError(f"{num_prompts} prompts given: several prompts are one batch, which "
                          f"needs --cache paged or --cache prefix (--cache {args.cache} holds one "
@@ -121,10 +121,12 @@ def run(args: argparse.Namespace) -> int:
         prompts = _prompt_ids(args, tokenizer)
         result = generate(model, prompts if len(prompts) > 1 else prompts[0],
                           args.max_new_tokens, **options)
-        texts = ([[tokenizer.decode(ids) for ids in completions]
-                  for completions in result.prompt_completions] if tokenizer else None)
-        prompt_texts = (args.prompt or [tokenizer.decode(ids) for ids in prompts]
-                        if tokenizer else None)
+        if tokenizer is None:  # a checkpoint without tokenizer.json: ids in, ids out
+            prompt_texts = texts = None
+        else:
+            prompt_texts = args.prompt or [tokenizer.decode(ids) for ids in prompts]
+            texts = [[tokenizer.decode(ids) for ids in completions]
+                     for completions in result.prompt_completions]
         shown = Printed(prompts, prompt_texts, texts, False, result)
     print_generation(args, shown)
     return 0

@@ -45,11 +45,13 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_llama_gguf(path: Path, seed: int = 0, tied: bool = False,
-                     types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+                     types: dict[str, str] | None = None, eos_token_id: int = 2,
+                     chat_template: str | None = CHAT_TEMPLATE) -> dict[str, np.ndarray]:
     """Write a random 2-layer GQA Llama GGUF at `path`; returns the HF-order float32 weights used.
 
     types: GGUF type per tensor kind ('embed', 'attn', 'ffn_gate_up', 'ffn_down', 'output');
     default Q8_0 embedding, Q4_1 attention, F16 gate/up, Q8_0 down, Q4_0 output.
+    eos_token_id: default 2, '<|im_end|>' (as SmolLM2-Instruct); chat_template: None for none.
     """
     import gguf
 
@@ -82,8 +84,9 @@ def write_llama_gguf(path: Path, seed: int = 0, tied: bool = False,
     writer.add_token_merges(merges)
     writer.add_token_types([3] * len(CONTROL_TOKENS) + [1] * (vocab - len(CONTROL_TOKENS)))
     writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_eos_token_id(eos_token_id)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     hf_weights: dict[str, np.ndarray] = {}
 

@@ -38,6 +38,11 @@ def run_json(capsys, *argv: str):
     return json.loads(out)
 
 
+def completions(data: dict) -> list[dict]:
+    """Every completion of `kvlab generate --json`, prompt by prompt."""
+    return [completion for prompt in data["prompts"] for completion in prompt["completions"]]
+
+
 def contiguous_row(data: dict) -> dict:
     """The 'contiguous' row of a report, after checking what every row must satisfy."""
     for row in data["rows"]:
@@ -226,10 +231,37 @@ def test_generate_caches_agree_and_match_hf(capsys, hf_checkpoint):
     plain = run_json(capsys, *common, "--cache", "none")
     cached = run_json(capsys, *common, "--cache", "contiguous")
     assert plain == cached
-    assert plain["text"] is None  # no tokenizer.json in this checkpoint
-    assert plain["token_ids"] == hf_checkpoint.hf_greedy([1, 2, 3], 5)
+    [completion] = completions(plain)
+    assert completion["text"] is None  # no tokenizer.json in this checkpoint
+    assert completion["token_ids"] == hf_checkpoint.hf_greedy([1, 2, 3], 5)
     code, out, _ = run(capsys, *common, "--max-model-len", "8")
-    assert code == 0 and out.split() == [str(t) for t in plain["token_ids"]]
+    assert code == 0 and out.split() == [str(t) for t in completion["token_ids"]]
+
+
+def test_generate_json_has_one_shape_for_every_cache_and_count(capsys, hf_checkpoint):
+    """The same keys whatever the cache, the number of prompts and of completions; the same
+    tokens for the same prompt through every cache."""
+    common = ["generate", "--model", str(hf_checkpoint.path), "--max-new-tokens", "4"]
+    shapes, tokens = set(), []
+    for cache in ("none", "contiguous", "paged", "prefix"):
+        data = run_json(capsys, *common, "--prompt-ids", "1,2,3", "--cache", cache)
+        assert data["prompts"][0]["prompt_ids"] == [1, 2, 3]
+        assert (data["stats"] is None) == (cache in ("none", "contiguous"))
+        assert (data["prefix_stats"] is None) == (cache != "prefix")
+        shapes.add(json_shape(data))
+        tokens.append(completions(data)[0]["token_ids"])
+    several = run_json(capsys, *common, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
+                       "--cache", "paged", "--n", "2", "--temperature", "1.0")
+    assert [len(p["completions"]) for p in several["prompts"]] == [2, 2]
+    shapes.add(json_shape(several))
+    assert len(shapes) == 1 and tokens.count(tokens[0]) == 4
+
+
+def json_shape(data: dict) -> tuple:
+    """The keys at every level of a `kvlab generate --json` answer."""
+    prompt_keys = {tuple(sorted(p)) for p in data["prompts"]}
+    completion_keys = {tuple(sorted(c)) for c in completions(data)}
+    return tuple(sorted(data)), tuple(sorted(prompt_keys)), tuple(sorted(completion_keys))
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -400,9 +432,9 @@ def test_generate_paged_n_with_temperature_gives_distinct_completions_and_stats(
                  "--temperature", "1.0", "--seed", "1", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    completions = [c["token_ids"] for c in out["completions"]]
-    assert len(completions) == 3 and all(len(c) == 8 for c in completions)
-    assert len({tuple(c) for c in completions}) > 1  # sampling made the siblings diverge
+    sampled = [c["token_ids"] for c in completions(out)]
+    assert len(sampled) == 3 and all(len(c) == 8 for c in sampled)
+    assert len({tuple(c) for c in sampled}) > 1  # sampling made the siblings diverge
     assert out["stats"]["blocks_saved_by_sharing"] > 0
 
 
@@ -449,10 +481,10 @@ def test_report_kv_cache_dtype_and_gpu(capsys):
 def test_generate_seeded_sampling_is_the_same_through_every_cache(hf_checkpoint, capsys):
     common = ["generate", "--model", str(hf_checkpoint.path), "--prompt-ids", "1,2,3",
               "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "11"]
-    outputs = [run_json(capsys, *common, "--cache", cache)["token_ids"]
+    outputs = [completions(run_json(capsys, *common, "--cache", cache))[0]["token_ids"]
                for cache in ("none", "contiguous", "paged")]
     assert outputs[0] == outputs[1] == outputs[2]
-    other_seed = run_json(capsys, *common[:-1], "12", "--cache", "paged")["token_ids"]
+    other_seed = completions(run_json(capsys, *common[:-1], "12", "--cache", "paged"))[0]["token_ids"]
     assert other_seed != outputs[0]  # the seed, not the cache, decides the samples
 
 

@@ -38,6 +38,33 @@ def test_eos_stops_generation(tiny_model, cache):
         assert stopped.cache.seq_lens == [len(PROMPT) + len(stopped.token_ids) - 1]
 
 
+@pytest.mark.parametrize("cache", CACHE_KINDS)
+def test_any_of_several_stop_tokens_ends_generation(tiny_model, cache):
+    """An instruct model stops at EOS or at its end-of-turn token: whichever comes first."""
+    free = generate(tiny_model, PROMPT, 10, cache=cache).token_ids
+    stops = [free[6], free[3]]
+    first = min(free.index(t) for t in stops)
+    stopped = generate(tiny_model, PROMPT, 10, cache=cache, eos_token_id=stops)
+    assert stopped.token_ids == free[:first + 1]
+    assert generate(tiny_model, PROMPT, 10, cache=cache, eos_token_id=[]).token_ids == free
+
+
+def test_a_bad_stop_token_is_named(tiny_model):
+    with pytest.raises(ValueError, match=r"eos_token_id must be an integer in \[0, 127\], got 128"):
+        generate(tiny_model, PROMPT, 2, eos_token_id=[3, 128])
+
+
+def test_several_prompts_on_the_paged_cache_are_one_batch(tiny_model):
+    """The paged engine batches several prompts with no prefix cache: each gets the tokens it
+    gets alone."""
+    prompts = [PROMPT, [5, 6], PROMPT + [7]]
+    batch = generate(tiny_model, prompts, 6, cache="paged", block_size=4)
+    assert batch.prefix_stats is None
+    assert batch.prompt_completions == [[generate(tiny_model, p, 6).token_ids] for p in prompts]
+    with pytest.raises(ValueError, match="needs cache='paged' or 'prefix'"):
+        generate(tiny_model, prompts, 6, cache="contiguous")
+
+
 def test_max_new_tokens_is_respected_and_ids_are_ints(tiny_model):
     for n in (1, 2, 7):
         result = generate(tiny_model, PROMPT, n, cache="contiguous", max_model_len=16)

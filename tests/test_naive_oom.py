@@ -216,7 +216,7 @@ def test_sampling_through_the_naive_server_is_the_same_as_through_paged(model):
     requests = burst(10, seed=11, max_output=12)
     for index, request in enumerate(requests):
         request.sampling = SamplingParams(0.8, stream_seed("request", index, 0),
-                                          eos_token_id=7 if index % 3 == 0 else None)
+                                          stop_token_ids={7} if index % 3 == 0 else ())
     sizes = sorted(r.total_len for r in requests)
     manager, _ = naive(sizes[-1] + sizes[-2])  # each fits alone, never all ten together
     config = SchedulerConfig(8, 64)

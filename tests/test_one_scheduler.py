@@ -46,7 +46,7 @@ def families(prompt_list, new, temperature, eos=None, first_tokens=None):
         for sibling in range(N):
             first = None if first_tokens is None else first_tokens[sibling]
             params = SamplingParams(temperature, stream_seed("request", index, sibling)
-                                    if temperature else None, eos, first)
+                                    if temperature else None, {eos} - {None}, first)
             members.append(Request(next_id, 0.001 * index, len(prompt), new, prompt,
                                    sampling=params))
             next_id += 1
@@ -139,8 +139,11 @@ def test_sampling_params_refuse_what_would_be_silently_wrong():
         SamplingParams(0.7)
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         SamplingParams(float("nan"), 1)
-    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
-        SamplingParams(eos_token_id=-1)
+    with pytest.raises(ValueError, match="stop_token_ids entry must be a token id >= 0, got -1"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="stop_token_ids must be a collection of token ids, got 2"):
+        SamplingParams(stop_token_ids=2)  # one id where a set belongs would be read as no id
+    assert SamplingParams(stop_token_ids=[2, 0, 2]).stop_token_ids == frozenset({0, 2})
 
 
 def test_prefix_manager_reserves_step_by_step_like_the_paged_one():

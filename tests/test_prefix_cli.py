@@ -1,5 +1,6 @@
 """`kvlab generate --cache prefix`: several prompts in one call, same tokens as the paged cache,
-hit statistics printed; several prompts without it are refused with exit code 2."""
+hit statistics printed; several prompts are one batch (paged by default), refused with exit code
+2 on a cache that holds one sequence."""
 
 from __future__ import annotations
 
@@ -24,16 +25,30 @@ def test_several_prompts_hit_the_first_ones_blocks(capsys, hf_checkpoint):
         code, out, err = run(capsys, "generate", *model, "--cache", "paged", "--prompt-ids", ids,
                              "--json")
         assert code == 0, err
-        assert entry["completions"][0]["token_ids"] == json.loads(out)["token_ids"]
+        [alone] = json.loads(out)["prompts"]
+        assert entry["completions"] == alone["completions"]
     code, out, err = run(capsys, "generate", *model, "--cache", "prefix", *args)
     assert code == 0, err
     assert out.count("\n[") == 2 and out.startswith("[0] ")
     assert "-- prefix cache: block_size 4, hit rate 32.0% (8 of 25 prompt tokens)" in out
 
 
-def test_several_prompts_need_the_prefix_cache(capsys, hf_checkpoint):
+def test_several_prompts_are_one_paged_batch_by_default(capsys, hf_checkpoint):
+    model = ["--model", str(hf_checkpoint.path), "--max-new-tokens", "3", "--block-size", "4"]
+    args = ["--prompt-ids", SHARED, "--prompt-ids", "1,3"]
+    code, out, err = run(capsys, "generate", *model, *args, "--json")
+    assert code == 0, err
+    batch = json.loads(out)
+    assert batch["prefix_stats"] is None and batch["stats"]["num_prefill_tokens"] == 12
+    code, out, err = run(capsys, "generate", *model, *args, "--cache", "prefix", "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompts"] == batch["prompts"]  # the prefix cache changes no token
+
+
+def test_several_prompts_are_refused_by_a_one_sequence_cache(capsys, hf_checkpoint):
     code, out, err = run(capsys, "generate", "--model", str(hf_checkpoint.path),
-                         "--max-new-tokens", "2", "--cache", "paged", "--prompt-ids", "1,2",
+                         "--max-new-tokens", "2", "--cache", "contiguous", "--prompt-ids", "1,2",
                          "--prompt-ids", "1,3")
     assert code == 2 and out == ""
-    assert err.startswith("kvlab generate: error:") and "need --cache prefix" in err
+    assert err.startswith("kvlab generate: error: 2 prompts given") and err.count("\n") == 1
+    assert "needs --cache paged or --cache prefix (--cache contiguous holds one sequence)" in err

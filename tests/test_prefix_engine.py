@@ -127,9 +127,9 @@ def test_generate_entry_point_owns_the_prefix_cache(model):
     assert one.token_ids == result.token_ids and one.prefix_stats.num_hit_tokens == 0
 
 
-def test_several_prompts_need_cache_prefix(model):
+def test_several_prompts_need_a_paged_cache(model):
     prompts = shared_prompts(4, [1, 2])
-    with pytest.raises(ValueError, match="2 prompts given.*cache='prefix'"):
-        generate(model, prompts, 3, cache="paged")
+    with pytest.raises(ValueError, match="2 prompts given.*cache='paged' or 'prefix'"):
+        generate(model, prompts, 3, cache="contiguous")
     with pytest.raises(ValueError, match="token id"):
         generate(model, [prompts[0], [999]], 3, cache="prefix")

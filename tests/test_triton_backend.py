@@ -27,7 +27,7 @@ def generate_json(capsys, *argv):
                  "--device", DEVICE, "--dtype", "fp32", *argv])
     out, err = capsys.readouterr()
     assert code == 0, err
-    return json.loads(out)["token_ids"]
+    return json.loads(out)["prompts"][0]["completions"][0]["token_ids"]
 
 
 def test_cli_triton_attention_gives_the_torch_tokens(capsys):

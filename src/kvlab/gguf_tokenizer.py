@@ -6,6 +6,15 @@ index), `tokenizer.ggml.merges` ("a b" strings, best first), `tokenizer.ggml.tok
 control token such as `<|im_start|>`), `tokenizer.ggml.pre` (which pre-tokenizer split the text
 before BPE) and `tokenizer.chat_template` (a Jinja template, as in HF's tokenizer_config.json).
 
+A chat model's reply ends at its end-of-turn token, which need not be its end-of-sequence token
+(`tokenizer.ggml.eos_token_id`): a ChatML fine-tune of a base model may keep `<|endoftext|>` as
+EOS while its template closes every message with `<|im_end|>` (SmolLM2-Instruct stores
+`<|im_end|>` as EOS, so the two coincide there). llama.cpp therefore stops at a set of
+end-of-generation ids: EOS, `tokenizer.ggml.eot_token_id`, `tokenizer.ggml.eom_token_id` and
+known end-of-turn token texts (llama-vocab.cpp). kvlab reads the end-of-turn token off the
+template itself instead of a list of names: the control token the template writes right after a
+message's content (`ChatTemplate.stop_token_ids`).
+
 kvlab assembles these with the `tokenizers` library (the one behind every HF fast tokenizer) and
 renders the chat template with `jinja2` in a sandbox, as transformers' `apply_chat_template` does.
 tests/test_gguf_model.py checks both against transformers' own GGUF tokenizer conversion.
@@ -22,7 +31,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from .config import ConfigError
 from .gguf_loader import open_gguf, gguf_metadata
 
-__all__ = ["load_gguf_tokenizer", "ChatTemplate", "load_chat_template", "special_token_ids"]
+__all__ = ["load_gguf_tokenizer", "ChatTemplate", "load_chat_template", "end_of_turn_token",
+           "special_token_ids"]
 
 _CONTROL = 3  # llama.cpp's token type for control tokens (<|endoftext|>, <|im_start|>, ...)
 
@@ -86,12 +96,14 @@ class ChatTemplate:
     """A model's chat template: messages [{'role': ..., 'content': ...}] -> the prompt text.
 
     template: the Jinja source from `tokenizer.chat_template`; bos_token / eos_token: the strings
-    the template may refer to.
+    the template may refer to; stop_token_ids: the ids that end an assistant's turn (EOS, EOT/EOM
+    and the template's end-of-turn token; see the module docstring): generation stops at any.
     """
 
     template: str
     bos_token: str = ""
     eos_token: str = ""
+    stop_token_ids: frozenset[int] = frozenset()
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation; with add_generation_prompt it ends where the
@@ -131,9 +143,36 @@ def load_chat_template(path: str | Path) -> ChatTemplate:
     reader = open_gguf(path)
     tokens = gguf_metadata(reader, "tokenizer.ggml.tokens")
 
-    def token(key: str) -> str:
-        index = gguf_metadata(reader, f"tokenizer.ggml.{key}_token_id", None)
-        return tokens[index] if index is not None else ""
+    def token_id(key: str) -> int | None:
+        return gguf_metadata(reader, f"tokenizer.ggml.{key}_token_id", None)
 
-    return ChatTemplate(gguf_metadata(reader, "tokenizer.chat_template"),
-                        bos_token=token("bos"), eos_token=token("eos"))
+    def token(key: str) -> str:
+        return tokens[token_id(key)] if token_id(key) is not None else ""
+
+    template = ChatTemplate(gguf_metadata(reader, "tokenizer.chat_template"),
+                            bos_token=token("bos"), eos_token=token("eos"))
+    types = gguf_metadata(reader, "tokenizer.ggml.token_type", [])
+    control = {tokens[i]: i for i, kind in enumerate(types) if kind == _CONTROL}
+    stops = {token_id(key) for key in ("eos", "eot", "eom")} - {None}
+    end_of_turn = end_of_turn_token(template, control)
+    if end_of_turn is not None:
+        stops.add(control[end_of_turn])
+    return dataclasses.replace(template, stop_token_ids=frozenset(stops))
+
+
+_SENTINEL = "kvlab-reply-ends-here"
+
+
+def end_of_turn_token(template: ChatTemplate, control_tokens: dict[str, int]) -> str | None:
+    """The control token the template writes right after an assistant message's content
+    (SmolLM2's ChatML: '<|im_end|>'), or None if it writes none there (or cannot render a
+    user/assistant exchange). control_tokens: token text -> id; the longest match wins."""
+    try:
+        text = template.render([{"role": "user", "content": "hello"},
+                                {"role": "assistant", "content": _SENTINEL}],
+                               add_generation_prompt=False)
+    except ValueError:
+        return None
+    after = text.rpartition(_SENTINEL)[2] if _SENTINEL in text else ""
+    matches = [token for token in control_tokens if token and after.startswith(token)]
+    return max(matches, key=len, default=None)

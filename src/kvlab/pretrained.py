@@ -4,6 +4,9 @@
     loaded = load_course_model()            # SmolLM2-135M-Instruct when `kvlab fetch` was run
     print(loaded.note)                      # says which model, and how to get the real one
     ids = loaded.tokenizer.encode("The capital of France is").ids
+    from kvlab.generate import chat        # the assistant's reply, via the model's chat template
+    chat(loaded.model, loaded.tokenizer, loaded.chat_template, ["What is the capital of France?"],
+         32).replies[0][0]
 
 Nothing is downloaded here: when the file is missing, the tiny model is loaded instead and `note`
 tells the learner the fetch command. SmolLM2's weights are 4-bit (Q4_1) dequantized to floats.
@@ -42,6 +45,14 @@ class LoadedModel:
     @property
     def is_pretrained(self) -> bool:
         return self.name != "tiny"
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The ids that end a reply: the chat template's (end-of-turn and EOS), else EOS alone,
+        else none (the tiny model)."""
+        if self.chat_template is not None:
+            return self.chat_template.stop_token_ids
+        return frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
 
 
 def load_course_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,

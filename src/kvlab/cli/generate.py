@@ -1,6 +1,8 @@
 """`kvlab generate`: text from a model through a chosen KV cache (stages 2, 4, 5, 6).
 
     kvlab generate --model tiny --prompt "The" --max-new-tokens 20 --cache paged
+    kvlab generate --model smollm2-135m --chat --prompt "What is the capital of France?" \
+        --max-new-tokens 32        # the assistant's reply, rendered and stopped by the template
 
 Heavy modules (torch, the model) are imported inside `run`, so `kvlab size` never pays for them.
 """
@@ -11,7 +13,7 @@ import argparse
 import os
 
 from .arguments import positive_int
-from .generate_output import print_generation, print_prefix_generation
+from .generate_output import Printed, print_generation
 
 __all__ = ["register", "run", "default_threads"]
 
@@ -24,12 +26,19 @@ def register(commands) -> None:
                           "(after `kvlab fetch smollm2-135m`; 4-bit weights dequantized to floats)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
-                        help="prompt text; repeat it for several prompts (--cache prefix)")
+                        help="prompt text (with --chat: the user's message); repeat it for "
+                             "several prompts, generated as one batch")
     prompt.add_argument("--prompt-ids", action="append",
                         help="prompt token ids, e.g. 1,2,3; repeatable like --prompt")
     gen.add_argument("--max-new-tokens", type=positive_int, required=True)
+    gen.add_argument("--chat", action="store_true",
+                     help="render each --prompt as a user message with the model's own chat "
+                          "template and stop at its end-of-turn token; print only the reply")
+    gen.add_argument("--system", default=None,
+                     help="the system message (--chat; default: the template's own)")
     gen.add_argument("--cache", choices=("none", "contiguous", "paged", "prefix"),
-                     default="contiguous", help="prefix: paged + prefix caching (stage 6)")
+                     default=None, help="default: contiguous for one prompt, paged for several "
+                                        "(one batch); prefix: paged + prefix caching (stage 6)")
     gen.add_argument("--block-size", type=positive_int, default=None,
                      help="tokens per block (--cache paged / prefix only; default 16)")
     gen.add_argument("--n", type=positive_int, default=1,
@@ -68,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
     from ..checkpoint import load_model, load_tokenizer
     from ..device import default_dtype
     from ..dtypes import torch_dtype
-    from ..generate import generate
+    from ..generate import chat, default_cache, generate
 
+    num_prompts = len(args.prompt or args.prompt_ids)
+    args.cache = args.cache or default_cache(num_prompts)
+    chat_template = _chat_template(args)  # before the weights load: a refusal costs nothing
     if args.block_size is None:
         args.block_size = 16
     elif args.cache not in ("paged", "prefix"):
@@ -78,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     if args.n > 1 and args.temperature == 0:
         raise ValueError(f"--n {args.n} without --temperature would print {args.n} identical "
                          f"greedy completions; add e.g. --temperature 0.8 to sample them")
+    if num_prompts > 1 and args.cache not in ("paged", "prefix"):
+        raise ValueError(f"{num_prompts} prompts given: several prompts are one batch, which "
+                         f"needs --cache paged or --cache prefix (--cache {args.cache} holds one "
+                         f"sequence)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
     # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
@@ -93,27 +109,61 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         if args.prompt is not None:
             raise
-    if args.prompt is not None:
-        prompts = [tokenizer.encode(text).ids for text in args.prompt]
+    options = dict(cache=args.cache, max_model_len=args.max_model_len, n=args.n,
+                   temperature=args.temperature, seed=args.seed, block_size=args.block_size,
+                   attention_backend=_attention_backend(args))
+    if args.chat:
+        replies = chat(model, tokenizer, chat_template, args.prompt, args.max_new_tokens,
+                       system=args.system, **options)
+        shown = Printed(replies.prompt_ids, replies.prompt_texts, replies.replies, True,
+                        replies.generation)
     else:
-        try:
-            prompts = [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
-        except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got "
-                             f"{args.prompt_ids!r}") from None
-    if len(prompts) > 1 and args.cache != "prefix":
-        raise ValueError(f"{len(prompts)} prompts given: several prompts in one call need "
-                         f"--cache prefix")
-    # --cache prefix takes the list, so later prompts can hit the blocks of earlier ones.
-    result = generate(model, prompts if args.cache == "prefix" else prompts[0],
-                      args.max_new_tokens, cache=args.cache, max_model_len=args.max_model_len,
-                      n=args.n, temperature=args.temperature, seed=args.seed,
-                      block_size=args.block_size, attention_backend=_attention_backend(args))
-    if args.cache == "prefix":
-        print_prefix_generation(args, result, prompts, tokenizer)
-    else:
-        print_generation(args, result, prompts[0], tokenizer)
+        prompts = _prompt_ids(args, tokenizer)
+        result = generate(model, prompts if len(prompts) > 1 else prompts[0],
+                          args.max_new_tokens, **options)
+        if tokenizer is None:  # a checkpoint without tokenizer.json: ids in, ids out
+            prompt_texts = texts = None
+        else:
+            prompt_texts = args.prompt or [tokenizer.decode(ids) for ids in prompts]
+            texts = [[tokenizer.decode(ids) for ids in completions]
+                     for completions in result.prompt_completions]
+        shown = Printed(prompts, prompt_texts, texts, False, result)
+    print_generation(args, shown)
     return 0
+
+
+def _chat_template(args: argparse.Namespace):
+    """The model's `ChatTemplate` for --chat (None without --chat).
+
+    Raises:
+        ValueError: --system without --chat; --chat with --prompt-ids; a model without a chat
+            template (the message names the model and says to drop --chat).
+    """
+    if not args.chat:
+        if args.system is not None:
+            raise ValueError("--system sets the system message of a chat; add --chat")
+        return None
+    if args.prompt is None:
+        raise ValueError("--chat renders --prompt text with the model's chat template; "
+                         "--prompt-ids are already tokens: use --prompt")
+    from ..checkpoint import load_chat_template
+
+    try:
+        return load_chat_template(args.model)
+    except ValueError as error:  # ConfigError too: a GGUF file without tokenizer.chat_template
+        raise ValueError(f"--chat needs the model's chat template: {error}; drop --chat to "
+                         f"continue the prompt text as it is") from None
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """Token ids of every --prompt (encoded) or --prompt-ids (parsed)."""
+    if args.prompt is not None:
+        return [tokenizer.encode(text).ids for text in args.prompt]
+    try:
+        return [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got "
+                         f"{args.prompt_ids!r}") from None
 
 
 # Below this many parameters a one-token decode step's matmuls are too small to split across CPU

@@ -4,9 +4,22 @@
         --prompt "You answer briefly. Question: what is a list?" \\
         --prompt "You answer briefly. Question: what is a dict?"
 
-With --cache prefix each prompt's completions are printed after it, then one line of prefix-cache
-statistics: hit rate (tokens hit / prompt tokens queried), blocks not computed, prefill tokens
-run, evictions.
+One prompt with one completion prints the prompt and its completion (with --chat: the assistant's
+reply alone); several are labelled [p] (prompt p), [i] (completion i) or [p.i] (both).
+The paged cache then prints one line of counts (peak blocks, sharing, copy-on-write,
+preemptions); the prefix cache one line of prefix-cache statistics: hit rate (tokens hit / prompt
+tokens queried), blocks not computed, prefill tokens run, evictions.
+
+--json prints one object of one shape for every cache, number of prompts and completions, chat or
+not (null where a part does not apply):
+
+    {"prompts": [{"prompt_ids": [...], "prompt_text": str | null,
+                  "completions": [{"token_ids": [...], "text": str | null}, ...]}, ...],
+     "stats": {...} | null,          # the paged engine's counts (--cache paged / prefix)
+     "prefix_stats": {...} | null}   # --cache prefix: hits, blocks not computed, evictions
+
+prompt_text is the text prefilled (with --chat: the conversation rendered by the chat template);
+with --chat a completion's text is the reply without its stop token, while token_ids keep it.
 """
 
 from __future__ import annotations
@@ -17,40 +30,87 @@ import json
 
 from ..sizing import format_bytes, plural
 
-__all__ = ["print_generation", "print_prefix_generation", "format_prefix_line"]
+__all__ = ["Printed", "print_generation", "generation_json", "format_prefix_line"]
 
 
-def print_generation(args: argparse.Namespace, result, prompt_ids: list[int], tokenizer) -> None:
-    """Print `kvlab generate` for one prompt: its completion(s), then the paged cache's counts."""
-    completions = result.completions
-    texts = [tokenizer.decode(ids) for ids in completions] if tokenizer is not None else None
-    stats = dataclasses.asdict(result.stats) if result.stats is not None else None
+@dataclasses.dataclass
+class Printed:
+    """What one `kvlab generate` call shows, whatever the cache.
+
+    Attributes:
+        prompt_ids: token ids of each prompt, in order.
+        prompt_texts: each prompt's text (None without a tokenizer).
+        texts: texts[p][i] is completion i of prompt p as text (None without a tokenizer).
+        chat: the completions are chat replies: printed without their prompt.
+        result: the `kvlab.generate.GenerationResult` (ids, cache, stats).
+    """
+
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str] | None
+    texts: list[list[str]] | None
+    chat: bool
+    result: object
+
+
+def generation_json(shown: Printed) -> dict:
+    """The --json object (shape in the module docstring)."""
+    result = shown.result
+    prompts = []
+    for p, (ids, completions) in enumerate(zip(shown.prompt_ids, result.prompt_completions)):
+        prompts.append({
+            "prompt_ids": ids,
+            "prompt_text": shown.prompt_texts[p] if shown.prompt_texts else None,
+            "completions": [{"token_ids": tokens,
+                             "text": shown.texts[p][i] if shown.texts else None}
+                            for i, tokens in enumerate(completions)]})
+    prefix = result.prefix_stats
+    return {"prompts": prompts,
+            "stats": dataclasses.asdict(result.stats) if result.stats is not None else None,
+            "prefix_stats": ({**dataclasses.asdict(prefix), "hit_rate": prefix.hit_rate}
+                             if prefix is not None else None)}
+
+
+def print_generation(args: argparse.Namespace, shown: Printed) -> None:
+    """Print `kvlab generate`: every completion (or --json), then the cache's line(s)."""
     if args.json:
-        out = {"token_ids": completions[0], "text": texts[0] if texts else None}
-        if args.n > 1:
-            out["completions"] = [{"token_ids": ids, "text": texts[i] if texts else None}
-                                  for i, ids in enumerate(completions)]
-        if stats is not None:
-            out["stats"] = stats
-        print(json.dumps(out))
+        print(json.dumps(generation_json(shown)))
         return
-    for i, ids in enumerate(completions):
-        prefix = f"[{i}] " if args.n > 1 else ""
-        if texts is not None:
-            print(prefix + (args.prompt[0] if args.prompt else tokenizer.decode(prompt_ids))
-                  + texts[i])
-        else:
-            print(prefix + " ".join(map(str, ids)))
-    if stats is not None:
-        block_bytes = result.cache.block_bytes
-        print(f"-- paged cache: block_size {args.block_size}, "
-              f"peak {plural(stats['peak_blocks_in_use'], 'block')} "
-              f"({format_bytes(stats['peak_blocks_in_use'] * block_bytes)}), "
-              f"{stats['blocks_saved_by_sharing']} saved by sharing the prompt, "
-              f"{stats['num_cow_copies']} copy-on-write copies, "
-              f"{plural(stats['num_preemptions'], 'preemption')}, attention {_attention(args)}")
+    result = shown.result
+    completions = result.prompt_completions
+    for p, prompt_completions in enumerate(completions):
+        for i, ids in enumerate(prompt_completions):
+            label = _label(p, i, len(completions), args.n)
+            if shown.texts is None:
+                print(label + " ".join(map(str, ids)))
+            elif shown.chat:
+                print(label + shown.texts[p][i])
+            else:
+                print(label + shown.prompt_texts[p] + shown.texts[p][i])
+    if result.prefix_stats is not None:
+        print(format_prefix_line(result, _attention(args)))
+    elif result.stats is not None:
+        print(paged_line(args, result))
         if args.n > 1:
-            print(net_sharing_line(stats, args.n))
+            print(net_sharing_line(dataclasses.asdict(result.stats), args.n))
+
+
+def _label(prompt: int, completion: int, num_prompts: int, n: int) -> str:
+    """'' for one completion of one prompt; '[i] ' for completion i of one prompt; '[p] ' for
+    prompt p of several; '[p.i] ' for both."""
+    if num_prompts == 1:
+        return "" if n == 1 else f"[{completion}] "
+    return f"[{prompt}] " if n == 1 else f"[{prompt}.{completion}] "
+
+
+def paged_line(args: argparse.Namespace, result) -> str:
+    """'-- paged cache: block_size 16, peak 3 blocks (...), ...': the paged engine's counts."""
+    stats = result.stats
+    peak = stats.peak_blocks_in_use
+    return (f"-- paged cache: block_size {result.cache.block_size}, "
+            f"peak {plural(peak, 'block')} ({format_bytes(peak * result.cache.block_bytes)}), "
+            f"{stats.blocks_saved_by_sharing} saved by sharing the prompt, "
+            f"{stats.num_cow_copies} copy-on-write copies, "
+            f"{plural(stats.num_preemptions, 'preemption')}, attention {_attention(args)}")
 
 
 def net_sharing_line(stats: dict, n: int) -> str:
@@ -83,30 +143,3 @@ def format_prefix_line(result, attention: str | None = None) -> str:
             f"{plural(paged.num_prefill_tokens, 'token')}, "
             f"{plural(prefix.num_evictions, 'eviction')}, "
             f"{plural(paged.num_preemptions, 'preemption')}{named}")
-
-
-def print_prefix_generation(args: argparse.Namespace, result, prompts: list[list[int]],
-                            tokenizer) -> None:
-    """Print `kvlab generate --cache prefix`: each prompt's completions, then the hit line."""
-    texts = ([[tokenizer.decode(ids) for ids in completions]
-              for completions in result.prompt_completions] if tokenizer is not None else None)
-    if args.json:
-        print(json.dumps({
-            "prompts": [{"prompt_ids": prompt,
-                         "completions": [{"token_ids": ids,
-                                          "text": texts[p][i] if texts else None}
-                                         for i, ids in enumerate(completions)]}
-                        for p, (prompt, completions) in enumerate(zip(prompts,
-                                                                      result.prompt_completions))],
-            "stats": dataclasses.asdict(result.stats),
-            "prefix_stats": {**dataclasses.asdict(result.prefix_stats),
-                             "hit_rate": result.prefix_stats.hit_rate}}))
-        return
-    for p, (prompt, completions) in enumerate(zip(prompts, result.prompt_completions)):
-        for i, ids in enumerate(completions):
-            label = f"[{p}]" if args.n == 1 else f"[{p}.{i}]"
-            if texts is not None:
-                print(f"{label} {tokenizer.decode(prompt)}{texts[p][i]}")
-            else:
-                print(f"{label} " + " ".join(map(str, ids)))
-    print(format_prefix_line(result, _attention(args)))

@@ -19,7 +19,7 @@ Used by notebook 06 (SmolLM2 through `LLMEngine`, cache on and off) and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 __all__ = ["FIRST_QUESTIONS", "FOLLOW_UPS", "ChatTurn", "question", "render_chat", "run_chats"]
 
@@ -50,9 +50,9 @@ class ChatTurn:
         prompt_text: the conversation so far rendered by `render_chat` (ends where the reply
             begins).
         prompt_ids: prompt_text as token ids (what the server prefills).
-        answer_ids: the token ids the model generated (the end-of-sequence token included if it
-            was generated).
-        reply: the answer as text, end-of-sequence token left out (what the next turn re-sends).
+        answer_ids: the token ids the model generated (the stop token included if it was
+            generated).
+        reply: the answer as text, stop token left out (what the next turn re-sends).
     """
 
     chat: int
@@ -98,7 +98,7 @@ def render_chat(messages: Sequence[dict[str, str]], chat_template: Any | None = 
 
 def run_chats(serve_turn: ServeTurn, tokenizer, chat_template: Any | None = None,
               num_chats: int = 3, num_turns: int = 2,
-              eos_token_id: int | None = None) -> list[list[ChatTurn]]:
+              eos_token_id: int | Collection[int] | None = None) -> list[list[ChatTurn]]:
     """Play `num_chats` conversations of `num_turns` turns, all chats' turn t served together.
 
     At each turn every chat's history plus its new `question` is rendered (`render_chat`) and
@@ -111,7 +111,8 @@ def run_chats(serve_turn: ServeTurn, tokenizer, chat_template: Any | None = None
         tokenizer: a `tokenizers.Tokenizer` (`encode(text).ids`, `decode(ids)`).
         chat_template: see `render_chat`.
         num_chats, num_turns: at least 1 each.
-        eos_token_id: left out of the decoded reply (None: nothing left out).
+        eos_token_id: the stop token (or tokens: e.g. `ChatTemplate.stop_token_ids`) left out of
+            the decoded reply (None: nothing left out).
 
     Returns:
         turns[turn][chat]: a `ChatTurn` for each turn of each chat.
@@ -123,6 +124,7 @@ def run_chats(serve_turn: ServeTurn, tokenizer, chat_template: Any | None = None
     for name, value in (("num_chats", num_chats), ("num_turns", num_turns)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     histories: list[list[dict[str, str]]] = [[] for _ in range(num_chats)]
     turns = []
     for turn in range(num_turns):
@@ -136,7 +138,7 @@ def run_chats(serve_turn: ServeTurn, tokenizer, chat_template: Any | None = None
             raise ValueError(f"serve_turn returned {len(answers)} answers for {num_chats} prompts")
         this_turn = []
         for chat, answer in enumerate(answers):
-            reply = tokenizer.decode([t for t in answer if t != eos_token_id])
+            reply = tokenizer.decode([t for t in answer if t not in stop])
             histories[chat] = messages[chat] + [{"role": "assistant", "content": reply}]
             this_turn.append(ChatTurn(chat, turn, asked[chat], texts[chat], prompts[chat], answer,
                                       reply))

@@ -49,7 +49,7 @@ class BatchResult:
 def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int],
                    block_size: int = 16, num_blocks: int | None = None,
                    max_model_len: int | None = None, n: int = 1,
-                   eos_token_id: int | None = None, max_num_seqs: int = 256,
+                   eos_token_id: int | Seq[int] | None = None, max_num_seqs: int = 256,
                    first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
                    seed: int = 0, seeds: Seq[int | None] | None = None,
                    cache_salts: Seq[str | None] | None = None,
@@ -71,7 +71,7 @@ def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int]
             request) when num_blocks is None, else min(max_position_embeddings, num_blocks x
             block_size).
         n: completions per prompt (parallel sampling, prompt blocks shared).
-        eos_token_id: stop a completion after this token.
+        eos_token_id: stop a completion after this token (or any of several; see `LLMEngine`).
         max_num_seqs: most sequences running at once.
         first_tokens: per prompt None or n forced first tokens, one per completion.
         temperature, seed: sampling (0 = greedy); see `LLMEngine`.

@@ -34,7 +34,7 @@ from ..sampling import check_temperature, stream_seed
 from .kv_managers import PagedManager
 from .model_runner import ModelExecutor
 from .prefix_manager import PrefixManager
-from .request import Request, SamplingParams
+from .request import Request, SamplingParams, stop_token_ids
 from .runner import engine_step
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -75,7 +75,8 @@ class LLMEngine:
         max_model_len: longest request (prompt + max_new_tokens, tokens); default the model's
             max_position_embeddings, never more. Checked against the pool at start-up.
         max_num_seqs: most sequences running at once (a request for n completions counts n).
-        eos_token_id: a completion stops after generating it.
+        eos_token_id: a completion stops after generating it; one id or several (an instruct
+            model's end-of-sequence and end-of-turn tokens), as in `SamplingParams`.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
         seed: the seed of requests that bring none of their own (see `kvlab.sampling`).
         attention_backend: the paged cache's attention backend (see `kvlab.paged.backends`).
@@ -100,15 +101,15 @@ class LLMEngine:
 
     def __init__(self, model, num_blocks: int, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 eos_token_id: int | None = None, temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | Seq[int] | None = None, temperature: float = 0.0,
+                 seed: int = 0,
                  attention_backend: BackendLike = None, enable_prefix_caching: bool = False,
                  hash_fn: HashFunction = sha256, max_num_batched_tokens: int | None = None):
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         self.temperature = check_temperature(temperature)
         self.seed = check_int("seed", seed, 0)
-        if eos_token_id is not None:
-            check_int("eos_token_id", eos_token_id, 0, model.config.vocab_size - 1)
-        self.model, self.eos_token_id = model, eos_token_id
+        self.model = model
+        self.stop_token_ids = stop_token_ids(eos_token_id, model.config.vocab_size)
         self.max_model_len = check_model_len(model.config, max_model_len)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
                                             attention_backend)
@@ -183,7 +184,7 @@ class LLMEngine:
             parts = ("request", seed) if seed is not None else ("engine", self.seed, request_id)
             sampling = SamplingParams(
                 self.temperature, stream_seed(*parts, sibling) if self.temperature else None,
-                self.eos_token_id, None if first_tokens is None else int(first_tokens[sibling]))
+                self.stop_token_ids, None if first_tokens is None else int(first_tokens[sibling]))
             family.append(Request(self._num_sequences, 0.0, len(prompt), max_new_tokens,
                                   prompt, sampling=sampling, cache_salt=cache_salt))
             self._num_sequences += 1

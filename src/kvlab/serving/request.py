@@ -12,7 +12,11 @@ count drops to 0 and the request catches up again, prompt and output alike. That
 prefill, chunked prefill, decode, prefix-cache hits and recomputation.
 
 What to do with the logits is the request's `SamplingParams` (vLLM's name): greedy or a
-temperature, the seed of its random stream, its end-of-sequence token. A request for n > 1
+temperature, the seed of its random stream, the tokens that end it. A model can have several such
+tokens: an instruct model ends a reply with its end-of-turn token (SmolLM2's `<|im_end|>`, Llama
+3's `<|eot_id|>`), which may differ from its end-of-sequence token, so a request carries a set of
+stop token ids, as vLLM's `SamplingParams.stop_token_ids`, HF's list-valued
+`GenerationConfig.eos_token_id` and llama.cpp's end-of-generation ids do. A request for n > 1
 completions of one prompt (parallel sampling) carries n - 1 `forks`: siblings that share its
 prompt's KV once that is computed, each then sampling on its own (Kwon et al., section 4.4).
 
@@ -27,10 +31,11 @@ import enum
 import random
 from typing import Iterable, Sequence
 
+from ..requests import check_int
 from ..sampling import check_temperature
 
-__all__ = ["Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",
-           "shrink", "synthetic_prompt_ids"]
+__all__ = ["Request", "RequestState", "SamplingParams", "stop_token_ids", "from_sizes",
+           "poisson_arrivals", "speed_up", "shrink", "synthetic_prompt_ids"]
 
 
 class RequestState(enum.Enum):
@@ -48,19 +53,20 @@ class SamplingParams:
         temperature: 0 = greedy (arg-max); T > 0 samples from softmax(logits / T).
         stream_seed: seed of the request's own random stream (`kvlab.sampling.stream_seed`), so
             its samples do not depend on its batch or on preemption; None with temperature 0.
-        eos_token_id: the request finishes right after sampling this token (finish reason
-            "stop"); None: it runs to max_output_tokens (finish reason "length").
+        stop_token_ids: the request finishes right after sampling any of these (finish reason
+            "stop"); empty: it runs to max_output_tokens (finish reason "length"). Any iterable
+            of ids is accepted and stored as a frozenset.
         first_token: a forced first output token (the course's way to make greedy siblings
             diverge, so copy-on-write shows); None: sampled like the rest.
 
     Raises:
         ValueError: a temperature that is not a finite number >= 0, a temperature > 0 without a
-            stream_seed, or a negative token id.
+            stream_seed, or a token id that is not an integer >= 0.
     """
 
     temperature: float = 0.0
     stream_seed: int | None = None
-    eos_token_id: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
     first_token: int | None = None
 
     def __post_init__(self) -> None:
@@ -69,11 +75,39 @@ class SamplingParams:
             # Without it every such request would draw from one default stream: identical samples.
             raise ValueError(f"temperature={self.temperature} needs a stream_seed (e.g. "
                              f"kvlab.sampling.stream_seed('request', seed, sibling))")
-        for name in ("eos_token_id", "first_token"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise ValueError(f"{name} must be a token id >= 0 or None, got {value!r}")
+        if isinstance(self.stop_token_ids, (int, str)):  # one id where a set belongs: say so
+            raise ValueError(f"stop_token_ids must be a collection of token ids, got "
+                             f"{self.stop_token_ids!r} (write {{{self.stop_token_ids!r}}})")
+        # frozen: the normalised set is written once, here, through object.__setattr__
+        object.__setattr__(self, "stop_token_ids", frozenset(
+            _token_id("stop_token_ids entry", t) for t in self.stop_token_ids))
+        if self.first_token is not None:
+            _token_id("first_token", self.first_token)
+
+
+def _token_id(name: str, value) -> int:
+    """A token id >= 0 (no vocabulary bound here: the engine checks that).
+
+    Raises:
+        ValueError: a bool, a non-integer or a negative value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a token id >= 0, got {value!r}")
+    return value
+
+
+def stop_token_ids(eos_token_id, vocab_size: int) -> frozenset[int]:
+    """The stop set of a request from an `eos_token_id` argument: None, one id, or several ids
+    (HF's `GenerationConfig.eos_token_id` takes an int or a list the same way).
+
+    Raises:
+        ValueError: an id outside [0, vocab_size) (the message names eos_token_id and the range).
+    """
+    if eos_token_id is None:
+        return frozenset()
+    several = isinstance(eos_token_id, (list, tuple, set, frozenset))
+    ids = list(eos_token_id) if several else [eos_token_id]
+    return frozenset(check_int("eos_token_id", t, 0, vocab_size - 1) for t in ids)
 
 
 GREEDY = SamplingParams()
@@ -124,7 +158,7 @@ class Request:
     num_preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
-    finish_reason: str | None = None  # "length" (max_output_tokens) or "stop" (eos_token_id)
+    finish_reason: str | None = None  # "length" (max_output_tokens) or "stop" (a stop token)
     reject_reason: str | None = None
 
     def __post_init__(self) -> None:

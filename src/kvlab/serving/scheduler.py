@@ -24,7 +24,7 @@ waiting for its longest member. Each step has two budgets, as in vLLM:
    would only be preempted again (thrashing).
 
 `update()` then records what the step computed: a request whose every token is computed has just
-produced its next token; one that reached max_output_tokens, or sampled its end-of-sequence token,
+produced its next token; one that reached max_output_tokens, or sampled one of its stop tokens,
 finishes and frees its memory. A request for n completions is admitted with its n - 1 forks
 (all n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV,
 and run as requests of their own from their first token on (Kwon et al., section 4.4).
@@ -241,7 +241,7 @@ class Scheduler:
         request.num_output_tokens += 1
         if request.first_token_s is None:
             request.first_token_s = now_s
-        if token is not None and token == request.sampling.eos_token_id:
+        if token is not None and token in request.sampling.stop_token_ids:
             request.finish_reason = "stop"
         elif request.num_output_tokens >= request.max_output_tokens:
             request.finish_reason = "length"

@@ -1,6 +1,6 @@
 """How long each notebook takes to read, counted from the committed notebooks rather than typed.
 
-The rule (docs/instructor_notes.md, "Time per stage, measured"):
+The rule (docs/instructor_notes.md, "Time per stage: run times measured, reading times counted"):
 
     reading minutes = markdown words / 120 words per minute
                     + non-blank code lines / 15 lines per minute,   rounded to the nearest 5 minutes

@@ -1,6 +1,6 @@
 """How long each notebook takes to read, counted from the committed notebooks rather than typed.
 
-The rule (docs/instructor_notes.md, "Time per stage, measured"):
+The rule (docs/instructor_notes.md, "Time per stage: run times measured, reading times counted"):
 
     reading minutes = markdown words / 120 words per minute
                     + non-blank code lines / 15 lines per minute,   rounded to the nearest 5 minutes
@@ -11,8 +11,12 @@ The rule (docs/instructor_notes.md, "Time per stage, measured"):
 
 Halves round up (22.5 minutes reads as 25), so a figure does not flip with Python's round-half-even.
 
-    python scripts/reading_times.py           # print the table
-    python scripts/reading_times.py --write   # rewrite the figures in the notes and headers
+    python scripts/reading_times.py              # print the table
+    python scripts/reading_times.py --sections   # and each notebook's "## " sections, unrounded
+    python scripts/reading_times.py --write      # rewrite the figures in the notes and headers
+
+A *section* starts at a markdown line beginning with "## " and runs to the next one (what comes
+before the first is the header); the instructor notes' 3-hour plan is built from these minutes.
 
 `--write` rewrites three things and nothing else:
 
@@ -89,6 +93,35 @@ def count_notebook(notebook: dict) -> tuple[int, int]:
         elif cell["cell_type"] == "code":
             code_lines += sum(1 for line in source.splitlines() if line.strip())
     return words, code_lines
+
+
+@dataclass(frozen=True)
+class SectionTime:
+    """What a learner reads in one "## " section of a notebook (the header: before the first)."""
+
+    heading: str
+    markdown_words: int
+    code_lines: int
+
+    @property
+    def minutes(self) -> float:
+        """Unrounded: a plan adds several sections before it rounds."""
+        return self.markdown_words / WORDS_PER_MINUTE + self.code_lines / CODE_LINES_PER_MINUTE
+
+
+def count_sections(notebook: dict) -> list[SectionTime]:
+    """The notebook cut at its "## " headings; the counts add up to `count_notebook`'s."""
+    sections = [["(header)", 0, 0]]
+    for cell in notebook["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            for line in source.splitlines():  # a heading may start in the middle of a cell
+                if line.startswith("## "):
+                    sections.append([line[3:].strip(), 0, 0])
+                sections[-1][1] += len(line.split())
+        elif cell["cell_type"] == "code":
+            sections[-1][2] += sum(1 for line in source.splitlines() if line.strip())
+    return [SectionTime(heading, words, lines) for heading, words, lines in sections]
 
 
 def reading_minutes(words: int, code_lines: int) -> int:
@@ -192,12 +225,24 @@ def format_table(times: dict[int, ReadingTime]) -> str:
     return "\n".join(lines)
 
 
+def format_sections(notebooks: Path = NOTEBOOKS) -> str:
+    lines = []
+    for path in sorted(notebooks.glob("[0-9]*.ipynb")):
+        lines.append(path.name)
+        for section in count_sections(json.loads(path.read_text(encoding="utf-8"))):
+            lines.append(f"  {section.minutes:5.1f} min  {section.markdown_words:5,} words "
+                         f"{section.code_lines:4,} lines  {section.heading}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    if argv not in ([], ["--write"]):
-        print("usage: python scripts/reading_times.py [--write]", file=sys.stderr)
+    if argv not in ([], ["--write"], ["--sections"]):
+        print("usage: python scripts/reading_times.py [--write | --sections]", file=sys.stderr)
         return 2
     times = all_reading_times()
     print(format_table(times))
+    if argv == ["--sections"]:
+        print(format_sections())
     if argv == ["--write"]:
         notes = INSTRUCTOR_NOTES.read_text(encoding="utf-8")
         new_notes = updated_notes(notes, times)

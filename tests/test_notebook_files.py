@@ -4,6 +4,7 @@
 tests/test_browser.py checks the same in a real JupyterLab (the tab must not turn "modified").
 """
 
+import ast
 import importlib.util
 import json
 import os
@@ -101,15 +102,31 @@ def test_first_cell_installs_the_course_only_when_kvlab_is_missing(monkeypatch, 
     assert commands == [] and out.startswith("kvlab setup: ")
 
 
-def test_first_cell_outside_a_clone_installs_from_the_course_repository(monkeypatch, capsys,
-                                                                         tmp_path):
-    (tmp_path / "content").mkdir()  # Colab: the notebook alone, in /content
-    commands, out, _ = run_first_cell(monkeypatch, capsys, tmp_path / "content", False)
-    assert len(commands) == 1 and commands[0][-1].startswith("git+https://")
+def test_first_cell_outside_a_clone_stops_with_what_to_do_or_installs_kvlab_source(
+        monkeypatch, capsys, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "content").mkdir()  # Colab: the notebook alone, in /content; no public URL yet
+    with pytest.raises(RuntimeError, match=r"not in a copy of the course: .* set KVLAB_SOURCE"):
+        run_first_cell(monkeypatch, capsys, tmp_path / "content", False)
+    commands = []  # the stubs run_first_cell put in place are still there; record pip anew
+    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command))
     monkeypatch.setenv("KVLAB_SOURCE", "kvlab-0.1.0-py3-none-any.whl")
-    namespace = {}
-    exec(compile(colab_first_cell(), "first cell", "exec"), namespace)
-    assert commands[-1][-1] == "kvlab-0.1.0-py3-none-any.whl"
+    exec(compile(colab_first_cell(), "first cell", "exec"), {})
+    assert commands == [[sys.executable, "-m", "pip", "install", "-q",
+                         "kvlab-0.1.0-py3-none-any.whl"]]
+
+
+def test_first_cells_course_url_is_the_projects_repository_url():
+    """The cell's fallback outside a clone is pyproject's [project.urls] Repository, or None."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+    found = re.search(r"^ *COURSE_URL = (.+?)  #", colab_first_cell(), re.M)
+    assert found, "the first cell no longer names COURSE_URL"
+    expected = f"git+{urls['Repository']}" if "Repository" in urls else None
+    assert ast.literal_eval(found.group(1)) == expected, (
+        f"COURSE_URL in the first cell and pyproject's [project.urls] Repository differ")
 
 
 def test_readme_stage_table_points_at_files_that_exist():

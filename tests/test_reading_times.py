@@ -54,6 +54,25 @@ def test_counting_words_and_code_lines():
     assert rt.count_notebook(notebook) == (8, 3)  # "#" and "—" are words too
 
 
+def test_sections_cut_at_level_2_headings_and_add_up_to_the_notebook():
+    notebook = {"cells": [
+        {"cell_type": "markdown", "source": ["# Title\n", "intro words\n"]},
+        {"cell_type": "code", "source": ["x = 1\n"]},
+        {"cell_type": "markdown", "source": ["end of intro\n", "## 1. First\n", "three more words"]},
+        {"cell_type": "code", "source": ["y = 2\n", "\n", "z = 3"]},
+        {"cell_type": "markdown", "source": ["### not a section\n", "## Second"]},
+    ]}
+    sections = rt.count_sections(notebook)
+    assert [(s.heading, s.markdown_words, s.code_lines) for s in sections] == [
+        ("(header)", 7, 1), ("1. First", 10, 2), ("Second", 2, 0)]
+    assert sections[1].minutes == 10 / 120 + 2 / 15  # "### not a section" is in it
+    for time in TIMES.values():
+        real = json.loads((ROOT / "notebooks" / time.notebook).read_text(encoding="utf-8"))
+        cut = rt.count_sections(real)
+        assert (sum(s.markdown_words for s in cut), sum(s.code_lines for s in cut)) == (
+            time.markdown_words, time.code_lines), time.notebook
+
+
 def test_every_notebook_has_a_row_and_nothing_in_the_notes_is_stale():
     text = NOTES.read_text(encoding="utf-8")
     assert sorted(table_rows()) == sorted(TIMES), "one table row per notebook"

@@ -123,6 +123,12 @@ def test_serve_block_longer_than_max_model_len_is_refused_as_report_does(capsys)
     assert "--block-size 128 > --max-model-len 64" in err
 
 
+def test_serve_block_size_with_only_the_contiguous_strategy_is_refused(capsys):
+    err = refused(capsys, *SIMULATE, "--model", "llama-3.1-8b", "--strategy", "contiguous",
+                  "--block-size", "8")
+    assert "--block-size 8: the contiguous strategy reserves max_model_len slabs" in err
+
+
 def test_serve_tp_too_small_for_one_long_request_names_the_size_that_fits(capsys):
     # tp 2: 0.9 x 80 GiB - 70.6 GB of weights leaves 6.29 GiB, less than one 131,072-token
     # request's 20 GiB of KV at 160 KiB per token per GPU.

@@ -9,6 +9,9 @@ Simulation mode (`--simulate`) times each step with the roofline cost model of t
 model mode runs the real model on the CPU (or `--device cuda`) with real cache tensors.
 
 The step budgets default to what vLLM v1's API server picks for the card (`scheduler_defaults`).
+Without --tp a simulation uses the smallest tensor-parallel size that fits the model on the card
+(vLLM's default, tp 1, refuses to start when the weights do not fit) and prints which and why. A
+flag the chosen mode would not use is refused (`check_flags`), never ignored.
 """
 
 from __future__ import annotations
@@ -101,8 +104,8 @@ def register(commands) -> None:
                    help="most tokens computed in one step; longer prompts are prefilled in "
                         "chunks (default: 8192 on a card of >= 70 GiB other than an A100, else "
                         "2048)")
-    p.add_argument("--block-size", type=positive_int, default=16,
-                   help="tokens per KV block (default 16, vLLM's)")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block of the paged strategies (default 16, vLLM's)")
     p.add_argument("--num-requests", type=positive_int, default=None,
                    help="replay only the first N requests of the trace")
     p.add_argument("--speedup", type=positive_float, default=None,
@@ -121,9 +124,15 @@ def register(commands) -> None:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag this mode would ignore or another flag overrides. Raises ValueError."""
+    """Refuse a flag this mode would ignore or another flag overrides (then fill in the
+    block_size default). Raises ValueError."""
     refuse_together(args, "--speedup", "--rate",
                     "--rate replaces the trace's arrival times, so there is nothing to speed up")
+    if args.strategy == "contiguous" and args.block_size is not None:
+        raise ValueError(f"--block-size {args.block_size}: the contiguous strategy reserves "
+                         f"max_model_len slabs, not blocks; drop --block-size or add a paged "
+                         f"--strategy")
+    args.block_size = args.block_size or 16
     if args.simulate:
         refuse_together(args, "--kv-budget", "--gpu-memory-utilization",
                         "--gpu-memory-utilization only sets the default KV budget, which "

@@ -143,8 +143,10 @@ def tp_shortfall(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int, *, t
     """Why one of `tp` GPUs cannot hold its share, with the numbers; None when it can.
 
     Without kv_budget_bytes, the share is vLLM's start-up check: default_kv_budget must hold one
-    request of max_model_len tokens (vLLM refuses to start otherwise). With it, the weights and
-    that KV budget must fit in the card's memory.
+    request of max_model_len tokens (vLLM v1 refuses to start otherwise: "To serve at least one
+    request with the model's max seq len ...", `check_enough_kv_cache_memory` in
+    vllm/v1/core/kv_cache_utils.py). With it, the weights and that KV budget must fit in the
+    card's memory.
 
     Returns:
         e.g. "141.1 GB of bf16 weights > 80 GiB H100-80GB" (llama-3.1-70b at tp 1), or None.

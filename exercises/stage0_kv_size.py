@@ -38,7 +38,7 @@ def kv_bytes_per_token(num_hidden_layers: int, num_key_value_heads: int, head_di
     Returns:
         Bytes per token (int). Llama-3.1-70B, bf16: 327,680.
     """
-    raise NotImplementedError("TODO(stage 0): a K and a V vector per layer per KV head: 2 x layers x kv_heads x head_dim x bytes")
+    raise NotImplementedError("TODO(stage 0): each token keeps one K and one V vector of head_dim numbers per KV head, in every layer; count those numbers, then their bytes")
 
 
 def kv_cache_bytes(batch: int, seq_len: int, bytes_per_token: int) -> int:
@@ -74,7 +74,7 @@ def max_concurrent_requests(gpu_bytes: int, weights_bytes: int, seq_len: int,
         Number of requests (int, >= 0). Llama-3.1-8B bf16 (16,060,522,496 B of weights) on
         80 GiB at 4,096 tokens: 130.
     """
-    raise NotImplementedError("TODO(stage 0): (free bytes after the weights) // (bytes one request needs); not below 0")
+    raise NotImplementedError("TODO(stage 0): what the card has left once the weights are loaded, in whole requests of seq_len tokens; a model larger than the card fits 0 requests, never a negative count")
 
 
 def num_parameters(config: LlamaConfig) -> int:

@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         [..., hidden_size], the dtype of `weight * x` (x's dtype when both match).
     """
-    raise NotImplementedError("TODO(stage 1): x32 = x.float(); x32 / sqrt(mean of x32**2 over the last dim + eps); cast that back to x.dtype, then multiply by weight")
+    raise NotImplementedError("TODO(stage 1): scale each vector by 1 / its root mean square over the last dim (eps inside the root); keep the docstring's order (float32, back to x's dtype, weight last) to match bit for bit")
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -67,7 +67,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     Raises:
         ValueError: head_dim is odd (channels could not be paired).
     """
-    raise NotImplementedError("TODO(stage 1): inv_freq = theta ** -(arange(0, D, 2) / D), one per channel pair; angles = positions[:, None] * inv_freq; rotate (first, second) halves by them")
+    raise NotImplementedError("TODO(stage 1): each (first-half, second-half) channel pair turns by position x its own frequency, slower for later pairs; a token's angles are the same for every head, so broadcast them over heads")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     Returns:
         [num_tokens, num_heads, head_dim], dtype of q.
     """
-    raise NotImplementedError("TODO(stage 1): per head: scores = q @ k^T / sqrt(D); set j > i to -inf; softmax over j, then multiply by v")
+    raise NotImplementedError("TODO(stage 1): scaled dot-product attention for each head: a query scores every key, scaled by 1/sqrt(head_dim); causal: a later key must get zero weight, so mask it before the softmax")
 
 
 def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
@@ -109,4 +109,4 @@ def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
     Returns:
         [num_tokens, hidden_size], dtype of x.
     """
-    raise NotImplementedError("TODO(stage 1): down(silu(x @ gate.T) * (x @ up.T)), where down(h) = h @ down.T")
+    raise NotImplementedError("TODO(stage 1): SwiGLU: the SiLU of the gate projection gates the up projection elementwise, and the down projection maps back to hidden_size; an nn.Linear weight is [out_features, in_features]")

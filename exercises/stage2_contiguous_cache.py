@@ -50,7 +50,7 @@ def check_reservation(max_num_seqs: int, max_model_len: int, bytes_per_token: in
             `kvlab.sizing.format_bytes` for the byte figures, e.g.
             "KV cache reservation 128 seqs x 4096 tokens x 128 KiB/token = 64 GiB > 40 GiB budget".
     """
-    raise NotImplementedError("TODO(stage 2): seqs x tokens x bytes/token; if above the budget raise MemoryError with f\"{max_num_seqs} seqs x {max_model_len} tokens x ... = ... > ... budget\"")
+    raise NotImplementedError("TODO(stage 2): a contiguous cache reserves every slab up front, max_model_len tokens each, whatever the requests will use; check the counts, then refuse a reservation above the budget (MemoryError showing the docstring's arithmetic)")
 
 
 def write_kv(slab: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> None:
@@ -68,7 +68,7 @@ def write_kv(slab: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> No
         MemoryError: a position is >= max_model_len (the slab has no room for it; nothing is
             written). The message names the position and max_model_len.
     """
-    raise NotImplementedError("TODO(stage 2): refuse positions >= slab.shape[0] (MemoryError), then slab[positions] = k")
+    raise NotImplementedError("TODO(stage 2): a slab never grows: a position past its end is out of memory; refuse before writing anything, so a failed call leaves the slab as it was")
 
 
 def reserved_bytes(*tensors: torch.Tensor) -> int:
@@ -82,7 +82,7 @@ def reserved_bytes(*tensors: torch.Tensor) -> int:
     Returns:
         Bytes (int).
     """
-    raise NotImplementedError("TODO(stage 2): sum of t.numel() * t.element_size()")
+    raise NotImplementedError("TODO(stage 2): what the tensors occupy, filled or not: every element costs its dtype's bytes")
 
 
 def used_bytes(seq_lens: Sequence[int], bytes_per_token: int) -> int:
@@ -95,7 +95,7 @@ def used_bytes(seq_lens: Sequence[int], bytes_per_token: int) -> int:
     Returns:
         Bytes (int).
     """
-    raise NotImplementedError("TODO(stage 2): tokens held by all slabs x bytes_per_token")
+    raise NotImplementedError("TODO(stage 2): only the tokens the slabs really hold count, bytes_per_token each")
 
 
 def waste(used: int, reserved: int) -> float:

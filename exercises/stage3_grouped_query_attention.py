@@ -56,7 +56,7 @@ def kv_head_for_query_head(h: int, num_attention_heads: int, num_key_value_heads
             out of range. The message names the numbers, e.g.
             "32 query heads cannot be split into 5 equal groups (one per KV head)".
     """
-    raise NotImplementedError("TODO(stage 3): check the counts (ValueError with the numbers), then h // group with group = num_attention_heads // num_key_value_heads")
+    raise NotImplementedError("TODO(stage 3): query heads are grouped in order: each run of num_attention_heads / num_key_value_heads consecutive heads shares one KV head; refuse counts that do not divide and heads out of range (ValueError with the numbers)")
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     Raises:
         ValueError: num_key_value_heads does not divide num_attention_heads (message: the numbers).
     """
-    raise NotImplementedError("TODO(stage 3): q -> [Hkv, G*T, D] (reshape(T, Hkv, G, D), permute, reshape); torch.bmm with k as [Hkv, D, T], / sqrt(D); view [Hkv, G, T, T], key s > query t -> -inf, softmax; bmm with v as [Hkv, T, D]; back to [T, Hq, D]")
+    raise NotImplementedError("TODO(stage 3): stage 1's causal attention, but one batched matmul per KV head scores its whole group: make the group's query heads extra rows of q (a reshape of q, never a copy of K/V), mask and softmax each (query head, token) row, then undo the reshape")
 
 
 def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
@@ -107,7 +107,7 @@ def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
     Raises:
         ValueError: new_num_kv_heads < 1 or it does not divide num_kv_heads (message: the numbers).
     """
-    raise NotImplementedError("TODO(stage 3): view as [new_num_kv_heads, P, head_dim, hidden], mean over dim 1, reshape to [new_num_kv_heads * head_dim, hidden]")
+    raise NotImplementedError("TODO(stage 3): a head is head_dim consecutive rows of the weight; new head j is the mean of the P adjacent old heads it replaces (expose that P axis, then average over it)")
 
 
 def kv_cache_saving(num_attention_heads: int, num_key_value_heads: int) -> float:

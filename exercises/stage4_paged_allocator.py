@@ -54,7 +54,7 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int],
         IndexError: a position < 0 or past the last block of the table (no block holds it yet).
             The message names the position and the table's capacity in tokens.
     """
-    raise NotImplementedError("TODO(stage 4): for each p: refuse p < 0 or p >= len(block_table) * block_size (IndexError), else block_table[p // block_size] * block_size + p % block_size")
+    raise NotImplementedError("TODO(stage 4): position p is in the table's block p // block_size at offset p % block_size; the block table names that block's physical id, and a slot counts tokens from the pool's start; a position the table does not cover has no slot (IndexError)")
 
 
 class NoFreeBlocksError(MemoryError):
@@ -129,7 +129,7 @@ class TinyBlockAllocator:
                 the sequence needs and how many are free, e.g.
                 "sequence 'b' needs 3 blocks for 10 tokens, 2 of 8 are free".
         """
-        raise NotImplementedError("TODO(stage 4): validate; needed = ceil(num_tokens / block_size) (-(-a // b)); refuse (NoFreeBlocksError) before taking anything; popleft `needed` blocks, ref 1")
+        raise NotImplementedError("TODO(stage 4): just enough blocks for the tokens (round up); all or nothing: refuse (NoFreeBlocksError) before taking any block, so a failed call changes no state; a new block has one owner")
 
     def append(self, seq_id: Hashable) -> tuple[int, int] | None:
         """Reserve the slot of one more token of a running sequence (one decode step).
@@ -158,7 +158,7 @@ class TinyBlockAllocator:
             NoFreeBlocksError: a new block is needed and none is free (nothing changed); the
                 message names the sequence and the pool size.
         """
-        raise NotImplementedError("TODO(stage 4): offset = num_tokens % block_size; offset 0 -> new block; else if ref_counts[last] > 1 -> new block replaces it, ref - 1, return (last, new); check a block is free before changing anything; finally num_tokens += 1")
+        raise NotImplementedError("TODO(stage 4): a new token needs a new block only when the last one is full; a last block another sequence shares (ref count > 1) must not be written: copy-on-write puts a fresh block in its place and reports (source, destination); make sure a free block exists before changing anything")
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start `child_id` as a copy of `parent_id` that shares all its blocks.
@@ -171,7 +171,7 @@ class TinyBlockAllocator:
             KeyError: unknown parent_id.
             ValueError: child_id already has a block table.
         """
-        raise NotImplementedError("TODO(stage 4): child's table = a copy of the parent's list (not the same list!); ref_counts[b] += 1 for each of its blocks; copy num_tokens too")
+        raise NotImplementedError("TODO(stage 4): the child shares every block of the parent: the same blocks in a table of its own (a later append to one must not change the other), one more owner per block, the same token count")
 
     def free(self, seq_id: Hashable) -> None:
         """A sequence finished (or is preempted): it lets go of its blocks.
@@ -184,4 +184,4 @@ class TinyBlockAllocator:
         Raises:
             KeyError: unknown seq_id.
         """
-        raise NotImplementedError("TODO(stage 4): pop the table and the count; for b in reversed(table): ref - 1, append b to free_blocks when its ref count reaches 0")
+        raise NotImplementedError("TODO(stage 4): each block loses this sequence as an owner; a block nobody owns goes back to the free list, the table's last block first (the docstring says why)")

@@ -55,7 +55,7 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int],
     Returns:
         the 32-byte digest.
     """
-    raise NotImplementedError("TODO(stage 6): parent = ROOT_HASH if parent_hash is None else parent_hash; build the bytes parent + b\"|\" + \",\".join(str(t) for t in token_ids).encode() + b\"|\" + repr(tuple(extra_keys)).encode(); return hashlib.sha256(those bytes).digest()")
+    raise NotImplementedError("TODO(stage 6): the bytes must follow the docstring's layout exactly, or no hash matches kvlab's; hashing the parent's digest in makes each hash name the whole prefix up to its block, and ROOT_HASH stands in for the first block's parent")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int,
@@ -68,7 +68,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     Raises:
         ValueError: block_size < 1 (the message names it).
     """
-    raise NotImplementedError("TODO(stage 6): refuse block_size < 1; for each full block (len // block_size of them) hash it with the previous block's hash as parent (None for block 0); collect the hashes")
+    raise NotImplementedError("TODO(stage 6): only full blocks get a hash; each block's parent is the previous block's hash (the first has none), so equal hashes mean equal prefixes; refuse block_size < 1")
 
 
 def lookup(token_ids: Sequence[int], block_size: int, cache: Mapping[bytes, tuple[int, ...]],
@@ -89,4 +89,4 @@ def lookup(token_ids: Sequence[int], block_size: int, cache: Mapping[bytes, tupl
     Raises:
         ValueError: block_size < 1, or an empty prompt.
     """
-    raise NotImplementedError("TODO(stage 6): refuse an empty prompt; cap = (len - 1) // block_size blocks; for each hash of block_hashes(...)[:cap]: stop unless the cache has it with the same tokens")
+    raise NotImplementedError("TODO(stage 6): walk the chain from block 0 and stop at the first miss: a hash the cache lacks, or one whose stored tokens differ (a collision must not serve another prompt's K/V); the cap leaves the last prompt token to compute, since its logits give the first output token")

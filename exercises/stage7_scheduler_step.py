@@ -55,8 +55,8 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     budget = max_num_batched_tokens
     scheduled: list = []
     preempted: list = []
-    raise NotImplementedError("TODO(stage 7): index = 0; while index < len(running) and budget > 0: n = min(request.num_tokens - request.num_computed_tokens, budget); while not kv.append(request, n): victim = running.pop(); preempt it (kv.preempt, reset, waiting.appendleft) and stop if victim is request; else schedule (request, n), budget -= n, index += 1")
+    raise NotImplementedError("TODO(stage 7): rule 1: running requests first, oldest first, each given what it still needs up to the budget left; when the pool cannot grow one, free memory from the newest end (preempt by recompute, to the front of waiting) and retry; a request that preempted itself ends the pass, and so does a spent budget")
 
     admitted: list = []
-    raise NotImplementedError("TODO(stage 7): only if not preempted: while waiting and budget > 0 and len(running) < max_num_seqs: cached = kv.allocate(waiting[0], budget); stop on None; else popleft, set num_computed_tokens = cached, append to running and admitted, schedule min(num_tokens - cached, budget) tokens and take them from the budget")
+    raise NotImplementedError("TODO(stage 7): rule 2: admit only in a step that preempted nobody (the preempted go first, and nobody overtakes the head of waiting); serve the head while the budget, max_num_seqs and the pool allow; its prefix-cache hit is tokens it does not compute, and the rest may be a chunk")
     return scheduled, admitted, preempted

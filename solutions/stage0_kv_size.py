@@ -35,8 +35,8 @@ def kv_bytes_per_token(num_hidden_layers: int, num_key_value_heads: int, head_di
     Returns:
         Bytes per token (int). Llama-3.1-70B, bf16: 327,680.
     """
-    # BEGIN SOLUTION hint: a K and a V vector per layer per KV head:
-    # hint: 2 x layers x kv_heads x head_dim x bytes
+    # BEGIN SOLUTION hint: each token keeps one K and one V vector of head_dim numbers per KV head,
+    # hint: in every layer; count those numbers, then their bytes
     return 2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes
     # END SOLUTION
 
@@ -76,7 +76,8 @@ def max_concurrent_requests(gpu_bytes: int, weights_bytes: int, seq_len: int,
         Number of requests (int, >= 0). Llama-3.1-8B bf16 (16,060,522,496 B of weights) on
         80 GiB at 4,096 tokens: 130.
     """
-    # BEGIN SOLUTION hint: (free bytes after the weights) // (bytes one request needs); not below 0
+    # BEGIN SOLUTION hint: what the card has left once the weights are loaded, in whole requests of
+    # hint: seq_len tokens; a model larger than the card fits 0 requests, never a negative count
     free_bytes = gpu_bytes - weights_bytes
     per_request = seq_len * bytes_per_token
     return max(0, free_bytes // per_request)

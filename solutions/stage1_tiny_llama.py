@@ -35,8 +35,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         [..., hidden_size], the dtype of `weight * x` (x's dtype when both match).
     """
-    # BEGIN SOLUTION hint: x32 = x.float(); x32 / sqrt(mean of x32**2 over the last dim + eps);
-    # hint: cast that back to x.dtype, then multiply by weight
+    # BEGIN SOLUTION hint: scale each vector by 1 / its root mean square over the last dim (eps
+    # hint: inside the root); keep the docstring's order (float32, back to x's dtype, weight last)
+    # hint: to match bit for bit
     x32 = x.float()
     mean_square = x32.pow(2).mean(dim=-1, keepdim=True)
     normed = x32 * torch.rsqrt(mean_square + eps)
@@ -70,8 +71,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     Raises:
         ValueError: head_dim is odd (channels could not be paired).
     """
-    # BEGIN SOLUTION hint: inv_freq = theta ** -(arange(0, D, 2) / D), one per channel pair;
-    # hint: angles = positions[:, None] * inv_freq; rotate (first, second) halves by them
+    # BEGIN SOLUTION hint: each (first-half, second-half) channel pair turns by position x its own
+    # hint: frequency, slower for later pairs; a token's angles are the same for every head, so
+    # hint: broadcast them over heads
     head_dim = x.shape[-1]
     if head_dim % 2:
         raise ValueError(f"head_dim must be even to pair channels, got {head_dim}")
@@ -106,8 +108,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     Returns:
         [num_tokens, num_heads, head_dim], dtype of q.
     """
-    # BEGIN SOLUTION hint: per head: scores = q @ k^T / sqrt(D); set j > i to -inf;
-    # hint: softmax over j, then multiply by v
+    # BEGIN SOLUTION hint: scaled dot-product attention for each head: a query scores every key,
+    # hint: scaled by 1/sqrt(head_dim); causal: a later key must get zero weight, so mask it before
+    # hint: the softmax
     num_tokens, _, head_dim = q.shape
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [H, T, D]
     scores = qh @ kh.transpose(1, 2) / math.sqrt(head_dim)                  # [H, T, T]
@@ -135,7 +138,9 @@ def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
     Returns:
         [num_tokens, hidden_size], dtype of x.
     """
-    # BEGIN SOLUTION hint: down(silu(x @ gate.T) * (x @ up.T)), where down(h) = h @ down.T
+    # BEGIN SOLUTION hint: SwiGLU: the SiLU of the gate projection gates the up projection
+    # hint: elementwise, and the down projection maps back to hidden_size; an nn.Linear weight is
+    # hint: [out_features, in_features]
     gate = x @ gate_weight.T
     up = x @ up_weight.T
     return (torch.nn.functional.silu(gate) * up) @ down_weight.T

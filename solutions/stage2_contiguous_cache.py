@@ -47,8 +47,9 @@ def check_reservation(max_num_seqs: int, max_model_len: int, bytes_per_token: in
             `kvlab.sizing.format_bytes` for the byte figures, e.g.
             "KV cache reservation 128 seqs x 4096 tokens x 128 KiB/token = 64 GiB > 40 GiB budget".
     """
-    # BEGIN SOLUTION hint: seqs x tokens x bytes/token; if above the budget raise MemoryError
-    # hint: with f"{max_num_seqs} seqs x {max_model_len} tokens x ... = ... > ... budget"
+    # BEGIN SOLUTION hint: a contiguous cache reserves every slab up front, max_model_len tokens
+    # hint: each, whatever the requests will use; check the counts, then refuse a reservation above
+    # hint: the budget (MemoryError showing the docstring's arithmetic)
     for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -77,7 +78,8 @@ def write_kv(slab: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> No
         MemoryError: a position is >= max_model_len (the slab has no room for it; nothing is
             written). The message names the position and max_model_len.
     """
-    # BEGIN SOLUTION hint: refuse positions >= slab.shape[0] (MemoryError), then slab[positions] = k
+    # BEGIN SOLUTION hint: a slab never grows: a position past its end is out of memory; refuse
+    # hint: before writing anything, so a failed call leaves the slab as it was
     max_model_len = slab.shape[0]
     if len(positions) and int(positions.max()) >= max_model_len:
         raise MemoryError(f"position {int(positions.max())} is past the slab's "
@@ -97,7 +99,8 @@ def reserved_bytes(*tensors: torch.Tensor) -> int:
     Returns:
         Bytes (int).
     """
-    # BEGIN SOLUTION hint: sum of t.numel() * t.element_size()
+    # BEGIN SOLUTION hint: what the tensors occupy, filled or not: every element costs its dtype's
+    # hint: bytes
     return sum(t.numel() * t.element_size() for t in tensors)
     # END SOLUTION
 
@@ -112,7 +115,7 @@ def used_bytes(seq_lens: Sequence[int], bytes_per_token: int) -> int:
     Returns:
         Bytes (int).
     """
-    # BEGIN SOLUTION hint: tokens held by all slabs x bytes_per_token
+    # BEGIN SOLUTION hint: only the tokens the slabs really hold count, bytes_per_token each
     return sum(seq_lens) * bytes_per_token
     # END SOLUTION
 

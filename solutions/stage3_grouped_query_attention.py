@@ -53,8 +53,9 @@ def kv_head_for_query_head(h: int, num_attention_heads: int, num_key_value_heads
             out of range. The message names the numbers, e.g.
             "32 query heads cannot be split into 5 equal groups (one per KV head)".
     """
-    # BEGIN SOLUTION hint: check the counts (ValueError with the numbers), then h // group
-    # hint: with group = num_attention_heads // num_key_value_heads
+    # BEGIN SOLUTION hint: query heads are grouped in order: each run of num_attention_heads /
+    # hint: num_key_value_heads consecutive heads shares one KV head; refuse counts that do not
+    # hint: divide and heads out of range (ValueError with the numbers)
     if num_key_value_heads < 1 or num_attention_heads % num_key_value_heads:
         raise ValueError(f"{num_attention_heads} query heads cannot be split into "
                          f"{num_key_value_heads} equal groups (one per KV head)")
@@ -90,9 +91,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     Raises:
         ValueError: num_key_value_heads does not divide num_attention_heads (message: the numbers).
     """
-    # BEGIN SOLUTION hint: q -> [Hkv, G*T, D] (reshape(T, Hkv, G, D), permute, reshape);
-    # hint: torch.bmm with k as [Hkv, D, T], / sqrt(D); view [Hkv, G, T, T], key s > query t
-    # hint: -> -inf, softmax; bmm with v as [Hkv, T, D]; back to [T, Hq, D]
+    # BEGIN SOLUTION hint: stage 1's causal attention, but one batched matmul per KV head scores its
+    # hint: whole group: make the group's query heads extra rows of q (a reshape of q, never a copy
+    # hint: of K/V), mask and softmax each (query head, token) row, then undo the reshape
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads:
@@ -138,8 +139,8 @@ def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
     Raises:
         ValueError: new_num_kv_heads < 1 or it does not divide num_kv_heads (message: the numbers).
     """
-    # BEGIN SOLUTION hint: view as [new_num_kv_heads, P, head_dim, hidden], mean over dim 1,
-    # hint: reshape to [new_num_kv_heads * head_dim, hidden]
+    # BEGIN SOLUTION hint: a head is head_dim consecutive rows of the weight; new head j is the mean
+    # hint: of the P adjacent old heads it replaces (expose that P axis, then average over it)
     if new_num_kv_heads < 1 or num_kv_heads % new_num_kv_heads:
         raise ValueError(f"cannot pool {num_kv_heads} KV heads into {new_num_kv_heads}: the new "
                          f"count must divide the old one")

@@ -51,8 +51,9 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int],
         IndexError: a position < 0 or past the last block of the table (no block holds it yet).
             The message names the position and the table's capacity in tokens.
     """
-    # BEGIN SOLUTION hint: for each p: refuse p < 0 or p >= len(block_table) * block_size
-    # hint: (IndexError), else block_table[p // block_size] * block_size + p % block_size
+    # BEGIN SOLUTION hint: position p is in the table's block p // block_size at offset p %
+    # hint: block_size; the block table names that block's physical id, and a slot counts tokens
+    # hint: from the pool's start; a position the table does not cover has no slot (IndexError)
     capacity = len(block_table) * block_size
     slots = []
     for position in positions:
@@ -136,8 +137,9 @@ class TinyBlockAllocator:
                 the sequence needs and how many are free, e.g.
                 "sequence 'b' needs 3 blocks for 10 tokens, 2 of 8 are free".
         """
-        # BEGIN SOLUTION hint: validate; needed = ceil(num_tokens / block_size) (-(-a // b));
-        # hint: refuse (NoFreeBlocksError) before taking anything; popleft `needed` blocks, ref 1
+        # BEGIN SOLUTION hint: just enough blocks for the tokens (round up); all or nothing: refuse
+        # hint: (NoFreeBlocksError) before taking any block, so a failed call changes no state; a
+        # hint: new block has one owner
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
         if num_tokens < 1:
@@ -182,9 +184,10 @@ class TinyBlockAllocator:
             NoFreeBlocksError: a new block is needed and none is free (nothing changed); the
                 message names the sequence and the pool size.
         """
-        # BEGIN SOLUTION hint: offset = num_tokens % block_size; offset 0 -> new block;
-        # hint: else if ref_counts[last] > 1 -> new block replaces it, ref - 1, return (last, new);
-        # hint: check a block is free before changing anything; finally num_tokens += 1
+        # BEGIN SOLUTION hint: a new token needs a new block only when the last one is full; a last
+        # hint: block another sequence shares (ref count > 1) must not be written: copy-on-write
+        # hint: puts a fresh block in its place and reports (source, destination); make sure a free
+        # hint: block exists before changing anything
         table = self.block_tables[seq_id]
         count = self.num_tokens[seq_id]
         last_full = count % self.block_size == 0
@@ -219,8 +222,9 @@ class TinyBlockAllocator:
             KeyError: unknown parent_id.
             ValueError: child_id already has a block table.
         """
-        # BEGIN SOLUTION hint: child's table = a copy of the parent's list (not the same list!);
-        # hint: ref_counts[b] += 1 for each of its blocks; copy num_tokens too
+        # BEGIN SOLUTION hint: the child shares every block of the parent: the same blocks in a
+        # hint: table of its own (a later append to one must not change the other), one more owner
+        # hint: per block, the same token count
         table = self.block_tables[parent_id]
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id!r} already has a block table")
@@ -241,8 +245,8 @@ class TinyBlockAllocator:
         Raises:
             KeyError: unknown seq_id.
         """
-        # BEGIN SOLUTION hint: pop the table and the count; for b in reversed(table): ref - 1,
-        # hint: append b to free_blocks when its ref count reaches 0
+        # BEGIN SOLUTION hint: each block loses this sequence as an owner; a block nobody owns goes
+        # hint: back to the free list, the table's last block first (the docstring says why)
         table = self.block_tables.pop(seq_id)
         del self.num_tokens[seq_id]
         for block_id in reversed(table):

@@ -52,9 +52,9 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int],
     Returns:
         the 32-byte digest.
     """
-    # BEGIN SOLUTION hint: parent = ROOT_HASH if parent_hash is None else parent_hash; build the
-    # hint: bytes parent + b"|" + ",".join(str(t) for t in token_ids).encode() + b"|" +
-    # hint: repr(tuple(extra_keys)).encode(); return hashlib.sha256(those bytes).digest()
+    # BEGIN SOLUTION hint: the bytes must follow the docstring's layout exactly, or no hash matches
+    # hint: kvlab's; hashing the parent's digest in makes each hash name the whole prefix up to its
+    # hint: block, and ROOT_HASH stands in for the first block's parent
     parent = ROOT_HASH if parent_hash is None else parent_hash
     payload = (parent + b"|" + ",".join(str(int(t)) for t in token_ids).encode()
                + b"|" + repr(tuple(extra_keys)).encode())
@@ -72,8 +72,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     Raises:
         ValueError: block_size < 1 (the message names it).
     """
-    # BEGIN SOLUTION hint: refuse block_size < 1; for each full block (len // block_size of them)
-    # hint: hash it with the previous block's hash as parent (None for block 0); collect the hashes
+    # BEGIN SOLUTION hint: only full blocks get a hash; each block's parent is the previous block's
+    # hint: hash (the first has none), so equal hashes mean equal prefixes; refuse block_size < 1
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     hashes: list[bytes] = []
@@ -103,8 +103,10 @@ def lookup(token_ids: Sequence[int], block_size: int, cache: Mapping[bytes, tupl
     Raises:
         ValueError: block_size < 1, or an empty prompt.
     """
-    # BEGIN SOLUTION hint: refuse an empty prompt; cap = (len - 1) // block_size blocks; for each
-    # hint: hash of block_hashes(...)[:cap]: stop unless the cache has it with the same tokens
+    # BEGIN SOLUTION hint: walk the chain from block 0 and stop at the first miss: a hash the cache
+    # hint: lacks, or one whose stored tokens differ (a collision must not serve another prompt's
+    # hint: K/V); the cap leaves the last prompt token to compute, since its logits give the first
+    # hint: output token
     if not token_ids:
         raise ValueError("an empty prompt has nothing to look up")
     cap = (len(token_ids) - 1) // block_size

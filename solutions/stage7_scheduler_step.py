@@ -52,11 +52,10 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     budget = max_num_batched_tokens
     scheduled: list = []
     preempted: list = []
-    # BEGIN SOLUTION hint: index = 0; while index < len(running) and budget > 0:
-    # hint: n = min(request.num_tokens - request.num_computed_tokens, budget); while not
-    # hint: kv.append(request, n): victim = running.pop(); preempt it (kv.preempt, reset,
-    # hint: waiting.appendleft) and stop if victim is request; else schedule (request, n),
-    # hint: budget -= n, index += 1
+    # BEGIN SOLUTION hint: rule 1: running requests first, oldest first, each given what it still
+    # hint: needs up to the budget left; when the pool cannot grow one, free memory from the newest
+    # hint: end (preempt by recompute, to the front of waiting) and retry; a request that preempted
+    # hint: itself ends the pass, and so does a spent budget
     index = 0
     while index < len(running) and budget > 0:
         request = running[index]
@@ -80,10 +79,10 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     # END SOLUTION
 
     admitted: list = []
-    # BEGIN SOLUTION hint: only if not preempted: while waiting and budget > 0 and len(running) <
-    # hint: max_num_seqs: cached = kv.allocate(waiting[0], budget); stop on None; else popleft,
-    # hint: set num_computed_tokens = cached, append to running and admitted, schedule
-    # hint: min(num_tokens - cached, budget) tokens and take them from the budget
+    # BEGIN SOLUTION hint: rule 2: admit only in a step that preempted nobody (the preempted go
+    # hint: first, and nobody overtakes the head of waiting); serve the head while the budget,
+    # hint: max_num_seqs and the pool allow; its prefix-cache hit is tokens it does not compute, and
+    # hint: the rest may be a chunk
     while not preempted and waiting and budget > 0 and len(running) < max_num_seqs:
         request = waiting[0]
         cached = kv.allocate(request, budget)

@@ -304,7 +304,8 @@ def test_generate_missing_checkpoint_exits_2(capsys, tmp_path):
 # ---- kvlab report ----------------------------------------------------------------------------
 
 REPORT_KEYS = {"rows", "num_requests", "served", "rejected", "rejected_examples", "max_model_len",
-               "kv_budget_bytes", "workload", "model", "kv_budget_source"}
+               "kv_budget_bytes", "workload", "model", "kv_budget_source", "tp",
+               "tp_chosen_because"}
 ROW_KEYS = {"strategy", "kv_bytes_per_token", "kv_reserved_bytes", "kv_used_bytes", "waste",
             "requests_held", "requests_held_exact", "requests_held_measured",
             "requests_held_measured_peak"}

@@ -126,6 +126,8 @@ class Report:
     workload: str
     model: str
     kv_budget_source: str = ""  # how the budget was set, e.g. "0.9 x H100-80GB ... - weights"
+    tp: int = 1  # tensor-parallel GPUs: bytes and the budget are per GPU
+    tp_chosen_because: str | None = None  # why, when no --tp chose it (kvlab.cli.arguments)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,15 +135,17 @@ class Report:
 
 def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max_model_len: int,
            kv_budget_bytes: int, workload: str = "", model: str = "",
-           kv_budget_source: str = "") -> Report:
+           kv_budget_source: str = "", tp: int = 1,
+           tp_chosen_because: str | None = None) -> Report:
     """Replay request sizes through each strategy.
 
     Args:
         requests: the traffic.
         strategies: cache designs to compare (each with its own bytes_per_token).
         max_model_len: tokens a request may hold at most; longer requests are rejected.
-        kv_budget_bytes: KV memory available (bytes), for requests_held.
-        workload, model, kv_budget_source: labels printed with the table.
+        kv_budget_bytes: KV memory available (bytes, per GPU), for requests_held.
+        workload, model, kv_budget_source, tp, tp_chosen_because: labels printed with the table
+            (the strategies' bytes_per_token are already per GPU at that tp).
 
     Returns:
         Report with one StrategyRow per strategy, and the rejected count (with a few examples).
@@ -188,7 +192,7 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
     examples = [{"prompt_len": r.prompt_len, "output_len": r.output_len, "total_len": r.total_len}
                 for r in rejected[:3]]
     return Report(rows, len(requests), len(served), len(rejected), examples, max_model_len,
-                  kv_budget_bytes, workload, model, kv_budget_source)
+                  kv_budget_bytes, workload, model, kv_budget_source, tp, tp_chosen_because)
 
 
 # The stage-7 KV manager that serves each report row's design.
@@ -243,11 +247,13 @@ def format_report(report: Report) -> str:
     budget = f"KV budget {format_bytes(report.kv_budget_bytes)} ({report.kv_budget_bytes:,} B)"
     if report.kv_budget_source:
         budget += f" = {report.kv_budget_source}"
-    summary = [f"model {report.model}, workload {report.workload}:",
+    on_gpus = f" at tp {report.tp} (bytes per GPU)" if report.tp > 1 else ""
+    summary = [f"model {report.model}{on_gpus}, workload {report.workload}:",
                f"{plural(report.num_requests, 'request')}, {report.served:,} served, "
                f"{report.rejected:,} rejected (longer than max_model_len="
                f"{report.max_model_len:,})",
                budget,
+               *([report.tp_chosen_because] if report.tp_chosen_because else []),
                "bytes are averages per in-flight request"]
     notes = []
     if any(not row.requests_held_exact for row in report.rows):

@@ -1,7 +1,10 @@
-"""Argument types shared by the subcommands: bounded numbers and the dtype names.
+"""Argument types and checks shared by the subcommands: bounded numbers, dtype names, lengths
+and the tensor-parallel size.
 
 Bounds keep a typo (`--seq-len 1e20`) from printing a 25-digit size; argparse turns the
 `ArgumentTypeError` into a one-line usage error with exit status 2, like every other bad input.
+A flag is never ignored or clamped in silence: a value the model or the card cannot take, or a
+flag another one overrides, is refused with a ValueError that `kvlab` prints as one line.
 """
 
 from __future__ import annotations
@@ -9,9 +12,12 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..config import LlamaConfig
 from ..dtypes import DTYPES as DTYPE_LIST
+from ..sizing import smallest_fitting_tp, tp_shortfall
 
-__all__ = ["DTYPES", "positive_int", "int_up_to", "positive_float", "float_up_to"]
+__all__ = ["DTYPES", "positive_int", "int_up_to", "positive_float", "float_up_to",
+           "check_lengths", "resolve_tp", "refuse_together"]
 
 DTYPES = tuple(dtype.name for dtype in DTYPE_LIST)  # bf16, fp16, fp32, fp8 (kvlab.dtypes)
 
@@ -56,3 +62,57 @@ def _at_most(parse, top, show):
             raise argparse.ArgumentTypeError(f"expected at most {show(top)}, got {show(value)}")
         return value
     return parse_bounded
+
+
+def check_lengths(config: LlamaConfig, max_model_len: int, block_size: int) -> None:
+    """Refuse a max_model_len past the model's max_position_embeddings (vLLM refuses it too),
+    and a block longer than any request. Raises ValueError."""
+    limit = config.max_position_embeddings
+    if max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len:,} > {config.name}'s "
+                         f"max_position_embeddings={limit:,}")
+    if block_size > max_model_len:
+        raise ValueError(f"--block-size {block_size:,} > --max-model-len {max_model_len:,}: one "
+                         f"block would be longer than any request")
+
+
+def resolve_tp(tp: int | None, config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int,
+               **fit) -> tuple[int, str | None]:
+    """The tensor-parallel size, and a sentence saying why when no --tp chose it.
+
+    tp given (--tp): it, if one GPU holds its share (`kvlab.sizing.tp_shortfall(**fit)`); no
+    sentence. tp None: the smallest size that fits. That is 1 (vLLM's default; no sentence) unless
+    the model does not fit on one card, where vLLM would refuse to start: the sentence then says
+    which size was chosen and why.
+
+    Raises:
+        ValueError: --tp too small (naming the smallest that fits), or no size fits.
+    """
+    if tp is not None:
+        shortfall = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=tp, **fit)
+        if shortfall is None:
+            return tp, None
+        smallest = smallest_fitting_tp(config, gpu_name, gpu_memory_bytes, **fit)
+        raise ValueError(f"{config.name} at tp {tp}: {shortfall}; use --tp {smallest} or more")
+    smallest = smallest_fitting_tp(config, gpu_name, gpu_memory_bytes, **fit)
+    if smallest == 1:
+        return 1, None
+    why = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=1, **fit)
+    return smallest, (f"no --tp given, so tp {smallest}: the smallest tensor-parallel size that "
+                      f"fits (vLLM's default, tp 1, would not start: {why})")
+
+
+def refuse_together(args, first: str, second: str, why: str) -> None:
+    """Refuse two flags given together when one would silently override the other: "--a 1 and
+    --b 2: <why>; give one". Flags absent from the command line hold None. Raises ValueError."""
+    one, other = getattr(args, _attribute(first)), getattr(args, _attribute(second))
+    if one is not None and other is not None:
+        raise ValueError(f"{first} {_shown(one)} and {second} {_shown(other)}: {why}; give one")
+
+
+def _attribute(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)

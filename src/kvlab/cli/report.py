@@ -1,6 +1,7 @@
 """`kvlab report`: replay real (or synthetic) traffic through every cache strategy (the main job).
 
     kvlab report --model llama-3.1-8b --gpu H100-80GB
+    kvlab report --model llama-3.1-70b --tp 4      # bytes and the budget per GPU
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import json
 
 from ..config import load_config
 from ..sizing import GPU_MEMORY_GIB, MAX_SEQ_LEN, format_bytes
-from .arguments import DTYPES, float_up_to, int_up_to
+from .arguments import (DTYPES, check_lengths, float_up_to, int_up_to, refuse_together,
+                        resolve_tp)
 
 __all__ = ["register", "run"]
 
@@ -31,22 +33,30 @@ def register(commands) -> None:
     workload.add_argument("--synthetic", action="store_true",
                           help="draw from the log-normal fit to the conversation trace instead "
                                "(matches mean and median; its tail is far thinner)")
-    rep.add_argument("--max-model-len", type=int_up_to(MAX_SEQ_LEN), default=4096)
+    rep.add_argument("--max-model-len", type=int_up_to(MAX_SEQ_LEN), default=4096,
+                     help="longest request; longer ones are rejected (default 4096; at most the "
+                          "model's max_position_embeddings)")
+    rep.add_argument("--tp", type=int_up_to(1024), default=None,
+                     help="tensor-parallel GPUs; bytes and the budget are per GPU (default: the "
+                          "smallest number at which each --gpu holds its share of the weights "
+                          "and one max_model_len request's KV; 1 with --kv-budget)")
     rep.add_argument("--num-requests", type=int_up_to(1_000_000), default=None,
                      help="requests to draw (synthetic, default 10000) or read (trace, default all)")
     budget = rep.add_mutually_exclusive_group()
     budget.add_argument("--kv-budget", type=float_up_to(16384), metavar="GIB", default=None,
                         help="KV memory in GiB (default: gpu_memory_utilization x --gpu minus "
                              "the weights)")
-    budget.add_argument("--gpu", default="H100-80GB",
+    budget.add_argument("--gpu", default=None,
                         help=f"the card whose memory sets the budget: one of "
                              f"{', '.join(GPU_MEMORY_GIB)} (nominal memory), or 'local' (what "
                              f"torch.cuda reports); default H100-80GB")
-    rep.add_argument("--gpu-memory-utilization", type=float_up_to(1.0), default=0.9,
-                     help="share of the GPU the server may use (vLLM's default 0.9)")
+    rep.add_argument("--gpu-memory-utilization", type=float_up_to(1.0), default=None,
+                     help="share of the GPU the server may use (vLLM's default 0.9; not with "
+                          "--kv-budget)")
     rep.add_argument("--block-size", type=int_up_to(MAX_SEQ_LEN), default=16,
                      help="tokens per block of the paged strategy (vLLM's default 16)")
-    rep.add_argument("--seed", type=int, default=0, help="seed of the synthetic draws")
+    rep.add_argument("--seed", type=int, default=None,
+                     help="seed of the --synthetic draws (default 0)")
     rep.add_argument("--measure", action="store_true",
                      help="also serve the workload through stage 7's scheduler (every request "
                           "queued at once) and print the requests each budget really holds")
@@ -61,26 +71,34 @@ def run(args: argparse.Namespace) -> int:
     from ..traces.shipped import trace_file
     from ..workload import synthetic_requests
 
+    refuse_together(args, "--kv-budget", "--gpu-memory-utilization",
+                    "--gpu-memory-utilization only sets the default KV budget, which --kv-budget "
+                    "replaces")
+    if args.seed is not None and not args.synthetic:
+        raise ValueError(f"--seed {args.seed}: a trace is replayed as recorded; the seed draws "
+                         f"only --synthetic requests")
     config = load_config(args.model)
-    if args.max_model_len > config.max_position_embeddings:
-        raise ValueError(f"--max-model-len {args.max_model_len:,} > the model's "
-                         f"max_position_embeddings={config.max_position_embeddings:,}")
-    if args.block_size > args.max_model_len:
-        raise ValueError(f"--block-size {args.block_size:,} > --max-model-len "
-                         f"{args.max_model_len:,}: one block would be longer than any request")
+    check_lengths(config, args.max_model_len, args.block_size)
     kv_dtype = args.kv_cache_dtype or args.dtype
+    tp_chosen = None
     if args.kv_budget is not None:
+        tp = args.tp or 1
         budget, source = int(args.kv_budget * 2**30), "--kv-budget"
     else:  # vLLM's default: gpu_memory_utilization x the card, minus the weights
-        card = gpu_memory(args.gpu)
+        card = gpu_memory(args.gpu or "H100-80GB")
+        utilization = args.gpu_memory_utilization or 0.9
+        tp, tp_chosen = resolve_tp(args.tp, config, card.name, card.total_bytes,
+                                   max_model_len=args.max_model_len, dtype=args.dtype,
+                                   kv_cache_dtype=kv_dtype, gpu_memory_utilization=utilization)
         budget = default_kv_budget(config, dtype=args.dtype, gpu_memory_bytes=card.total_bytes,
-                                   gpu_memory_utilization=args.gpu_memory_utilization)
-        source = (f"{args.gpu_memory_utilization} x {format_bytes(card.total_bytes)} "
-                  f"({card.name}, {card.source}) - {args.dtype} weights")
-    per_token = kv_bytes_per_token(config, kv_dtype)
+                                   gpu_memory_utilization=utilization, tp=tp)
+        source = (f"{utilization} x {format_bytes(card.total_bytes)} "
+                  f"({card.name}, {card.source}) - {args.dtype} weights"
+                  + (" per GPU" if tp > 1 else ""))
+    per_token = kv_bytes_per_token(config, kv_dtype, tp)
     prefix_hits = None
     if args.synthetic:
-        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed)
+        requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed or 0)
         workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
     elif args.trace.startswith("mooncake-"):  # carries prefix hashes: adds paged+prefix
         from ..prefix import report_row as prefix_row
@@ -98,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     if config.num_key_value_heads < config.num_attention_heads:
         # The same model had it kept one KV head per query head (MHA): what GQA saves.
         mha = config.with_changes(num_key_value_heads=config.num_attention_heads)
-        strategies.append(ContiguousStrategy(args.max_model_len, kv_bytes_per_token(mha, kv_dtype),
+        strategies.append(ContiguousStrategy(args.max_model_len,
+                                             kv_bytes_per_token(mha, kv_dtype, tp),
                                              name="contiguous-mha"))
     strategies += [ContiguousStrategy(args.max_model_len, per_token),
                    PagedStrategy(args.block_size, per_token)]
@@ -106,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         strategies.append(prefix_row.PrefixPagedStrategy(args.block_size, per_token))
     dtypes = args.dtype if kv_dtype == args.dtype else f"weights {args.dtype}, KV cache {kv_dtype}"
     report = replay(requests, strategies, args.max_model_len, budget, workload=workload,
-                    model=f"{config.name} ({dtypes})", kv_budget_source=source)
+                    model=f"{config.name} ({dtypes})", kv_budget_source=source, tp=tp,
+                    tp_chosen_because=tp_chosen)
     if args.measure:
         measure_held(report, requests, args.block_size)
     if args.json:

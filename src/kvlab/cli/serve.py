@@ -9,6 +9,9 @@ Simulation mode (`--simulate`) times each step with the roofline cost model of t
 model mode runs the real model on the CPU (or `--device cuda`) with real cache tensors.
 
 The step budgets default to what vLLM v1's API server picks for the card (`scheduler_defaults`).
+Without --tp a simulation uses the smallest tensor-parallel size that fits the model on the card
+(vLLM's default, tp 1, refuses to start when the weights do not fit) and prints which and why. A
+flag the chosen mode would not use is refused (`check_flags`), never ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import gc
 import os
 import json
 
-from .arguments import positive_float, positive_int
+from .arguments import (check_lengths, float_up_to, positive_float, positive_int, refuse_together,
+                        resolve_tp)
 
 __all__ = ["register", "run_serve", "scheduler_defaults"]
 
@@ -30,6 +34,7 @@ __all__ = ["register", "run_serve", "scheduler_defaults"]
 LARGE_CARD_GIB = 70
 LARGE_CARD_DEFAULTS = (1024, 8192)   # (max_num_seqs, max_num_batched_tokens)
 OTHER_DEFAULTS = (256, 2048)
+SIMULATED_MAX_MODEL_LEN = 4096  # --simulate's default, capped at the model's limit
 
 
 def scheduler_defaults(card_name: str | None, memory_bytes: int | None) -> tuple[int, int]:
@@ -74,18 +79,24 @@ def register(commands) -> None:
     p.add_argument("--model", default=None,
                    help="preset or HF config/checkpoint folder (default: llama-3.1-70b with "
                         "--simulate, else tiny)")
-    p.add_argument("--gpu", default=None, help="card for the cost model and the default budget "
-                                               "(default H100-80GB with --simulate)")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel GPUs")
+    p.add_argument("--gpu", default=None, help="--simulate only: the card for the cost model and "
+                                               "the default budget (default H100-80GB)")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="--simulate only: tensor-parallel GPUs (default: the smallest number at "
+                        "which each GPU holds its share of the weights and one max_model_len "
+                        "request's KV; the output says which)")
     p.add_argument("--kv-budget", type=positive_float, metavar="GIB", default=None,
-                   help="KV memory per GPU in GiB (default with --gpu: "
-                        "gpu_memory_utilization x card - weights)")
-    p.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
+                   help="KV memory per GPU in GiB (required in model mode; default with "
+                        "--simulate: gpu_memory_utilization x card - weights)")
+    p.add_argument("--gpu-memory-utilization", type=float_up_to(1.0), default=None,
+                   help="--simulate without --kv-budget: the share of the card the server may "
+                        "use (vLLM's default 0.9)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="weights and KV dtype (default: bf16 simulated, the model's own otherwise)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="longest request; longer ones are rejected (default 4096 simulated, the "
-                        "model's limit otherwise)")
+                   help="longest request; longer ones are rejected; at most the model's "
+                        "max_position_embeddings (default: 4096 or that limit if smaller with "
+                        "--simulate, the limit in model mode)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="most requests running at once (default: 1024 on a card of >= 70 GiB "
                         "other than an A100, else 256; vLLM v1's API-server rule)")
@@ -93,21 +104,58 @@ def register(commands) -> None:
                    help="most tokens computed in one step; longer prompts are prefilled in "
                         "chunks (default: 8192 on a card of >= 70 GiB other than an A100, else "
                         "2048)")
-    p.add_argument("--block-size", type=positive_int, default=16,
-                   help="tokens per KV block (default 16, vLLM's)")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block of the paged strategies (default 16, vLLM's)")
     p.add_argument("--num-requests", type=positive_int, default=None,
                    help="replay only the first N requests of the trace")
-    p.add_argument("--speedup", type=positive_float, default=1.0,
+    p.add_argument("--speedup", type=positive_float, default=None,
                    help="arrivals N times faster than the trace (the load of N such services)")
     p.add_argument("--rate", type=positive_float, default=None,
                    help="replace the trace's arrival times by a Poisson process of this many "
-                        "requests/s")
+                        "requests/s (not with --speedup)")
     p.add_argument("--shrink", type=positive_int, default=1,
                    help="divide prompt and output lengths by N (the tiny model on a CPU)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="model mode only")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="model mode only: where the model runs (default cpu)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of --rate's arrivals and model mode's prompt tokens (default 0)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_serve)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag this mode would ignore or another flag overrides (then fill in the
+    block_size default). Raises ValueError."""
+    refuse_together(args, "--speedup", "--rate",
+                    "--rate replaces the trace's arrival times, so there is nothing to speed up")
+    if args.strategy == "contiguous" and args.block_size is not None:
+        raise ValueError(f"--block-size {args.block_size}: the contiguous strategy reserves "
+                         f"max_model_len slabs, not blocks; drop --block-size or add a paged "
+                         f"--strategy")
+    args.block_size = args.block_size or 16
+    if args.simulate:
+        refuse_together(args, "--kv-budget", "--gpu-memory-utilization",
+                        "--gpu-memory-utilization only sets the default KV budget, which "
+                        "--kv-budget replaces")
+        if args.device is not None:
+            raise ValueError(f"--device {args.device}: --simulate runs no model (the roofline of "
+                             f"--gpu times each step); drop --device, or --simulate to run the "
+                             f"model")
+        if args.seed is not None and args.rate is None:
+            raise ValueError(f"--seed {args.seed}: a simulation without --rate draws nothing at "
+                             f"random (the seed draws --rate's Poisson arrivals)")
+        return
+    for flag, value in (("--gpu", args.gpu), ("--gpu-memory-utilization",
+                                               args.gpu_memory_utilization)):
+        if value is not None:
+            raise ValueError(f"{flag} {value}: model mode runs the model on --device and takes "
+                             f"its KV budget from --kv-budget; {flag} needs --simulate")
+    if args.tp not in (None, 1):
+        raise ValueError(f"--tp {args.tp}: model mode runs the model on one device; tensor "
+                         f"parallelism needs --simulate")
+    if args.kv_budget is None:
+        raise ValueError("model mode needs --kv-budget GIB (the KV memory of the cache tensors); "
+                         "or add --simulate")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -116,6 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..serving.runner import STRATEGIES
     from ..serving.traces import load_trace
 
+    check_flags(args)
     strategy = "prefix" if args.strategy == "paged+prefix" else args.strategy
     strategies = STRATEGIES if strategy == "all" else (strategy,)
     rows = load_trace(args.trace, args.num_requests)
@@ -127,9 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
         requests = req.shrink(requests, args.shrink)
         workload += f", lengths / {args.shrink}"
     if args.rate is not None:
-        requests = req.poisson_arrivals(requests, args.rate, seed=args.seed)
+        requests = req.poisson_arrivals(requests, args.rate, seed=args.seed or 0)
         workload += f", Poisson arrivals at {args.rate:g} req/s"
-    elif args.speedup != 1:
+    elif args.speedup is not None:
         requests = req.speed_up(requests, args.speedup)
         workload += f", arrivals {args.speedup:g}x faster"
 
@@ -142,9 +191,9 @@ def run_serve(args: argparse.Namespace) -> int:
                           "max_num_batched_tokens": args.max_num_batched_tokens,
                           "rows": [r.row() for r in results]}, indent=2))
         return 0
-    print(f"{setup['description']}\nworkload {workload}; max_model_len {setup['max_model_len']:,}, "
-          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
-          f"{args.max_num_batched_tokens:,}, block_size {args.block_size}\n")
+    print(f"{setup['description']}\nworkload {workload}; max_model_len {setup['max_model_len']:,}"
+          f"{setup['max_model_len_note']}, max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens:,}, block_size {args.block_size}\n")
     print(format_rows(results))
     wall = sum(r.wall_s for r in results)
     events = sum(r.events_per_s * r.wall_s for r in results)
@@ -159,23 +208,22 @@ def _simulate(args, requests, strategies):
     from ..config import load_config
     from ..serving.cost_model import CostModel, get_card
     from ..serving.runner import SimulatedExecutor, serve, simulated_manager
-    from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token, weights_bytes
+    from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token
 
     config = load_config(args.model or "llama-3.1-70b")
     dtype = args.dtype or "bf16"
     card = get_card(args.gpu or "H100-80GB")
-    cost = CostModel(config, card, args.tp, dtype)
-    per_token = kv_bytes_per_token(config, dtype, args.tp)
-    if args.kv_budget is not None:
-        budget = int(args.kv_budget * 2**30)
-    else:  # vLLM's default: gpu_memory_utilization x the card - the weights (per GPU)
-        budget = default_kv_budget(config, card.name, dtype=dtype, tp=args.tp,
-                                   gpu_memory_utilization=args.gpu_memory_utilization)
-        if budget <= 0:
-            weights = weights_bytes(config, dtype, args.tp)
-            raise ValueError(f"{config.name} ({dtype}) weights take {weights:,} B per GPU, more "
-                             f"than {args.gpu_memory_utilization} x {card.name}; raise --tp")
-    max_model_len = args.max_model_len or 4096
+    max_model_len, max_model_len_note = _max_model_len(args, config, SIMULATED_MAX_MODEL_LEN)
+    given_budget = None if args.kv_budget is None else int(args.kv_budget * 2**30)
+    utilization = args.gpu_memory_utilization or 0.9
+    tp, tp_chosen = resolve_tp(args.tp, config, card.name, card.memory_bytes,
+                               max_model_len=max_model_len, dtype=dtype,
+                               gpu_memory_utilization=utilization, kv_budget_bytes=given_budget)
+    cost = CostModel(config, card, tp, dtype)
+    per_token = kv_bytes_per_token(config, dtype, tp)
+    # vLLM's default: gpu_memory_utilization x the card - the weights (per GPU)
+    budget = given_budget if given_budget is not None else default_kv_budget(
+        config, card.name, dtype=dtype, tp=tp, gpu_memory_utilization=utilization)
     scheduler = _scheduler_config(args, card.name, card.memory_bytes)
     # A replay creates and drops millions of small objects (cache entries, block tables) while
     # tens of thousands stay alive (the pool, the cache), so CPython's cyclic garbage collector
@@ -190,11 +238,14 @@ def _simulate(args, requests, strategies):
                          SimulatedExecutor(cost), scheduler, per_token) for name in strategies]
     finally:
         gc.enable()
-    description = (f"simulated: {cost.describe()}\nKV budget {format_bytes(budget)} per GPU = "
+    description = (f"simulated: {cost.describe()}\n"
+                   + (f"{tp_chosen}\n" if tp_chosen else "")
+                   + f"KV budget {format_bytes(budget)} per GPU = "
                    f"{budget // per_token:,} tokens of {format_bytes(per_token)}")
     setup = {"mode": "simulate", "model": config.name, "dtype": dtype, "gpu": card.name,
-             "tp": args.tp, "kv_budget_bytes": budget, "kv_bytes_per_token": per_token,
-             "max_model_len": max_model_len, "description": description,
+             "tp": tp, "tp_chosen_because": tp_chosen, "kv_budget_bytes": budget,
+             "kv_bytes_per_token": per_token, "max_model_len": max_model_len,
+             "max_model_len_note": max_model_len_note, "description": description,
              "clock": "the roofline cost model's (a lower bound; see kvlab.serving.cost_model)"}
     return setup, results
 
@@ -209,39 +260,55 @@ def _run_model(args, requests, strategies):
     from ..sizing import format_bytes, local_gpu_memory
     from .generate import default_threads
 
-    if args.kv_budget is None:
-        raise ValueError("model mode needs --kv-budget GIB (the KV memory of the cache tensors); "
-                         "or add --simulate")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    device = args.device or "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
     dtype = torch_dtype(args.dtype) if args.dtype else torch.float32
-    model = load_model(args.model or "tiny", dtype=dtype, device=args.device)
-    if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+    model = load_model(args.model or "tiny", dtype=dtype, device=device)
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         # The rule `kvlab generate` uses: one thread for small models (see default_threads).
         torch.set_num_threads(default_threads(model, torch.get_num_threads()))
-    limit = model.config.max_position_embeddings
-    max_model_len = min(args.max_model_len or limit, limit)
+    max_model_len, max_model_len_note = _max_model_len(args, model.config,
+                                                       model.config.max_position_embeddings)
     for request in requests:
         request.prompt_token_ids = synthetic_prompt_ids(request, model.config.vocab_size,
-                                                        args.seed)
+                                                        args.seed or 0)
     budget = int(args.kv_budget * 2**30)
-    gpu = local_gpu_memory() if args.device == "cuda" else None  # the card the model runs on
+    gpu = local_gpu_memory() if device == "cuda" else None  # the card the model runs on
     scheduler = _scheduler_config(args, gpu and gpu.name, gpu and gpu.total_bytes)
     results = []
     for name in strategies:
         kv, executor = model_strategy(name, model, budget, max_model_len, args.block_size)
         results.append(serve(requests, kv, executor, scheduler, executor.bytes_per_token))
     description = (f"model mode: {model.config.name} ({str(dtype).removeprefix('torch.')}) on "
-                   f"{args.device}, KV budget {format_bytes(budget)}")
+                   f"{device}, KV budget {format_bytes(budget)}")
     setup = {"mode": "model", "model": model.config.name, "dtype": str(dtype), "gpu": None,
-             "device": args.device, "kv_budget_bytes": budget, "max_model_len": max_model_len,
-             "description": description, "clock": f"measured wall-clock time on {args.device}"}
+             "device": device, "kv_budget_bytes": budget, "max_model_len": max_model_len,
+             "max_model_len_note": max_model_len_note, "description": description,
+             "clock": f"measured wall-clock time on {device}"}
     return setup, results
+
+
+def _max_model_len(args, config, default: int) -> tuple[int, str]:
+    """--max-model-len, checked against the model (`check_lengths`), or `default` capped at the
+    model's max_position_embeddings; and a note for the summary line when the cap applied."""
+    limit = config.max_position_embeddings
+    if args.max_model_len is None and default >= limit:
+        max_model_len, note = limit, f" ({config.name}'s max_position_embeddings)"
+    else:
+        max_model_len, note = args.max_model_len or default, ""
+    check_lengths(config, max_model_len, args.block_size)
+    return max_model_len, note
 
 
 def _scheduler_config(args, card_name, memory_bytes):
     """The step budgets: the flags, or where a flag is absent, vLLM's default for this card (the
-    chosen values are written back to `args` so the summary line prints them)."""
+    chosen values are written back to `args` so the summary line prints them).
+
+    Raises:
+        ValueError: max_num_batched_tokens < max_num_seqs: a step could not give every running
+            request its decode token (vLLM's SchedulerConfig refuses it too).
+    """
     from ..serving.scheduler import SchedulerConfig
 
     max_num_seqs, max_num_batched_tokens = scheduler_defaults(card_name, memory_bytes)
@@ -249,4 +316,8 @@ def _scheduler_config(args, card_name, memory_bytes):
         args.max_num_seqs = max_num_seqs
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max_num_batched_tokens
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens {args.max_num_batched_tokens:,} < max_num_seqs "
+                         f"{args.max_num_seqs:,}: a step could not give each running request its "
+                         f"decode token; raise --max-num-batched-tokens or lower --max-num-seqs")
     return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)

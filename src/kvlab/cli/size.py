@@ -9,8 +9,8 @@ import argparse
 import json
 
 from ..config import load_config
-from ..sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, dtype_bytes, format_bytes, plural,
-                      size_report)
+from ..sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, SizingError, dtype_bytes,
+                      format_bytes, plural, size_report, smallest_fitting_tp, tp_shortfall)
 from .arguments import DTYPES, float_up_to, int_up_to
 
 __all__ = ["register", "run"]
@@ -33,8 +33,9 @@ def register(commands) -> None:
                                    f"is present)")
     gpu.add_argument("--gpu-mem", type=float_up_to(16384), metavar="GIB",
                      help="GPU memory in GiB")
-    size.add_argument("--gpu-memory-utilization", type=float_up_to(1.0), default=0.9,
-                      help="share of the GPU the server may use (vLLM's default 0.9)")
+    size.add_argument("--gpu-memory-utilization", type=float_up_to(1.0), default=None,
+                      help="share of the GPU the server may use (vLLM's default 0.9); needs a "
+                           "GPU (--gpu, --gpu-mem, or one on this machine)")
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=run)
 
@@ -46,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
     gpu = args.gpu
     if gpu is None and args.gpu_mem is None and local_gpu_memory() is not None:
         gpu = "local"  # a GPU is present: size against what torch.cuda reports for it
+    if gpu is None and args.gpu_mem is None and args.gpu_memory_utilization is not None:
+        raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization:g}: no GPU to "
+                         f"take a share of (this machine has none); add --gpu or --gpu-mem")
     report = size_report(config, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
                          kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, gpu=gpu,
                          gpu_mem_gib=args.gpu_mem,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
+                         gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return 0
@@ -81,7 +85,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"requests of {plural(args.seq_len, 'token')} that fit beside the weights "
               f"(gpu_memory_utilization={report.gpu_memory_utilization}): "
               f"{report.max_concurrent_requests:,}")
+        if report.max_concurrent_requests == 0:
+            print(f"note: {not_one_request(config, report)}")
     return 0
+
+
+def not_one_request(config, report) -> str:
+    """Why not one request fits on the report's card at its tp, and the tp at which one does."""
+    fit = dict(max_model_len=report.seq_len, dtype=report.dtype,
+               kv_cache_dtype=report.kv_cache_dtype,
+               gpu_memory_utilization=report.gpu_memory_utilization)
+    why = tp_shortfall(config, report.gpu, report.gpu_memory_bytes, tp=report.tp, **fit)
+    try:
+        smallest = smallest_fitting_tp(config, report.gpu, report.gpu_memory_bytes, **fit)
+    except SizingError as error:
+        return str(error)
+    return f"at tp {report.tp}, {why}; --tp {smallest} fits one"
 
 
 def exact_and_readable(num_bytes: int, decimal: bool = False) -> str:

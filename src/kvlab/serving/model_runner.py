@@ -4,7 +4,7 @@ The scheduler decides, this module executes (vLLM v1's model runner, cut to its 
 step it:
 
 1. copies the blocks the step's copy-on-write asked for (`SchedulerOutput.blocks_to_copy`);
-2. runs ONE forward pass over every scheduled token of the step, flat [num_tokens] in schedule
+2. runs one forward pass over every scheduled token of the step, flat [num_tokens] in schedule
    order with their absolute positions (RoPE needs them): decode tokens and prefill chunks of
    every request together;
 3. samples a token for every request whose tokens are now all computed, from the logits row of

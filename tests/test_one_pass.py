@@ -16,7 +16,6 @@ random models of the other tests did not react, which is how the defect stayed h
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvlab.checkpoint import load_model, load_tokenizer
 from kvlab.generate import generate
@@ -74,7 +73,7 @@ def assert_reacts_to_one_missing_slot(model, prompt, block_size):
 def run_strategy(strategy, model, arrivals, block_size):
     """Greedy outputs of requests that arrive at given steps ((step, prompt) pairs), over one
     strategy's cache filled with NaN. Returns (outputs in arrival order, the executor)."""
-    kv, executor = model_strategy(strategy, model, BUDGET_TOKENS * executor_bytes(model),
+    kv, executor = model_strategy(strategy, model, BUDGET_TOKENS * kv_bytes_per_token(model),
                                   MAX_MODEL_LEN, block_size=block_size)
     poison(executor.cache)
     scheduler = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
@@ -90,7 +89,7 @@ def run_strategy(strategy, model, arrivals, block_size):
     return [request.output_token_ids for request in requests], executor
 
 
-def executor_bytes(model):
+def kv_bytes_per_token(model):
     """KV bytes of one token over all layers (K and V)."""
     config = model.config
     return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim

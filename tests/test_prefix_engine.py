@@ -46,8 +46,8 @@ def test_ragged_batch_with_shared_prefixes_matches_no_cache_and_paged(model):
 
 
 def test_a_hit_leaving_one_prompt_token_still_prefills_it(model):
-    # 17 tokens in blocks of 16: the second copy hits block 0 and runs its last prompt token in
-    # the decode pass; that token is prefill work all the same.
+    # 17 tokens in blocks of 16: the second copy hits block 0 and runs its last prompt token as
+    # a decode row of the step's one pass; that token is prefill work all the same.
     [prompt] = shared_prompts(17, [0])
     result = prefix_batch(model, [prompt, prompt], 4, block_size=16)
     assert result.prefix_stats.num_hit_tokens == 16

@@ -170,8 +170,8 @@ def test_model_mode_tokens_equal_solo_generation(model, strategy, budget_tokens)
 
 @pytest.mark.parametrize("strategy", ["contiguous", "paged"])
 def test_one_token_prompt_chunks_count_as_prefill_and_sample_nothing(model, strategy):
-    # A budget of 2 tokens a step: while A decodes, B's prompt goes in 1-token chunks that ride in
-    # the decode pass. They are prefill tokens, and B samples (from its own random stream) only
+    # A budget of 2 tokens a step: while A decodes, B's prompt goes in 1-token chunks, decode rows
+    # of the same pass. They are prefill tokens, and B samples (from its own random stream) only
     # once its whole prompt is in.
     def pair():
         rng = random.Random(5)

@@ -8,9 +8,18 @@ of its 4,096-token slab empty, and no other request may use it. The vLLM paper (
 
 Layout per layer: `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
 head_dim]; slab `s` is row `s`, token at position p lives at `[s, p]`.
+
+Two KV stores (see `kvlab.model.KVStore`) run a forward pass over slabs: `ContiguousSequence`, one
+sequence, for a notebook's own loop; `SlabBatchStore`, the new tokens of several sequences laid out
+flat, as the serving runner runs a step. `SlabBatchStore` takes any per-sequence memory of this
+shape, so the naive strategy's one tensor per request (`kvlab.serving.naive`) runs on it too. Like
+the paged store, it writes every token's K/V of a layer before any token of that layer attends.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
+from typing import Sequence
 
 import torch
 
@@ -21,7 +30,7 @@ from .errors import KVCacheOutOfMemory
 from .requests import check_index, check_int
 from .sizing import format_bytes, kv_elements_per_token
 
-__all__ = ["ContiguousKVCache", "ContiguousSequence", "reservation_bytes"]
+__all__ = ["ContiguousKVCache", "ContiguousSequence", "SlabBatchStore", "reservation_bytes"]
 
 
 def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int,
@@ -162,6 +171,26 @@ class ContiguousKVCache:
         """
         return ContiguousSequence(self, self._slab_in_use(slab))
 
+    def batch_store(self, slabs: Sequence[int], query_lens: Sequence[int],
+                    seq_lens: Sequence[int]) -> "SlabBatchStore":
+        """The KV store of one forward pass over the newest tokens of several slabs (see
+        `SlabBatchStore`); each slab's token count becomes its seq_len.
+
+        Raises:
+            ValueError: a slab outside [0, max_num_seqs) or not in use, a query_len < 1 or above
+                its seq_len. KVCacheOutOfMemory: a seq_len past max_model_len. Nothing changes.
+        """
+        slabs = [self._slab_in_use(slab) for slab in slabs]
+        for slab, query_len, seq_len in zip(slabs, query_lens, seq_lens):
+            if seq_len > self.max_model_len:
+                raise KVCacheOutOfMemory(f"slab {slab} would hold {seq_len} tokens, past "
+                                         f"max_model_len={self.max_model_len}")
+            check_int(f"query_len of slab {slab}", query_len, 1, seq_len)
+        for slab, seq_len in zip(slabs, seq_lens):
+            self.seq_lens[slab] = seq_len
+        return SlabBatchStore([self.k[:, slab] for slab in slabs],
+                              [self.v[:, slab] for slab in slabs], query_lens, seq_lens)
+
     def _slab_in_use(self, slab: int) -> int:
         slab = check_index("slab", slab, self.max_num_seqs)
         if not self.in_use[slab]:
@@ -200,10 +229,42 @@ class ContiguousSequence:
             raise ValueError(f"positions {first}..{end - 1} ({positions.numel()} tokens) do not "
                              f"continue slab {self.slab}'s {held} tokens without a gap; new "
                              f"tokens must be consecutive positions starting in [0, {held}]")
-        cache.k[layer_index, self.slab, positions] = key
-        cache.v[layer_index, self.slab, positions] = value
         if layer_index == cache.config.num_hidden_layers - 1:
             cache.seq_lens[self.slab] = max(held, end)
-        keys = cache.k[layer_index, self.slab, :end]
-        values = cache.v[layer_index, self.slab, :end]
-        return grouped_attention(query, keys, values, query_positions=positions)
+        store = SlabBatchStore([cache.k[:, self.slab]], [cache.v[:, self.slab]],
+                               [positions.numel()], [end])
+        return store.attend(layer_index, query, key, value, positions)
+
+
+class SlabBatchStore:
+    """KV store for one forward pass over several sequences, each in contiguous memory of its own.
+
+    The tokens are flat: sequence i's query_lens[i] new tokens follow sequence i - 1's, and end
+    at its seq_lens[i]. Each layer writes every token's K/V at its position in its sequence's
+    memory, then attends each sequence's new tokens over its first seq_lens[i] positions
+    (causally among themselves), one sequence after another: the loop a padded batched kernel
+    would run.
+
+    Args:
+        keys, values: per sequence, its memory [num_hidden_layers, max_tokens,
+            num_key_value_heads, head_dim] (a view: a slab, a naive request's tensor).
+        query_lens: new tokens of each sequence in this pass (>= 1).
+        seq_lens: tokens of each sequence once this pass has written.
+    """
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                 query_lens: Sequence[int], seq_lens: Sequence[int]):
+        self.keys, self.values, self.seq_lens = keys, values, seq_lens
+        ends = list(accumulate(query_lens))
+        self.rows = [(end - n, end) for end, n in zip(ends, query_lens)]  # tokens of each
+
+    def attend(self, layer_index, query, key, value, positions):
+        sequences = list(zip(self.rows, self.keys, self.values, self.seq_lens))
+        for (first, end), keys, values, _ in sequences:
+            keys[layer_index, positions[first:end]] = key[first:end]
+            values[layer_index, positions[first:end]] = value[first:end]
+        outputs = [grouped_attention(query[first:end], keys[layer_index, :seq_len],
+                                     values[layer_index, :seq_len],
+                                     query_positions=positions[first:end])
+                   for (first, end), keys, values, seq_len in sequences]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

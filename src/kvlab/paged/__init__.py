@@ -32,13 +32,13 @@ from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
 from .free_queue import Block, FreeBlockQueue
 from .kv_cache_manager import KVCacheManager, SlotReservation
-from .paged_cache import DecodeStore, PagedKVCache, PrefillStore
+from .paged_cache import PagedBatchStore, PagedKVCache
 from .torch_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
                               write_kv)
 
 __all__ = [
     "Block", "FreeBlockQueue", "BlockPool", "BlockTable", "cdiv", "KVCacheManager",
-    "SlotReservation", "PagedKVCache", "PrefillStore", "DecodeStore", "write_kv", "gather_kv",
+    "SlotReservation", "PagedKVCache", "PagedBatchStore", "write_kv", "gather_kv",
     "paged_prefill_attention", "paged_decode_attention", "kv_block_bytes", "num_blocks_for_budget",
     "check_pool_fits", "KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError",
     "AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend",

@@ -5,18 +5,25 @@ head_dim] are allocated once, at start-up, and never resized (vLLM paper, Kwon e
 section 4.2). A block id names the same rows in every layer, so one block table serves all layers.
 
 `PagedKVCache` is the object a notebook drives step by step (allocate, append, fork, free, preempt,
-print the block tables). For a forward pass it hands out a KV store (see `kvlab.model.KVStore`):
+print the block tables). For a forward pass it hands out a KV store (see `kvlab.model.KVStore`),
+`PagedBatchStore`: the new tokens of several sequences laid out flat, any mix of prefill chunks
+(many tokens of one sequence) and decode rows (one new token of a sequence), as vLLM v1 runs a
+step. `prefill_store` (one sequence) and `decode_store` (one token per sequence) are its two
+simplest cases.
 
-* `PrefillStore`: many tokens of one sequence (a prompt, or prompt + output after a preemption),
-* `DecodeStore`: one new token for each of a batch of sequences, in one forward pass.
-
-Both first write the new K/V into their slots (slot mapping), then attend through the block tables,
-calling the cache's attention backend (`kvlab.paged.backends`; by default the plain-PyTorch
-`TorchBackend`, the stage-5 kernel is another).
+In every layer the store first writes the K/V of every token of the pass into its slot (the slot
+mapping), and only then attends: the decode rows together through the backend's batched `decode`,
+each prefill chunk through its `prefill`, over the sequence's blocks (`kvlab.paged.backends`; by
+default the plain-PyTorch `TorchBackend`, the stage-5 kernel is another). So a token may read a
+block that another sequence of the same pass writes, whatever their order; the prefix cache relies
+on it (`kvlab.prefix.manager`). vLLM v1's attention layers work the same way: one flattened batch
+per step, the step's new K/V written to their slots (`reshape_and_cache`) before the attention
+kernel runs.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Hashable, Sequence
 
 import torch
@@ -28,11 +35,12 @@ from .budget import check_pool_fits, kv_block_bytes
 from ..errors import KVCacheOutOfMemory
 from ..requests import check_index, check_int, check_model_len
 from .backends import BackendLike, resolve_backend
+from .block_table import cdiv
 from .kv_cache_manager import KVCacheManager
 from ..kernels.pool_layout import TOKEN_MAJOR, pool_shape
 from .torch_attention import gather_kv
 
-__all__ = ["PagedKVCache", "PrefillStore", "DecodeStore"]
+__all__ = ["PagedKVCache", "PagedBatchStore"]
 
 
 class PagedKVCache:
@@ -187,13 +195,34 @@ class PagedKVCache:
 
     # ---- KV stores for a forward pass --------------------------------------------------------
 
-    def prefill_store(self, seq_id: Hashable, slot_mapping: torch.Tensor) -> "PrefillStore":
-        """The KV store for a forward pass over tokens of one sequence whose slots are reserved."""
-        block_table = self._tensor(self.manager.block_ids(seq_id))
-        return PrefillStore(self, slot_mapping, block_table, self.manager.num_tokens(seq_id))
+    def batch_store(self, seq_ids: Sequence[Hashable],
+                    query_lens: Sequence[int]) -> "PagedBatchStore":
+        """The KV store for one forward pass over the newest tokens of several sequences.
+
+        The pass's tokens are flat: the last query_lens[i] reserved tokens of seq_ids[i] (their
+        slots reserved, their K/V not yet written), after those of seq_ids[i - 1]. Their slot
+        mapping is read here, once, from the block tables.
+
+        Raises:
+            ValueError: no seq_ids, a query_len < 1 or above the tokens reserved, or a different
+                number of query_lens. KeyError: an unknown seq_id.
+        """
+        if len(query_lens) != len(seq_ids):
+            raise ValueError(f"{len(query_lens)} query_lens for {len(seq_ids)} sequences")
+        slots = []
+        for seq_id, query_len in zip(seq_ids, query_lens):
+            table = self.manager.tables[seq_id]
+            check_int(f"query_len of sequence {seq_id!r}", query_len, 1, table.num_tokens)
+            slots += (table.slot(p) for p in range(table.num_tokens - query_len, table.num_tokens))
+        return self._batch_store(seq_ids, query_lens, self._tensor(slots))
+
+    def prefill_store(self, seq_id: Hashable, slot_mapping: torch.Tensor) -> "PagedBatchStore":
+        """The KV store for a forward pass over the last len(slot_mapping) reserved tokens of one
+        sequence, slot_mapping [num_tokens] int64 their slots."""
+        return self._batch_store([seq_id], [slot_mapping.numel()], slot_mapping)
 
     def decode_store(self, seq_ids: Sequence[Hashable],
-                     slot_mapping: torch.Tensor) -> "DecodeStore":
+                     slot_mapping: torch.Tensor) -> "PagedBatchStore":
         """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token.
 
         Raises:
@@ -202,8 +231,11 @@ class PagedKVCache:
         if slot_mapping.shape != (len(seq_ids),):
             raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} for "
                              f"{len(seq_ids)} sequences: give one slot per sequence")
+        return self._batch_store(seq_ids, [1] * len(seq_ids), slot_mapping)
+
+    def _batch_store(self, seq_ids, query_lens, slot_mapping) -> "PagedBatchStore":
         block_tables, seq_lens = self.block_tables_tensor(seq_ids)
-        return DecodeStore(self, slot_mapping, block_tables, seq_lens)
+        return PagedBatchStore(self, slot_mapping, block_tables, seq_lens, query_lens)
 
     # The padding convention: a short block table is padded with this block id. It is a real block
     # (held by some other sequence, or free and full of whatever its last user left, NaN
@@ -288,42 +320,52 @@ class PagedKVCache:
                 f"{self.manager.num_used_blocks} used, pool {format_bytes(self.pool_bytes)})")
 
 
-class PrefillStore:
-    """KV store for many tokens of one sequence: write them to their slots, attend causally.
+class PagedBatchStore:
+    """KV store for one forward pass over the new tokens of several sequences, laid out flat.
 
-    slot_mapping [num_tokens] int64; block_table [num_blocks_of_sequence] int64; seq_len: tokens
-    of the sequence in the cache once this pass has written (int).
-    """
+    Sequence i's query_lens[i] new tokens follow sequence i - 1's: one token is a decode row, more
+    make a prefill chunk. slot_mapping [num_tokens] int64, one slot per token; block_tables
+    [num_seqs, max_blocks_per_seq] int64 (padded with PAD_BLOCK_ID); seq_lens [num_seqs] int64,
+    tokens of each sequence once this pass has written.
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                 seq_len: int):
-        self.cache, self.slot_mapping = cache, slot_mapping
-        self.block_table, self.seq_len = block_table, seq_len
-
-    def attend(self, layer_index, query, key, value, positions):
-        cache = self.cache
-        k_cache, v_cache = cache.layer(layer_index)
-        cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
-        return cache.backend.prefill(query, k_cache, v_cache, self.block_table, self.seq_len,
-                                     positions, cache.scale)
-
-
-class DecodeStore:
-    """KV store for one new token of each sequence of a batch (token i belongs to sequence i).
-
-    slot_mapping [num_seqs] int64; block_tables [num_seqs, max_blocks_per_seq] int64 (padded);
-    seq_lens [num_seqs] int64, tokens of each sequence once this pass has written. The positions
-    passed to `attend` are seq_lens - 1 by construction.
+    Each layer writes every token's K/V first, then attends (see the module docstring), so a token
+    reads what any token of the pass wrote in that layer, whatever their order.
     """
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor):
+                 seq_lens: torch.Tensor, query_lens: Sequence[int]):
+        if slot_mapping.shape != (sum(query_lens),):
+            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} for "
+                             f"{sum(query_lens)} new tokens: give one slot per token")
         self.cache, self.slot_mapping = cache, slot_mapping
-        self.block_tables, self.seq_lens = block_tables, seq_lens
+        # Which rows go to which kernel, worked out once for every layer of the pass.
+        starts = [0, *accumulate(query_lens)]
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long,
+                                        device=slot_mapping.device)
+        self.decode_block_tables, self.decode_seq_lens = block_tables[decode], seq_lens[decode]
+        self.prefill_chunks = []  # (first token, end token, the sequence's blocks, its seq_len)
+        for i, (start, query_len, seq_len) in enumerate(zip(starts, query_lens,
+                                                            seq_lens.tolist())):
+            if query_len > 1:
+                blocks = block_tables[i, :cdiv(seq_len, cache.block_size)]
+                self.prefill_chunks.append((start, start + query_len, blocks, seq_len))
 
     def attend(self, layer_index, query, key, value, positions):
         cache = self.cache
         k_cache, v_cache = cache.layer(layer_index)
         cache.backend.write_kv(k_cache, v_cache, key, value, self.slot_mapping)
-        return cache.backend.decode(query, k_cache, v_cache, self.block_tables, self.seq_lens,
-                                    cache.scale)
+        if not self.prefill_chunks:  # decode rows only, already in token order
+            return self._decode(query, k_cache, v_cache)
+        output = torch.empty_like(query)
+        if self.decode_rows.numel():
+            output[self.decode_rows] = self._decode(query[self.decode_rows], k_cache, v_cache)
+        for start, end, block_table, seq_len in self.prefill_chunks:
+            output[start:end] = cache.backend.prefill(query[start:end], k_cache, v_cache,
+                                                      block_table, seq_len, positions[start:end],
+                                                      cache.scale)
+        return output
+
+    def _decode(self, query, k_cache, v_cache):
+        return self.cache.backend.decode(query, k_cache, v_cache, self.decode_block_tables,
+                                         self.decode_seq_lens, self.cache.scale)

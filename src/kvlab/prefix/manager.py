@@ -13,8 +13,15 @@
   (n - 1) // block_size blocks.
 * Every time a sequence's block becomes full (at admission, or later in decode through
   `append_slots(..., token_ids=...)`) it is hashed and cached, so a later request can hit it.
-  Blocks are cached when their slots are reserved, as vLLM does: the forward pass that writes them
-  runs before any later pass can read them.
+  Blocks are cached when their slots are reserved, as vLLM v1 does, so a request admitted later
+  in the same step may hit a block whose K/V that step's forward pass has not written yet. The
+  rule that makes this correct: a block is readable from the pass that writes it on. The serving
+  runner (`kvlab.serving.model_runner`) runs a step as one forward pass over all its tokens, and
+  in each layer its KV store writes the K/V of every token of the step before any token of that
+  layer attends, so a hit on a block that the same step prefills, or that a running request's
+  decode token fills, reads the new K/V, whatever the order of the two requests in the batch.
+  (A runner that ran decode and prefill as separate passes would let one read a block before the
+  other wrote it: another request's leftover K/V; tests/test_one_pass.py.)
 * `free` and `preempt` work as before: blocks go back to the free block queue tail first, but keep
   their cache entries until allocation reuses them (LRU eviction, see `prefix_cache`). A preempted
   sequence may therefore hit its own blocks when it is admitted again.

@@ -10,7 +10,7 @@ cache manager that allocates, a runner that executes), one module per idea, in r
   (`ExactBlocksManager`): stage 4's fragmentation measurement.
 * `scheduler`: `Scheduler` (continuous batching: admit, run, preempt under step budgets).
 * `cost_model`: simulation mode's roofline step time on named cards.
-* `model_runner`: `ModelExecutor` (model mode: forward passes over the real cache, sampling).
+* `model_runner`: `ModelExecutor` (model mode: one forward pass a step, real cache, sampling).
 * `runner`: `engine_step` (decide, execute, record), `serve` (a trace arriving over time),
   `SimulatedExecutor` (cost model).
 * `metrics`: concurrency, KV usage, preemptions, TTFT/TPOT percentiles, tokens/s, plots.

@@ -4,13 +4,24 @@ The scheduler decides, this module executes (vLLM v1's model runner, cut to its 
 step it:
 
 1. copies the blocks the step's copy-on-write asked for (`SchedulerOutput.blocks_to_copy`);
-2. runs one forward pass for every decode token of the step together, flat [num_seqs]: each
-   token writes its K/V to its slot and attends over its own blocks (or its own slab);
-3. runs each prefill chunk on its own, at its absolute positions (RoPE needs them), attending over
-   everything the request has computed before plus the chunk;
-4. samples a token for every request whose tokens are now all computed: greedy, or from its own
-   random stream (`kvlab.sampling`), or its forced first token. A request whose prompt is now
-   computed also samples for its forks, from the same logits row (they share the prompt).
+2. runs one forward pass over every scheduled token of the step, flat [num_tokens] in schedule
+   order with their absolute positions (RoPE needs them): decode tokens and prefill chunks of
+   every request together;
+3. samples a token for every request whose tokens are now all computed, from the logits row of
+   its last token: greedy, or from its own random stream (`kvlab.sampling`), or its forced first
+   token. A request whose prompt is now computed also samples for its forks, from the same row
+   (they share the prompt).
+
+Why one pass: the KV store of the pass (`PagedBatchStore`, or `SlabBatchStore` for slabs and the
+naive strategy's tensors) writes, in each layer, the K/V of every token of the step to its slot
+before any token of that layer attends. A token may thus read K/V written by another request's
+token in the same step, whatever their order in the batch: a block is readable from the pass that
+writes it on. The prefix cache relies on it (a block is cached when its slots are reserved, and a
+request admitted later in the same step may hit it: `kvlab.prefix.manager`). Two passes, decode
+then prefill as this runner once ran, let a token read a block before the other pass wrote it
+(tests/test_one_pass.py). vLLM v1 runs a step the same way: one flattened batch, and in each layer
+`reshape_and_cache` writes the new K/V before the attention kernel reads (vLLM v1's
+`GPUModelRunner` and attention backends).
 
 The caches are stage 2's `ContiguousKVCache` (one slab per request, a fork copies the slab) and
 stage 4's `PagedKVCache` (slot mapping through the block tables the scheduler's `PagedManager`
@@ -23,15 +34,13 @@ import time
 
 import torch
 
-from ..attention import grouped_attention
-from ..contiguous import ContiguousKVCache
 from ..paged.paged_cache import PagedKVCache
 from ..sampling import next_token
 from .cost_model import CostModel
 from .request import Request, RequestState
 from .scheduler import SchedulerOutput
 
-__all__ = ["ModelExecutor", "ContiguousDecodeStore"]
+__all__ = ["ModelExecutor"]
 
 
 class ModelExecutor:
@@ -47,7 +56,7 @@ class ModelExecutor:
         num_decode_tokens: output tokens fed back one at a time, on top of a cache holding
             every earlier token of the request.
         num_prefill_tokens: every other token run: prompt tokens (a lone last prompt token too,
-            though it rides in the decode pass) and tokens recomputed after preemption. A
+            though it attends as a decode row) and tokens recomputed after preemption. A
             prefix-cache hit is not run.
     """
 
@@ -66,30 +75,25 @@ class ModelExecutor:
         for source, destination in output.blocks_to_copy:
             self.cache.copy_block(source, destination)
         sampled: dict[int, int] = {}
-        # One new token on top of a cache: batched in one decode pass. Usually the newest output
-        # token, but it can also be the last prompt token (a prefix hit or a chunk leaving one)
-        # or a 1-token chunk inside the prompt: those are prefill tokens, and only a request
-        # whose every token is now computed gets a token sampled.
-        decodes = [r for r, n in output.scheduled if n == 1 and r.num_computed_tokens > 0]
-        if decodes:
-            logits = self._decode(decodes)
-            for request, row in zip(decodes, logits):
-                if request.num_computed_tokens >= request.prompt_len:
-                    self.num_decode_tokens += 1   # an output token fed back
-                else:
-                    self.num_prefill_tokens += 1
-                if request.num_computed_tokens + 1 == request.num_tokens:
-                    self._sample(request, row, sampled)
-        batched = {request.request_id for request in decodes}
-        for request, num_new in output.scheduled:
-            if request.request_id in batched:
-                continue  # run in the decode pass above
-            logits = self._forward_one(request, num_new)
-            self.num_prefill_tokens += num_new
-            if request.num_computed_tokens + num_new == request.num_tokens:
-                self._sample(request, logits[-1], sampled)
+        if output.scheduled:
+            logits = self._forward(output.scheduled)
+            end = 0
+            for request, num_new in output.scheduled:
+                end += num_new  # the row after this request's last token
+                self._count(request, num_new)
+                if request.num_computed_tokens + num_new == request.num_tokens:
+                    self._sample(request, logits[end - 1], sampled)
         elapsed = time.perf_counter() - started
         return sampled, (modelled if modelled is not None else elapsed)
+
+    def _count(self, request: Request, num_new: int) -> None:
+        """An output token fed back on top of the cache is decode; every other token is prefill:
+        prompt tokens (a lone last one, or a 1-token chunk, too) and tokens recomputed after
+        preemption."""
+        if num_new == 1 and request.num_computed_tokens >= request.prompt_len:
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += num_new
 
     def release(self, request: Request) -> None:
         """The request's memory was freed: finished (forget it) or preempted (keep its stream)."""
@@ -124,72 +128,32 @@ class ModelExecutor:
             self.generators[request.request_id] = generator
         return next_token(logits, params.temperature, generator)
 
-    # ---- forward passes --------------------------------------------------------------------------
+    # ---- the forward pass -----------------------------------------------------------------------
 
-    def _forward_one(self, request: Request, num_new: int) -> torch.Tensor:
-        """Tokens computed .. computed + num_new - 1 of one request, at their absolute positions.
-        Returns logits [num_new, vocab_size]."""
+    def _forward(self, scheduled: list[tuple[Request, int]]) -> torch.Tensor:
+        """One pass over tokens computed .. computed + num_new - 1 of every scheduled request,
+        flat in schedule order. Returns logits [num_tokens, vocab_size]."""
+        token_ids, positions, query_lens, seq_lens = [], [], [], []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            token_ids += request.token_ids(start, start + num_new)
+            positions += range(start, start + num_new)
+            query_lens.append(num_new)
+            seq_lens.append(start + num_new)
+        store = self._store([request for request, _ in scheduled], query_lens, seq_lens)
         device = self.model.device
-        start = request.num_computed_tokens
-        ids = torch.tensor(request.token_ids(start, start + num_new), device=device)
-        positions = torch.arange(start, start + num_new, device=device)
-        return self.model(ids, positions, self._prefill_store(request, start, num_new))
+        return self.model(torch.tensor(token_ids, device=device),
+                          torch.tensor(positions, device=device), store)
 
-    def _decode(self, batch: list[Request]) -> torch.Tensor:
-        """One forward pass for the newest token of every decoding request, flat [num_seqs].
-        Returns logits [num_seqs, vocab_size]."""
-        device = self.model.device
-        positions = [request.num_computed_tokens for request in batch]
-        tokens = [request.token_ids(p, p + 1)[0] for request, p in zip(batch, positions)]
-        return self.model(torch.tensor(tokens, device=device),
-                          torch.tensor(positions, device=device),
-                          self._decode_store(batch, positions))
-
-    # ---- where the K/V live: the cache's KV stores (see `kvlab.model.KVStore`) ---------------
-
-    def _prefill_store(self, request: Request, start: int, num_new: int):
-        """The store for tokens start .. start + num_new - 1 of one request."""
+    def _store(self, batch: list[Request], query_lens: list[int], seq_lens: list[int]):
+        """Where the pass's K/V live (see `kvlab.model.KVStore`): request i's last query_lens[i]
+        of seq_lens[i] tokens."""
         if self.paged:
-            # The scheduler's manager reserved exactly these slots this step, so the table's
-            # token count is start + num_new: the sequence length the store attends over.
-            table = self.cache.manager.tables[request.request_id]
-            slots = [table.slot(p) for p in range(start, start + num_new)]
-            return self.cache.prefill_store(request.request_id,
-                                            torch.tensor(slots, device=self.model.device))
-        if request.request_id not in self.slab_of:
-            self.slab_of[request.request_id] = self.cache.add_sequence()
-        return self.cache.view(self.slab_of[request.request_id])
-
-    def _decode_store(self, batch: list[Request], positions: list[int]):
-        """The store for one new token of each request of `batch`, at `positions`."""
-        if self.paged:
-            tables = self.cache.manager.tables
-            slots = [tables[r.request_id].slot(p) for r, p in zip(batch, positions)]
-            return self.cache.decode_store([request.request_id for request in batch],
-                                           torch.tensor(slots, device=self.model.device))
-        return ContiguousDecodeStore(self.cache, [self.slab_of[r.request_id] for r in batch])
-
-
-class ContiguousDecodeStore:
-    """KV store for one new token of each of a batch of requests, each in its own slab.
-
-    Writes token i's K/V at [slab_i, position_i] and attends it over its slab's first
-    position_i + 1 tokens (the per-request loop is what a padded batched kernel would do).
-    """
-
-    def __init__(self, cache: ContiguousKVCache, slabs: list[int]):
-        self.cache, self.slabs = cache, slabs
-
-    def attend(self, layer_index, query, key, value, positions):
-        cache, slabs = self.cache, torch.tensor(self.slabs, device=query.device)
-        cache.k[layer_index, slabs, positions] = key
-        cache.v[layer_index, slabs, positions] = value
-        outputs = []
-        for i, (slab, position) in enumerate(zip(self.slabs, positions.tolist())):
-            keys = cache.k[layer_index, slab, :position + 1]
-            values = cache.v[layer_index, slab, :position + 1]
-            outputs.append(grouped_attention(query[i:i + 1], keys, values,
-                                             query_positions=positions[i:i + 1]))
-            if layer_index == cache.config.num_hidden_layers - 1:
-                cache.seq_lens[slab] = position + 1
-        return torch.cat(outputs)
+            # The scheduler's manager reserved exactly these slots this step: each table holds
+            # seq_lens[i] tokens, the last query_lens[i] of them new.
+            return self.cache.batch_store([request.request_id for request in batch], query_lens)
+        for request in batch:
+            if request.request_id not in self.slab_of:
+                self.slab_of[request.request_id] = self.cache.add_sequence()
+        return self.cache.batch_store([self.slab_of[r.request_id] for r in batch], query_lens,
+                                      seq_lens)

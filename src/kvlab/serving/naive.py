@@ -31,14 +31,15 @@ batch. So after allocating a request's KV the manager also asks for the forward 
 back: if that fails, the request is not admitted. That is the only guard; nothing is reserved.
 
 `NaiveExecutor` runs the model over these tensors (the same model, attention and sampling as every
-strategy: `ModelExecutor` with its two forward passes reading each request's own tensor).
+strategy: `ModelExecutor`'s one forward pass per step, each request's K/V in its own tensor, through
+the contiguous cache's `SlabBatchStore`, `naive_store`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import grouped_attention
+from ..contiguous import SlabBatchStore
 from ..errors import KVCacheOutOfMemory
 from ..sizing import format_bytes
 from .allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
@@ -46,7 +47,7 @@ from .kv_managers import KVManager
 from .model_runner import ModelExecutor
 from .request import Request
 
-__all__ = ["NaiveManager", "NaiveExecutor", "NaivePrefillStore", "NaiveDecodeStore"]
+__all__ = ["NaiveManager", "NaiveExecutor", "naive_store"]
 
 
 class NaiveManager(KVManager):
@@ -196,9 +197,8 @@ class NaiveManager(KVManager):
 
 
 class NaiveExecutor(ModelExecutor):
-    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same passes, same
-    sampling) whose KV stores are each request's own tensor: each prefill chunk on its own, every
-    decoding request's next token in one pass (attention per request, over its own tensor).
+    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same pass, same
+    sampling) whose KV store is each request's own tensor (`naive_store`).
 
     Args:
         model: the decoder (`kvlab.model.LlamaForCausalLM`).
@@ -210,42 +210,16 @@ class NaiveExecutor(ModelExecutor):
         super().__init__(model, kv, cost_model)
         self.kv = kv
 
-    def _prefill_store(self, request: Request, start: int, num_new: int) -> "NaivePrefillStore":
-        return NaivePrefillStore(self.kv.kv[request.request_id], start)
-
-    def _decode_store(self, batch: list[Request], positions: list[int]) -> "NaiveDecodeStore":
-        return NaiveDecodeStore([self.kv.kv[request.request_id] for request in batch])
-
-
-class NaivePrefillStore:
-    """Tokens start .. start + n - 1 of one request: written into its tensor, attended causally
-    over its first start + n tokens."""
-
-    def __init__(self, tensor: torch.Tensor, start: int):
-        self.tensor, self.start = tensor, start
-
-    def attend(self, layer_index, query, key, value, positions):
-        end = self.start + key.shape[0]
-        layer = self.tensor[layer_index]  # [2, max tokens, num_kv_heads, head_dim]
-        layer[0, self.start:end] = key
-        layer[1, self.start:end] = value
-        return grouped_attention(query, layer[0, :end], layer[1, :end], query_positions=positions)
+    def _store(self, batch: list[Request], query_lens: list[int],
+               seq_lens: list[int]) -> SlabBatchStore:
+        return naive_store([self.kv.kv[request.request_id] for request in batch], query_lens,
+                           seq_lens)
 
 
-class NaiveDecodeStore:
-    """One new token of each of a batch of requests, token i at position positions[i] of tensor
-    i; each attends over its own first positions[i] + 1 tokens."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
-
-    def attend(self, layer_index, query, key, value, positions):
-        outputs = []
-        for i, (tensor, position) in enumerate(zip(self.tensors, positions.tolist())):
-            layer = tensor[layer_index]
-            layer[0, position] = key[i]
-            layer[1, position] = value[i]
-            outputs.append(grouped_attention(query[i:i + 1], layer[0, :position + 1],
-                                             layer[1, :position + 1],
-                                             query_positions=positions[i:i + 1]))
-        return torch.cat(outputs)
+def naive_store(tensors: list[torch.Tensor], query_lens: list[int],
+                seq_lens: list[int]) -> SlabBatchStore:
+    """The KV store of one forward pass over the newest tokens of several requests, tensor i
+    ([num_hidden_layers, 2, max tokens, num_key_value_heads, head_dim], K then V) request i's;
+    query_lens and seq_lens as `SlabBatchStore`."""
+    return SlabBatchStore([tensor[:, 0] for tensor in tensors],
+                          [tensor[:, 1] for tensor in tensors], query_lens, seq_lens)

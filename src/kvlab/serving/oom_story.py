@@ -53,7 +53,7 @@ from ..prefix.manager import PrefixCachingKVCacheManager
 from ..sizing import format_bytes
 from . import request as req
 from .allocator_figures import ByteLimit
-from .naive import NaiveExecutor, NaiveManager, NaivePrefillStore
+from .naive import NaiveExecutor, NaiveManager, naive_store
 from .oom_report import describe_run, write_record
 from .prefix_manager import PrefixManager
 from .model_runner import ModelExecutor
@@ -182,7 +182,7 @@ def profile_workspace(model, story: StoryConfig) -> int:
     start = story.max_model_len - tokens
     ids = torch.randint(config.vocab_size, (tokens,), device=device)
     positions = torch.arange(start, story.max_model_len, device=device)
-    model(ids, positions, NaivePrefillStore(kv, start))
+    model(ids, positions, naive_store([kv], [tokens], [story.max_model_len]))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del kv

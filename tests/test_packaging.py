@@ -1,9 +1,11 @@
 """Packaging: every module the course imports is declared, environment.yml matches pyproject.toml,
-kernels/ installs as kvlab.kernels."""
+kernels/ installs as kvlab.kernels and tests/exercises/ as kvlab.exercise_tests (so `kvlab check`
+grades from a plain, non-editable install)."""
 
 import ast
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -170,6 +172,8 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_installs_kernels_under_kvlab_and_ships_the_tiny_model(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvlab/kernels/__init__.py" in names
+    for check in ROOT.glob("tests/exercises/*.py"):  # `kvlab check` grades from any install
+        assert f"kvlab/exercise_tests/{check.name}" in names
     for package in (ROOT / "src" / "kvlab").rglob("__init__.py"):  # every subpackage ships
         assert f"kvlab/{package.relative_to(ROOT / 'src' / 'kvlab').as_posix()}" in names
     assert not any(name.startswith("kernels/") for name in names)
@@ -183,3 +187,34 @@ def test_wheel_installs_kernels_under_kvlab_and_ships_the_tiny_model(wheel):
                  "README.md", "NOTICE"):
         assert f"kvlab/traces/data/azure-llm-2023/{file}" in names, file
 
+
+def test_checker_grades_from_a_non_editable_install(wheel, tmp_path):
+    """`pip install .` (Colab's first cell) puts no checkout behind kvlab: `kvlab check` runs the
+    installed kvlab.exercise_tests and finds exercises/ from the current folder up."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True)
+    course = tmp_path / "course"  # a learner's folder: exercises/, solutions/, notebooks/
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_exercises.py"), "--out",
+                    str(course / "exercises")], check=True, capture_output=True)
+    (course / "solutions").mkdir()
+    (course / "solutions" / "stage0_kv_size.py").write_text(
+        (ROOT / "solutions" / "stage0_kv_size.py").read_text())
+    (course / "notebooks").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}  # before the editable install of this venv
+
+    def kvlab(*args: str, cwd: Path = course / "notebooks") -> tuple[int, str]:
+        run = subprocess.run([sys.executable, "-m", "kvlab", *args], cwd=cwd, env=env,
+                             capture_output=True, text=True, timeout=600)
+        return run.returncode, run.stdout + run.stderr
+
+    probe = "import kvlab.checker as c; print(c.exercise_tests_dir())"
+    where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    assert Path(where) == site / "kvlab" / "exercise_tests"
+    code, output = kvlab("check", "0", "--target", "solutions")
+    assert code == 0 and output.startswith("Stage 0: PASS ("), output
+    code, output = kvlab("check", "0")
+    assert code == 1 and output.startswith("Stage 0: NOT YET (0 of ") and "  TODO  " in output
+    code, output = kvlab("check", "0", cwd=tmp_path)  # no exercises/ here or above, no checkout
+    assert code == 2 and output.count("\n") == 1 and "no exercises/ folder" in output, output

@@ -132,6 +132,17 @@ def test_checker_says_in_one_line_why_it_cannot_check(args, before, message):
     assert code == 2 and output.count("\n") == 1 and message in output, output
 
 
+def test_checker_knows_the_file_each_stage_grades():
+    """The missing-file line needs each stage's file names: its tests' load_stage("...") calls."""
+    from kvlab.checker import exercise_files, stage_tests
+
+    for stage, tests in stage_tests().items():
+        files = exercise_files(tests)
+        assert files and all(name.startswith(f"stage{stage}_") for name in files), (stage, files)
+        assert all((ROOT / folder / name).is_file() for folder in ("solutions", "exercises")
+                   for name in files), (stage, files)
+
+
 def test_checker_names_the_missing_files_in_one_line(tmp_path):
     code, output = kvlab_check("5", "--target", str(tmp_path))
     assert code == 2 and output == (

@@ -125,11 +125,11 @@ def run_check(stage: str, target: str = "exercises") -> int:
                                 f"{stage}` grades); give --target the folder that holds {it}")
     os.environ[ENV_EXERCISES_DIR] = str(folder)
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # nbval & co.: not needed, and slow
-    reporter, here = Reporter(folder), str(exercise_tests_dir())
+    reporter, tests_dir = Reporter(folder), str(exercise_tests_dir())
     # The tests' own folder is the root and the last conftest.py: the same run whether kvlab was
     # installed editable (tests/conftest.py of the suite is not loaded) or not.
     options = ["-p", "no:terminal", "-p", "no:cacheprovider", "-o", "addopts=",
-               f"--rootdir={here}", f"--confcutdir={here}"]
+               f"--rootdir={tests_dir}", f"--confcutdir={tests_dir}"]
     code = pytest.main([*options, *(str(tests[n]) for n in wanted)], plugins=[reporter])
     passed = [reporter.print_stage(n) for n in wanted]
     if code not in (0, 1):

@@ -22,7 +22,7 @@ STAGES = sorted(int(p.stem[10:]) for p in ROOT.glob("tests/exercises/test_stage*
 NO_RUNNING_MAX = ("alpha = tl.exp(m - m_new)\n    p = tl.exp(scores - m_new[:, None])\n"
                   "    l = l * alpha + tl.sum(p, axis=1)\n    acc = acc * alpha[:, None] +",
                   "p = tl.exp(scores)\n    l = l + tl.sum(p, axis=1)\n    acc = acc +")
-MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check prints); 4: no file
+MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check prints)
     (0, "max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)",
      r"FAIL  test_max_concurrent_requests_rounds_down: .*: expected int 3, got float 3\.0$"),
     (1, "return weight * normed.to(x.dtype)", "return weight.double() * normed.double()",
@@ -35,7 +35,6 @@ MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check
      r"\(\d of 8 cases\): AttributeError: .* \(stage3_\w+\.py line \d+: return h\.floordiv"),
     (5, *NO_RUNNING_MAX, r"FAIL  test_online_softmax_large_scores_need_the_running_max: online "
      r"softmax of scores up to \d+ in 3 tiles of 16, .* got nan \(tolerance "),
-    (4, "", "", r"ERROR test_slot_mapping_by_hand \(4 of 4 cases\): FileNotFoundError: "),
 ]
 # The online-softmax mistakes that small random scores let through: (the mistake, edits of
 # solutions/stage5's answer, {check: the start of its one-line message}).
@@ -62,11 +61,11 @@ SOFTMAX_MISTAKES = [
 ]
 
 
-def kvlab_check(*args: str, before: str = "pass") -> tuple[int, str]:
+def kvlab_check(*args: str, before: str = "pass", cwd: Path = ROOT) -> tuple[int, str]:
     """`kvlab check ARGS` in a fresh process, as a learner runs it: exit code, all it printed."""
     program = f"import sys; {before}; from kvlab.cli import main; sys.exit(main(sys.argv[1:]))"
     run = subprocess.run([sys.executable, "-c", program, "check", *args], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, cwd=cwd)
     assert "Traceback" not in run.stdout + run.stderr, run.stdout + run.stderr
     return run.returncode, run.stdout + run.stderr
 
@@ -91,9 +90,11 @@ def test_checker_passes_the_solutions_and_fails_untouched_exercises_cleanly(tmp_
 
 
 def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):
-    for stage, answer_text, learner_text, _ in MISTAKES[:-1]:
-        mine = tmp_path / next(ROOT.glob(f"solutions/stage{stage}_*.py")).name
-        text = (mine if mine.exists() else ROOT / "solutions" / mine.name).read_text()
+    for answer in ROOT.glob("solutions/stage*_*.py"):
+        (tmp_path / answer.name).write_text(answer.read_text())
+    for stage, answer_text, learner_text, _ in MISTAKES:
+        mine = next(tmp_path.glob(f"stage{stage}_*.py"))
+        text = mine.read_text()
         assert answer_text in text, f"solutions/{mine.name} changed: update this test"
         mine.write_text(text.replace(answer_text, learner_text, 1))
     code, output = kvlab_check("all", "--target", str(tmp_path))
@@ -129,6 +130,41 @@ def test_stage5_checks_catch_each_online_softmax_mistake(tmp_path, mistake, edit
 def test_checker_says_in_one_line_why_it_cannot_check(args, before, message):
     code, output = kvlab_check(*args, before=before)
     assert code == 2 and output.count("\n") == 1 and message in output, output
+
+
+def test_checker_knows_the_file_each_stage_grades():
+    """The missing-file line needs each stage's file names: its tests' load_stage("...") calls."""
+    from kvlab.checker import exercise_files, stage_tests
+
+    for stage, tests in stage_tests().items():
+        files = exercise_files(tests)
+        assert files and all(name.startswith(f"stage{stage}_") for name in files), (stage, files)
+        assert all((ROOT / folder / name).is_file() for folder in ("solutions", "exercises")
+                   for name in files), (stage, files)
+
+
+def test_checker_names_the_missing_files_in_one_line(tmp_path):
+    code, output = kvlab_check("5", "--target", str(tmp_path))
+    assert code == 2 and output == (
+        f"kvlab check: error: {tmp_path.resolve()} has no stage5_paged_attention.py (the file "
+        f"`kvlab check 5` grades); give --target the folder that holds it\n"), output
+    (tmp_path / "stage0_kv_size.py").write_text((ROOT / "solutions/stage0_kv_size.py").read_text())
+    code, output = kvlab_check("all", "--target", str(tmp_path))
+    named = [name for name in re.findall(r"stage\d+_\w+\.py", output)]
+    assert code == 2 and output.count("\n") == 1, output
+    assert named == sorted(path.name for path in ROOT.glob("solutions/stage*_*.py"))[1:], output
+
+
+def test_checker_finds_exercises_from_the_current_folder_up(tmp_path):
+    """A notebook runs `kvlab check N` from the clone's notebooks/: ../exercises is the one."""
+    MAKE["main"](["--out", str(tmp_path / "exercises")])
+    (tmp_path / "notebooks").mkdir()
+    code, output = kvlab_check("0", cwd=tmp_path / "notebooks")
+    assert code == 1 and output.startswith("Stage 0: NOT YET (0 of "), output
+    (tmp_path / "exercises" / "stage0_kv_size.py").write_text(
+        (ROOT / "solutions" / "stage0_kv_size.py").read_text())
+    code, output = kvlab_check("0", cwd=tmp_path / "notebooks")
+    assert code == 0 and output.startswith("Stage 0: PASS ("), output
 
 
 def test_make_exercises_replaces_blocks_and_keeps_learner_edits(tmp_path):

@@ -1,10 +1,50 @@
-"""The README shows real output: its `kvlab report` block must be what the command prints now."""
+"""The README shows real output: its `kvlab report` block must be what the command prints now; and
+CI runs the README's commands as the README writes them."""
 
+import re
+import subprocess
 from pathlib import Path
 
 from kvlab.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+MARKER = "<!-- .ci/run runs the next block as written -->"
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    """.ci/run reads its commands from the README (the block after each marker), so the two cannot
+    drift: the first two code blocks of "The two commands" that install kvlab, in order, the
+    last of them running the whole suite after fetching what the notebooks need."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The two commands\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"([^\n]*)\n```bash\n(.*?)\n```", section, re.S)  # (line above, code)
+    marked = [code for before, code in blocks if before == MARKER]
+    installs = [code for _, code in blocks if code.startswith("pip install -e ")]
+    assert marked == installs and len(marked) == 2, blocks
+    printed = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True,
+                             text=True, check=True).stdout
+    assert printed == "".join(f"{code}\n" for code in marked)
+    assert marked[-1].startswith('pip install -e ".[test]" && ')
+    assert marked[-1].endswith(" && python -m pytest")  # the whole suite, as pyproject says
+    assert "kvlab fetch smollm2-135m" in marked[-1]
+    # .ci/run has no copy of its own: no pytest or kvlab command outside the README's.
+    script = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+              if not line.lstrip().startswith("#")]
+    assert not [line for line in script if re.search(r"\bpytest\b|\bkvlab (fetch|report)", line)]
+
+
+def test_readme_says_what_a_fresh_machine_needs_before_the_commands():
+    """A venv, the CPU torch before kvlab, the disk the venv takes, the suite's time, chromium."""
+    section = (ROOT / "README.md").read_text().split("## The two commands\n", 1)[1]
+    section = " ".join(section.split("\n## ", 1)[0].split())
+    steps = ["python -m venv .venv && . .venv/bin/activate",
+             "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+             "pip install -e . && kvlab report"]
+    assert all(step in section for step in steps) and \
+        sorted(steps, key=section.index) == steps, "venv, then the CPU torch, then the course"
+    assert re.search(r"venv needs about [\d.]+ GiB of disk", section)
+    assert re.search(r"suite takes about \d+ minutes .*passed, \d+ skipped in [\d,]+ s", section)
+    assert "Debian's `chromium`" in section and "skips" in section
 
 
 def test_readme_report_block_is_the_current_output(capsys):

@@ -1,14 +1,61 @@
-"""`kvlab check N`: run tests/exercises/test_stageN.py on the learner's `stageN_*.py` (in the folder
+"""`kvlab check N`: run the stage-N exercise tests on the learner's `stageN_*.py` (in the folder
 $KVLAB_EXERCISES_DIR) and print one line per failing test: the TODO hint, the failed comparison
-(`kvlab.grading`: input, expected vs got) or the exception and the learner's line that raised it."""
+(`kvlab.grading`: input, expected vs got) or the exception and the learner's line that raised it.
+
+The tests are the course repository's tests/exercises/, installed with kvlab as the subpackage
+`kvlab.exercise_tests` (pyproject's package-dir), so grading works from any install: editable,
+`pip install .`, or `pip install git+...` as Colab's first cell does. The learner's folder is
+`--target`; "exercises" and "solutions" are looked for in the current directory and its parents
+(a notebook runs from the clone's notebooks/), then in the checkout an editable install points at.
+"""
 
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
 
 ENV_EXERCISES_DIR = "KVLAB_EXERCISES_DIR"
-ROOT = Path(__file__).resolve().parents[2]  # the course checkout (`pip install -e .`)
+NAMED_FOLDERS = ("exercises", "solutions")
+
+
+def exercise_tests_dir() -> Path:
+    """The folder of the installed `kvlab.exercise_tests` (test_stageN.py and their conftest)."""
+    from . import exercise_tests
+
+    return Path(exercise_tests.__file__).resolve().parent
+
+
+def stage_tests() -> dict[int, Path]:
+    """{stage number: its test file}. Raises FileNotFoundError if the install has none."""
+    folder = exercise_tests_dir()
+    tests = {int(path.stem[10:]): path for path in folder.glob("test_stage*.py")}
+    if not tests:
+        raise FileNotFoundError(f"no test_stage*.py in {folder}: reinstall kvlab")
+    return tests
+
+
+def exercise_files(test_file: Path) -> list[str]:
+    """The learner's files a stage's tests grade: each `load_stage("stageN_topic.py")` they make."""
+    return re.findall(r"""load_stage\(\s*["'](stage\d+_\w+\.py)["']""", test_file.read_text())
+
+
+def learner_folder(target: str) -> Path:
+    """The folder to grade: `target` itself, or for "exercises"/"solutions" the nearest such
+    folder holding stage*_*.py, from the current directory up, then in the editable checkout.
+    Raises FileNotFoundError naming where it looked."""
+    if target not in NAMED_FOLDERS:
+        folder = Path(target).resolve()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is not a folder; give exercises, solutions or yours")
+        return folder
+    here = Path.cwd().resolve()
+    checkout = exercise_tests_dir().parents[1]  # <repo>/tests/exercises in an editable install
+    for place in (here, *here.parents, checkout):
+        if any((place / target).glob("stage*_*.py")):
+            return place / target
+    raise FileNotFoundError(f"no {target}/ folder with stage*_*.py in {here} or above; run from "
+                            f"your copy of the course, or give --target FOLDER")
 
 
 class Reporter:
@@ -58,25 +105,31 @@ class Reporter:
 def run_check(stage: str, target: str = "exercises") -> int:
     """Grade the `stageN_*.py` in `target` ("exercises", "solutions" or a folder) for stage "N"
     or "all"; returns 0 when every test passes, 1 if not, 2 without pytest. Raises ValueError (no
-    such stage) or FileNotFoundError (no tests/exercises/, no `target` folder)."""
+    such stage) or FileNotFoundError (no `target` folder, or it lacks a file the stage grades)."""
     try:
         import pytest
     except ImportError:
         print("kvlab check: error: pytest is not installed, and the checks are pytest tests: "
               "`pip install pytest hypothesis` (both are kvlab dependencies)", file=sys.stderr)
         return 2
-    tests = {int(path.stem[10:]): path for path in ROOT.glob("tests/exercises/test_stage*.py")}
-    if not tests:  # kvlab was not installed from the course repository with `pip install -e .`
-        raise FileNotFoundError(f"no exercise tests in {ROOT}/tests/exercises (pip install -e .)")
+    tests = stage_tests()
     if stage != "all" and (not stage.isdigit() or int(stage) not in tests):
         raise ValueError(f"no stage {stage!r}; stages with tests: {sorted(tests)} or 'all'")
-    folder = ROOT / target if target in ("exercises", "solutions") else Path(target).resolve()
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder; give exercises, solutions or yours")
+    wanted = sorted(tests) if stage == "all" else [int(stage)]
+    folder = learner_folder(target)
+    missing = [name for n in wanted for name in exercise_files(tests[n])
+               if not (folder / name).is_file()]
+    if missing:  # one line here, rather than the same FileNotFoundError from every test
+        what, it = ("the file", "it") if len(missing) == 1 else ("the files", "them")
+        raise FileNotFoundError(f"{folder} has no {', '.join(missing)} ({what} `kvlab check "
+                                f"{stage}` grades); give --target the folder that holds {it}")
     os.environ[ENV_EXERCISES_DIR] = str(folder)
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # nbval & co.: not needed, and slow
-    wanted, reporter = sorted(tests) if stage == "all" else [int(stage)], Reporter(folder)
-    options = ["-p", "no:terminal", "-p", "no:cacheprovider", "-o", "addopts=", f"--rootdir={ROOT}"]
+    reporter, tests_dir = Reporter(folder), str(exercise_tests_dir())
+    # The tests' own folder is the root and the last conftest.py: the same run whether kvlab was
+    # installed editable (tests/conftest.py of the suite is not loaded) or not.
+    options = ["-p", "no:terminal", "-p", "no:cacheprovider", "-o", "addopts=",
+               f"--rootdir={tests_dir}", f"--confcutdir={tests_dir}"]
     code = pytest.main([*options, *(str(tests[n]) for n in wanted)], plugins=[reporter])
     passed = [reporter.print_stage(n) for n in wanted]
     if code not in (0, 1):

@@ -255,7 +255,7 @@ def kernel_constants(dtype: torch.dtype, head_dim: int, group: int, block_size: 
                      # float32 dots in IEEE float32, not Triton's default TF32 on a GPU
                      DOT_PRECISION="ieee" if dtype == torch.float32 else None,
                      WHILE_LOOP=INTERPRETED)
-    if old_gpu:  # fewer tiles in flight: shared memory of sm_7x is 64 KiB
+    if old_gpu:  # fewer tiles in flight: a T4 (sm_75) has 64 KiB of shared memory per SM
         constants["num_stages"] = 2
     return constants
 

@@ -19,7 +19,8 @@ of its loop are yours:
 
 `kvlab check 5` runs your kernel in Triton's CPU interpreter (TRITON_INTERPRET=1, set below when
 there is no GPU) against a float64 reference. Compare yours afterwards with the library kernel,
-`kernels/paged_attention.py` (`_attend_tokens`), which adds split-KV, fp16/bf16 and two layouts.
+`kernels/paged_attention.py` (`_attend_tile`, `_attend_tokens`), which adds split-KV, fp16/bf16 and
+two layouts.
 
 Units: positions and block_size are tokens; block ids index the pool's first axis; every float
 here is float32.

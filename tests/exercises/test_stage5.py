@@ -120,11 +120,13 @@ def test_lookup_rows_reads_only_the_entries_of_owned_positions(ex, tmp_path):
                          capture_output=True, text=True, timeout=300)
     if run.stdout.startswith("skip:"):
         pytest.skip(run.stdout.strip())
-    assert run.returncode == 0, (
-        f"paged_decode with the block table at the very end of readable memory: the process "
-        f"{'crashed (signal %d)' % -run.returncode if run.returncode < 0 else 'failed'} "
-        f"[lookup_rows read the block table at positions a sequence does not own: past the end "
-        f"there is no entry, only memory that is not the table's]\n{run.stderr[-1500:]}")
+    errors = run.stderr.strip().splitlines() or ["(no message)"]
+    assert run.returncode >= 0, (
+        f"paged_decode with the block table at the very end of readable memory crashed the "
+        f"process (signal {-run.returncode}) [lookup_rows read the block table at positions a "
+        f"sequence does not own: past the end there is no entry, only memory that is not the "
+        f"table's]")
+    assert run.returncode == 0, f"paged_decode failed in a subprocess: {errors[-1]}"
 
 
 @triton.jit

@@ -19,7 +19,8 @@ of its loop are yours:
 
 `kvlab check 5` runs your kernel in Triton's CPU interpreter (TRITON_INTERPRET=1, set below when
 there is no GPU) against a float64 reference. Compare yours afterwards with the library kernel,
-`kernels/paged_attention.py` (`_attend_tokens`), which adds split-KV, fp16/bf16 and two layouts.
+`kernels/paged_attention.py` (`_attend_tile`, `_attend_tokens`), which adds split-KV, fp16/bf16 and
+two layouts.
 
 Units: positions and block_size are tokens; block ids index the pool's first axis; every float
 here is float32.
@@ -56,7 +57,7 @@ def lookup_rows(block_table_ptr, positions, owned, kv_head, BLOCK_SIZE: tl.const
         [num_blocks * BLOCK_SIZE * NUM_KV_HEADS, head_dim], i.e.
         (block_id * BLOCK_SIZE + offset) * NUM_KV_HEADS + kv_head. Any value where not owned.
     """
-    raise NotImplementedError("TODO(stage 5): load each position's block id from the block table (a masked tl.load: only where owned), cast it to int64 before any multiply (big pools overflow int32), then slot = block_id * BLOCK_SIZE + offset and row = slot * NUM_KV_HEADS + kv_head")
+    raise NotImplementedError("TODO(stage 5): two lookups, the block id of each position in the block table, then its row from block id and offset. Two rules: read a table entry only for an owned position (past the end there may be no entry, only memory that is not the table's), and make the arithmetic int64 before it grows (a big pool's rows pass 2^31)")
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def online_softmax_update(m, l, acc, scores, values):
     At the end, acc / l is the attention output. The first tile of a sequence always holds at
     least one real score, so m is finite from then on.
     """
-    raise NotImplementedError("TODO(stage 5): a new max per row; alpha = exp(old max - new max) rescales l and acc; p = exp(scores - new max); add p's row sums to l and p @ values (tl.dot) to acc")
+    raise NotImplementedError("TODO(stage 5): m stays the max of every score seen so far, and l and acc stay sums of exp(score - m): so when a tile raises the max, what l and acc hold must be rescaled to the new max before the tile's own terms join them (acc's as a matrix product, tl.dot)")
 
 
 @triton.jit
@@ -93,7 +94,10 @@ def paged_decode_kernel(out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, seq_len, TILE):
+    # A while loop, not `for start in range(0, seq_len, TILE)`: Triton 3.6's interpreter cannot
+    # turn a bound read at run time into a Python int under NumPy >= 2.4; a while runs anywhere.
+    start = 0
+    while start < seq_len:
         positions = start + tl.arange(0, TILE)
         owned = positions < seq_len
         rows = lookup_rows(block_tables_ptr + seq * max_blocks, positions, owned, kv_head,
@@ -104,6 +108,7 @@ def paged_decode_kernel(out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr
         v = tl.load(v_pool_ptr + ptrs, mask=owned[:, None], other=0.0)
         scores = tl.where(owned[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, scores, v)
+        start += TILE
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None],
              mask=real_row[:, None])
 

@@ -14,7 +14,7 @@ from a datasheet. Per point of a grid (batch x context x block_size, Llama-3.1-8
 * paging overhead: the same pool read through a shuffled block table vs the identity table.
 
 Then the layout study at one point: both pool layouts x block sizes 1-128, next to stage 4's waste
-for those block sizes on the course's workload. Writes JSON, a Markdown table (card, versions,
+for those block sizes on the requests stage 4 replays (`bench_report.stage4_waste`). Writes JSON, a Markdown table (card, versions,
 date) and a roofline plot. `--toy` runs a tiny grid on the CPU interpreter (tested, so it cannot
 rot); its timings measure the interpreter, not a kernel.
 

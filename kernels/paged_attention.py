@@ -13,8 +13,10 @@ Design, in the order the notebook builds it:
   not once per query head. `tl.dot` on a GPU needs tiles of at least 16 rows, so the group is
   padded to 16 rows and the padding is masked on load and store.
 * **Block table lookup per token**: position p lives in block `block_table[p // block_size]`,
-  slot `p % block_size`. The block id is cast to int64 before it multiplies the block stride: a
-  pool of 70,000 blocks x 16 tokens x 8 heads x 128 dims already has more elements than int32 holds.
+  slot `p % block_size`. The block id is cast to int64 before it multiplies the block stride: in
+  int32, block_id x stride wraps past 2^31 - 1 once one layer's pool holds 2^31 elements, e.g.
+  131,072 blocks x 16 tokens x 8 KV heads x 128 dims (4 GiB of bf16), or 65,536 blocks at
+  head_dim 256.
 * **Online softmax** (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1):
   a running max `m`, running sum `l` and running output `acc`, all float32, rescaled by
   exp(m_old - m_new) whenever a tile raises the max; one pass over the keys, nothing stored.
@@ -27,9 +29,17 @@ Design, in the order the notebook builds it:
 * **Layouts**: the kernel takes the pool's strides named by meaning (block, token slot, head, dim),
   so token-major and head-major pools run through the same code (`kvlab.kernels.pool_layout`).
 
-Interpreter: under TRITON_INTERPRET=1 Triton runs the kernel in NumPy on the CPU; there `tl.dot` on
-bfloat16 tiles multiplies the wrong numbers (Triton issue 11584), so bf16 tiles are upcast to
-float32 first. On a GPU the bf16/fp16 tensor-core path stays.
+Interpreter: under TRITON_INTERPRET=1 Triton runs the kernel in NumPy on the CPU. Two things differ
+there, and each is handled by a compile-time flag, so the compiled kernel is the one it always was:
+
+* `tl.dot` on bfloat16 tiles multiplies the wrong numbers (Triton issue 11584), so bf16 tiles are
+  upcast to float32 first (UPCAST). On a GPU the bf16/fp16 tensor-core path stays.
+* Triton 3.6's interpreter turns a `range` bound into a Python int with `int()` of a 1-element
+  NumPy array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+  scalars"; Triton 3.9 squeezes the array first). So the interpreter runs the tile loop as a
+  `while` (WHILE_LOOP). Compiled, it stays a `for`: Triton's software pipeliner (num_stages)
+  transforms `for` loops only; compiled for sm_80, the `for` loop prefetches K/V tiles with
+  cp.async into multi-buffered shared memory, the `while` loop does not.
 """
 
 from __future__ import annotations
@@ -57,44 +67,69 @@ MIN_DOT_ROWS = 16
 
 
 @triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, tile_start, end,
+                 kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
+                 stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
+                 BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile: positions [tile_start, tile_start + TILE) of one sequence, those below `end`.
+
+    q [GROUP_PAD, HEAD_DIM_PAD]; acc [GROUP_PAD, HEAD_DIM_PAD] fp32; m_i, l_i [GROUP_PAD] fp32 with
+    scores in log2 units (qk_scale includes log2(e), so exp2 is used). Returns (acc, m_i, l_i).
+    """
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    positions = tile_start + tl.arange(0, TILE)
+    owned = positions < end  # slots past the sequence's end are someone else's
+    # Block-table lookup, per token; int64 before multiplying by the block stride.
+    block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=owned, other=0)
+    block_ids = block_ids.to(tl.int64)
+    slots = (positions % BLOCK_SIZE).to(tl.int64)
+    load_mask = owned[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + slots[:, None] * stride_kt
+                + kv_head * stride_kh + offs_d[None, :] * stride_kd, mask=load_mask, other=0.0)
+    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + slots[:, None] * stride_vt
+                + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=load_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    scores = tl.where(owned[None, :], scores, float("-inf"))  # [GROUP_PAD, TILE]
+    # Online softmax update: rescale what was accumulated under the old max.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tokens(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, start, end,
                    kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
                    stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """The inner loop: positions [start, end) of one sequence, TILE tokens at a time.
-
-    q [GROUP_PAD, HEAD_DIM_PAD]; acc [GROUP_PAD, HEAD_DIM_PAD] fp32; m_i, l_i [GROUP_PAD] fp32 with
-    scores in log2 units (qk_scale includes log2(e), so exp2 is used). Returns (acc, m_i, l_i).
-    """
-    offs_t = tl.arange(0, TILE)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = offs_d < HEAD_DIM
-    for tile_start in range(start, end, TILE):
-        positions = tile_start + offs_t
-        owned = positions < end  # slots past the sequence's end are someone else's
-        # Block-table lookup, per token; int64 before multiplying by the block stride.
-        block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=owned, other=0)
-        block_ids = block_ids.to(tl.int64)
-        slots = (positions % BLOCK_SIZE).to(tl.int64)
-        load_mask = owned[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + slots[:, None] * stride_kt
-                    + kv_head * stride_kh + offs_d[None, :] * stride_kd, mask=load_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + slots[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=load_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        scores = tl.where(owned[None, :], scores, float("-inf"))  # [GROUP_PAD, TILE]
-        # Online softmax update: rescale what was accumulated under the old max.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+                   DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """The inner loop: positions [start, end) of one sequence, TILE tokens at a time (shapes as
+    `_attend_tile`). WHILE_LOOP: the interpreter's form of the loop (see the module docstring)."""
+    if WHILE_LOOP:
+        tile_start = start
+        while tile_start < end:
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
+                                         block_table_ptr, tile_start, end, kv_head,
+                                         stride_kb, stride_kt, stride_kh, stride_kd,
+                                         stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
+                                         BLOCK_SIZE, TILE, HEAD_DIM, HEAD_DIM_PAD, UPCAST,
+                                         DOT_PRECISION)
+            tile_start += TILE
+    else:
+        for tile_start in range(start, end, TILE):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
+                                         block_table_ptr, tile_start, end, kv_head,
+                                         stride_kb, stride_kt, stride_kh, stride_kd,
+                                         stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
+                                         BLOCK_SIZE, TILE, HEAD_DIM, HEAD_DIM_PAD, UPCAST,
+                                         DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -109,7 +144,7 @@ def _paged_decode_kernel(out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bloc
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          TILE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """Grid (num_seqs, num_kv_heads, num_splits): one KV head of one sequence, one split of it.
 
     Without SPLIT, writes the normalised output [num_seqs, num_heads, head_dim] in out's dtype.
@@ -139,7 +174,8 @@ def _paged_decode_kernel(out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bloc
                                    block_tables_ptr + seq * stride_bts, start, end, kv_head,
                                    stride_kb, stride_kt, stride_kh, stride_kd,
                                    stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
-                                   BLOCK_SIZE, TILE, HEAD_DIM, HEAD_DIM_PAD, UPCAST, DOT_PRECISION)
+                                   BLOCK_SIZE, TILE, HEAD_DIM, HEAD_DIM_PAD, UPCAST, DOT_PRECISION,
+                                   WHILE_LOOP)
 
     has_tokens = l_i > 0.0  # False only for an empty split
     safe_l = tl.where(has_tokens, l_i, 1.0)
@@ -216,9 +252,10 @@ def kernel_constants(dtype: torch.dtype, head_dim: int, group: int, block_size: 
     constants = dict(GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                      HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
                      TILE=tile, UPCAST=INTERPRETED and dtype == torch.bfloat16,
-                     # float32 stays exact float32 on a GPU (its default would be TF32)
-                     DOT_PRECISION="ieee" if dtype == torch.float32 else None)
-    if old_gpu:  # fewer tiles in flight: shared memory of sm_7x is 64 KiB
+                     # float32 dots in IEEE float32, not Triton's default TF32 on a GPU
+                     DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+                     WHILE_LOOP=INTERPRETED)
+    if old_gpu:  # fewer tiles in flight: a T4 (sm_75) has 64 KiB of shared memory per SM
         constants["num_stages"] = 2
     return constants
 
@@ -242,9 +279,12 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         layout: "token-major" or "head-major" (`kvlab.kernels.pool_layout`).
         num_splits: split-KV splits per sequence; None picks from the batch, lengths and the
             card's multiprocessor count (`choose_num_splits`; 1 under the interpreter); 1 = no split.
-        max_seq_len: the longest seq_len, if the caller knows it (saves a device-to-host copy).
+        max_seq_len: the longest seq_len, if the caller knows it (saves a device-to-host copy);
+            each sequence is read up to max_seq_len tokens, so it must be >= max(seq_lens).
         out: optional [num_seqs, num_heads, head_dim] tensor of query's dtype to write into.
-        validate: check seq_lens and block ids against the pool (reads them on the host).
+        validate: check seq_lens, block ids and max_seq_len against each other and the pool
+            (reads them on the host). With validate=False they are trusted: a seq_len of 0 gives
+            zeros, and one past its block table or max_seq_len gives a wrong answer, silently.
         tile: tokens per loop iteration, a power of two >= 16 (default: see `_tile_for`); tests
             use 16 so that short sequences still take several iterations.
 
@@ -252,17 +292,21 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         [num_seqs, num_heads, head_dim], query's dtype. Head h reads KV head h // group.
 
     Raises:
-        ValueError: shapes, dtypes, devices, layout or lengths that do not fit (message has the
-            numbers); bfloat16 on a GPU of compute capability below 8.0.
+        ValueError: shapes, dtypes, devices, strides, layout or lengths that do not fit, an `out`
+            unlike query, num_splits or max_seq_len not an integer >= 1, max_seq_len below the
+            longest seq_len (message has the numbers); bfloat16 on a GPU below sm_80.
     """
     check_interpreter(INTERPRETED, LANGUAGE_INTERPRETED)
     geometry = check_decode_inputs(query, k_cache, v_cache, block_tables, seq_lens, layout,
-                                   interpreted=INTERPRETED, validate=validate)
+                                   interpreted=INTERPRETED, validate=validate, out=out,
+                                   max_seq_len=max_seq_len, num_splits=num_splits)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = geometry.num_kv_heads, geometry.block_size
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     capability = torch.cuda.get_device_capability(query.device) if query.is_cuda else None
@@ -273,8 +317,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
                    if query.is_cuda and not INTERPRETED else 1)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split_len = tokens_per_split(max_seq_len, num_splits, tile)
     num_splits = -(-max_seq_len // split_len)  # rounding to tiles may leave fewer splits
 

@@ -12,8 +12,8 @@ The decode kernel (`kvlab.kernels.paged_attention`) gives one program one KV hea
 In token-major order, the `block_size` vectors of that head inside one block are `num_kv_heads *
 head_dim` elements apart: the program reads `block_size` separate runs of `head_dim` elements. In
 head-major order they sit next to each other: one run of `block_size * head_dim` elements per block.
-Longer contiguous runs mean fewer, fuller memory transactions; that is the layout problem stage 5
-measures on a GPU.
+Longer contiguous runs mean fewer, fuller memory transactions; what that is worth in GB/s is what
+stage 5's benchmark (`kvlab.kernels.bench_paged_attention`) times on a GPU.
 
 This module needs no Triton: the CPU picture of the notebook uses it.
 """

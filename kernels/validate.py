@@ -1,12 +1,22 @@
 """Input checks of the stage-5 kernels, on the host, with the numbers in every message (no Triton).
 
 A kernel that is handed a wrong shape does not fail: it reads whatever memory the wrong strides
-point at. So every launch wrapper checks shapes, dtypes, devices and (unless told not to) the
-block ids and lengths before it launches.
+point at. So every launch wrapper checks, before it launches, every argument that would otherwise
+give a wrong answer silently: shapes, dtypes, devices, the strides the kernel assumes (seq_lens
+and slot_mapping are read as contiguous vectors), the output buffer, the split count, and (unless
+told not to, since it reads device tensors on the host) the block ids, the lengths and
+`max_seq_len` against the lengths.
+
+What no check can see: a tensor does not record its layout. A head-major pool passed as
+token-major is refused when its sizes do not fit the query (the messages name the layout read);
+when they do fit (block_size 16 read as 16 KV heads of a 32-head query), only the caller's
+`layout` says which it is. `PagedKVCache` records the layout its pool was allocated in and
+`kvlab.paged.backends.resolve_backend` refuses a backend of the other layout.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +24,7 @@ import torch
 from .pool_layout import TOKEN_MAJOR, check_layout
 
 __all__ = ["PoolGeometry", "pool_geometry", "check_device", "check_interpreter", "check_decode_inputs",
-           "check_write_inputs", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+           "check_write_inputs", "check_count", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -76,9 +86,30 @@ def _check_index_dtype(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
 
 
+def _check_vector(name: str, tensor: torch.Tensor) -> None:
+    """The kernels read element i at `ptr + i`: a strided view would give them other numbers."""
+    if tensor.numel() > 1 and tensor.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {tensor.stride(0)}: "
+                         "call .contiguous()")
+
+
+def check_count(name: str, value, low: int = 1) -> int:
+    """`value` as an int >= low; ValueError naming it otherwise (floats and bools included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _read_as(layout: str) -> str:
+    order = "block_size, num_kv_heads" if layout == TOKEN_MAJOR else "num_kv_heads, block_size"
+    return f"the pool read as {layout} [num_blocks, {order}, head_dim]"
+
+
 def check_decode_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, layout: str,
-                        interpreted: bool, validate: bool = True) -> PoolGeometry:
+                        interpreted: bool, validate: bool = True,
+                        out: torch.Tensor | None = None, max_seq_len: int | None = None,
+                        num_splits: int | None = None) -> PoolGeometry:
     """Everything `paged_attention_decode` needs to be true before it launches.
 
     Returns the pool geometry. Raises ValueError naming the offending sizes (see the caller).
@@ -95,7 +126,7 @@ def check_decode_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"head_dim {head_dim} not supported (1 to {MAX_HEAD_DIM})")
     if num_heads % geometry.num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot be grouped over "
-                         f"{geometry.num_kv_heads} KV heads")
+                         f"{geometry.num_kv_heads} KV heads ({_read_as(layout)})")
     if not query.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"dtypes differ: query {query.dtype}, k_cache {k_cache.dtype}, "
                          f"v_cache {v_cache.dtype}")
@@ -106,23 +137,47 @@ def check_decode_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
     _check_index_dtype("block_tables", block_tables)
     _check_index_dtype("seq_lens", seq_lens)
-    if block_tables.stride(1) != 1:
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous (call .contiguous())")
-    devices = {t.device for t in (query, k_cache, v_cache, block_tables, seq_lens)}
+    _check_vector("seq_lens", seq_lens)
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype):
+        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} like query, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if max_seq_len is not None:
+        check_count("max_seq_len", max_seq_len)
+    if num_splits is not None:
+        check_count("num_splits", num_splits)
+    inputs = (query, k_cache, v_cache, block_tables, seq_lens) + (() if out is None else (out,))
+    devices = {t.device for t in inputs}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     check_device(query, interpreted)
     if validate and num_seqs:
-        capacity = block_tables.shape[1] * geometry.block_size
-        shortest, longest = int(seq_lens.min()), int(seq_lens.max())
-        if shortest < 1 or longest > capacity:
-            raise ValueError(f"seq_lens must be in 1..{capacity} (block table width "
-                             f"{block_tables.shape[1]} x block_size {geometry.block_size}), got "
-                             f"{shortest}..{longest}")
+        _check_lengths(seq_lens, block_tables.shape[1], geometry.block_size, layout, max_seq_len)
         low, high = int(block_tables.min()), int(block_tables.max())
         if low < 0 or high >= geometry.num_blocks:
             raise ValueError(f"block ids must be in 0..{geometry.num_blocks - 1}, got {low}..{high}")
     return geometry
+
+
+def _check_lengths(seq_lens: torch.Tensor, width: int, block_size: int, layout: str,
+                   max_seq_len: int | None) -> None:
+    """Every sequence has 1 to width * block_size tokens, and max_seq_len covers the longest
+    (the kernel sizes its splits from max_seq_len and stops each sequence there)."""
+    capacity = width * block_size
+    shortest, longest = int(seq_lens.min()), int(seq_lens.max())
+    if shortest < 1 or longest > capacity:
+        worst = shortest if shortest < 1 else longest
+        index = int((seq_lens == worst).nonzero()[0])
+        raise ValueError(f"seq_lens must be in 1..{capacity} (block table width {width} x "
+                         f"block_size {block_size}, {_read_as(layout)}), got {worst} for "
+                         f"sequence {index}")
+    if max_seq_len is not None and max_seq_len < longest:
+        index = int((seq_lens == longest).nonzero()[0])
+        raise ValueError(f"max_seq_len {max_seq_len} is below the longest seq_len {longest} "
+                         f"(sequence {index}): the kernel sizes its splits from max_seq_len and "
+                         "would leave that sequence's last tokens out; pass max(seq_lens), or "
+                         "None to have it computed")
 
 
 def check_write_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -143,6 +198,10 @@ def check_write_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         raise ValueError(f"dtypes differ: key {key.dtype}, value {value.dtype}, "
                          f"pool {k_cache.dtype} / {v_cache.dtype}")
     _check_index_dtype("slot_mapping", slot_mapping)
+    _check_vector("slot_mapping", slot_mapping)
+    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     check_device(key, interpreted)
     if validate and slot_mapping.numel():
         num_slots = geometry.num_blocks * geometry.block_size

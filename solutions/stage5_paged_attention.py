@@ -16,7 +16,8 @@ of its loop are yours:
 
 `kvlab check 5` runs your kernel in Triton's CPU interpreter (TRITON_INTERPRET=1, set below when
 there is no GPU) against a float64 reference. Compare yours afterwards with the library kernel,
-`kernels/paged_attention.py` (`_attend_tokens`), which adds split-KV, fp16/bf16 and two layouts.
+`kernels/paged_attention.py` (`_attend_tile`, `_attend_tokens`), which adds split-KV, fp16/bf16 and
+two layouts.
 
 Units: positions and block_size are tokens; block ids index the pool's first axis; every float
 here is float32.
@@ -53,9 +54,10 @@ def lookup_rows(block_table_ptr, positions, owned, kv_head, BLOCK_SIZE: tl.const
         [num_blocks * BLOCK_SIZE * NUM_KV_HEADS, head_dim], i.e.
         (block_id * BLOCK_SIZE + offset) * NUM_KV_HEADS + kv_head. Any value where not owned.
     """
-    # BEGIN SOLUTION hint: load each position's block id from the block table (a masked tl.load:
-    # hint: only where owned), cast it to int64 before any multiply (big pools overflow int32),
-    # hint: then slot = block_id * BLOCK_SIZE + offset and row = slot * NUM_KV_HEADS + kv_head
+    # BEGIN SOLUTION hint: two lookups, the block id of each position in the block table, then
+    # hint: its row from block id and offset. Two rules: read a table entry only for an owned
+    # hint: position (past the end there may be no entry, only memory that is not the table's),
+    # hint: and make the arithmetic int64 before it grows (a big pool's rows pass 2^31)
     block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=owned, other=0)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
     return slots * NUM_KV_HEADS + kv_head
@@ -76,8 +78,9 @@ def online_softmax_update(m, l, acc, scores, values):
     At the end, acc / l is the attention output. The first tile of a sequence always holds at
     least one real score, so m is finite from then on.
     """
-    # BEGIN SOLUTION hint: a new max per row; alpha = exp(old max - new max) rescales l and acc;
-    # hint: p = exp(scores - new max); add p's row sums to l and p @ values (tl.dot) to acc
+    # BEGIN SOLUTION hint: m stays the max of every score seen so far, and l and acc stay sums of
+    # hint: exp(score - m): so when a tile raises the max, what l and acc hold must be rescaled to
+    # hint: the new max before the tile's own terms join them (acc's as a matrix product, tl.dot)
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(scores - m_new[:, None])
@@ -104,7 +107,10 @@ def paged_decode_kernel(out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, seq_len, TILE):
+    # A while loop, not `for start in range(0, seq_len, TILE)`: Triton 3.6's interpreter cannot
+    # turn a bound read at run time into a Python int under NumPy >= 2.4; a while runs anywhere.
+    start = 0
+    while start < seq_len:
         positions = start + tl.arange(0, TILE)
         owned = positions < seq_len
         rows = lookup_rows(block_tables_ptr + seq * max_blocks, positions, owned, kv_head,
@@ -115,6 +121,7 @@ def paged_decode_kernel(out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr
         v = tl.load(v_pool_ptr + ptrs, mask=owned[:, None], other=0.0)
         scores = tl.where(owned[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, scores, v)
+        start += TILE
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None],
              mask=real_row[:, None])
 

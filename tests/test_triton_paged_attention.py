@@ -209,17 +209,44 @@ def test_block_full_of_nan_never_reaches_the_output(layout):
     assert_matches(out, expected, torch.float32, "NaN block 0")
 
 
+GUARD_BLOCKS = 2  # blocks of sentinel on each side of the pool the kernel is handed
+SENTINEL = -7777.0
+
+
+def guarded_pool(token_major, layout):
+    """(guarded, pool): `token_major` in `layout`, inside GUARD_BLOCKS blocks of SENTINEL before and
+    after; `pool` is the view of the middle, the only memory a kernel handed it may touch."""
+    inner = to_layout(token_major, layout)
+    shape = (inner.shape[0] + 2 * GUARD_BLOCKS, *inner.shape[1:])
+    guarded = torch.full(shape, SENTINEL, dtype=inner.dtype, device=DEVICE)
+    pool = guarded[GUARD_BLOCKS:GUARD_BLOCKS + inner.shape[0]]
+    pool.copy_(inner)
+    return guarded, pool
+
+
+def assert_guards_untouched(guarded, what):
+    for name, guard in (("before", guarded[:GUARD_BLOCKS]), ("after", guarded[-GUARD_BLOCKS:])):
+        changed = int((guard != SENTINEL).sum())
+        assert changed == 0, f"{what}: {changed} elements written in the guard blocks {name} the pool"
+
+
 @pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
 def test_write_kv_stores_at_slots_and_skips_minus_one(layout):
+    # Slot -1 (padding) first, in the middle and last; slots 0 and 14 are the pool's first and
+    # last: a -1 taken for a slot would land one slot before the pool (block 0, offset -1 in C's
+    # integer division), i.e. in the guard.
     gen = torch.Generator().manual_seed(12)
     num_blocks, block_size, num_kv_heads, head_dim = 5, 3, 3, 12
     token_major = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    k_cache, v_cache = on_device(to_layout(token_major, layout), to_layout(-token_major, layout))
+    guarded_k, k_cache = guarded_pool(token_major, layout)
+    guarded_v, v_cache = guarded_pool(-token_major, layout)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    key = torch.randn(4, num_kv_heads, head_dim, generator=gen)
-    value = torch.randn(4, num_kv_heads, head_dim, generator=gen)
-    slots = torch.tensor([7, -1, 0, 14], dtype=torch.int32)
+    slots = torch.tensor([-1, 7, -1, 0, 14, -1], dtype=torch.int32)
+    key = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen)
     write_kv(k_cache, v_cache, *on_device(key, value, slots), layout=layout)
+    assert_guards_untouched(guarded_k, f"{layout} K")
+    assert_guards_untouched(guarded_v, f"{layout} V")
     expected_k, expected_v = before_k.cpu(), before_v.cpu()
     for token, slot in enumerate(slots.tolist()):
         if slot < 0:
@@ -231,6 +258,24 @@ def test_write_kv_stores_at_slots_and_skips_minus_one(layout):
             else:
                 cache[block, :, offset] = new[token]
     assert torch.equal(k_cache.cpu(), expected_k) and torch.equal(v_cache.cpu(), expected_v)
+
+
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_decode_reads_nothing_outside_a_guarded_pool(layout):
+    # The guards hold NaN: a read outside the pool's view would reach the output.
+    query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
+        [9, 1, 20], 4, 2, 2, 16, torch.float32, seed=14)
+    expected = reference_decode(query, k_pool, v_pool, tables, [9, 1, 20], 4)
+    caches = []
+    for pool in (k_pool, v_pool):
+        guarded, view = guarded_pool(pool, layout)
+        guarded[:GUARD_BLOCKS] = float("nan")
+        guarded[-GUARD_BLOCKS:] = float("nan")
+        caches.append(view)
+    for num_splits in (1, 2):
+        out = pa.paged_attention_decode(*on_device(query), *caches, *on_device(block_tables, lens),
+                                        layout=layout, num_splits=num_splits, tile=16)
+        assert_matches(out, expected, torch.float32, f"{layout}, {num_splits} split(s), guarded")
 
 
 def test_bad_inputs_raise_clear_errors(monkeypatch):
@@ -260,6 +305,96 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     monkeypatch.setattr(pa, "INTERPRETED", False)  # CPU tensors, no interpreter: refused
     with pytest.raises(ValueError, match="need a CUDA GPU, or TRITON_INTERPRET=1"):
         decode(*cpu_inputs)
+
+
+def test_max_seq_len_below_the_longest_sequence_is_refused():
+    # The issue's repro: 100 tokens with max_seq_len 20 read only the first 32 (one tile of 32).
+    query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
+        [100, 7], 16, 2, 2, 16, torch.float32, seed=15)
+    inputs = on_device(query, k_pool, v_pool, block_tables, lens)
+    with pytest.raises(ValueError, match=r"max_seq_len 20 is below the longest seq_len 100 "
+                                         r"\(sequence 0\)"):
+        pa.paged_attention_decode(*inputs, max_seq_len=20)
+    expected = reference_decode(query, k_pool, v_pool, tables, [100, 7], 16)
+    for max_seq_len in (None, 100, 130):  # computed, exact, and larger than needed: all right
+        out = pa.paged_attention_decode(*inputs, max_seq_len=max_seq_len, num_splits=2)
+        assert_matches(out, expected, torch.float32, f"max_seq_len {max_seq_len}")
+
+
+def _bad_decode_calls():
+    """(what, call(inputs) -> kwargs changes, message): each would give a wrong answer silently
+    (or a crash deep in the launch) if it were not refused."""
+    def strided(t):  # the same numbers every other element of a bigger tensor
+        return torch.stack([t, torch.full_like(t, 10 ** 6)], 1)[:, 0]
+
+    return [
+        ("seq_len 0", lambda i: dict(seq_lens=torch.tensor([0, 2], device=DEVICE)),
+         r"seq_lens must be in 1\.\.12 .* got 0 for sequence 0"),
+        ("block table narrower than the sequence",
+         lambda i: dict(block_tables=i["block_tables"][:, :1]),
+         r"seq_lens must be in 1\.\.4 \(block table width 1 x block_size 4, the pool read as "
+         r"token-major .*got 5 for sequence 0"),
+        ("strided seq_lens", lambda i: dict(seq_lens=strided(i["seq_lens"])),
+         r"seq_lens must be contiguous \(stride 1\), got stride 2"),
+        ("out of another shape", lambda i: dict(out=torch.empty(2, 4, 4, device=DEVICE)),
+         r"out must be \(2, 4, 8\) torch.float32 like query, got \(2, 4, 4\) torch.float32"),
+        ("out of another dtype",
+         lambda i: dict(out=torch.empty(2, 4, 8, device=DEVICE, dtype=torch.float16)),
+         r"out must be \(2, 4, 8\) torch.float32 like query, got \(2, 4, 8\) torch.float16"),
+        ("num_splits 0", lambda i: dict(num_splits=0), r"num_splits must be an integer >= 1, got 0"),
+        ("num_splits 2.5", lambda i: dict(num_splits=2.5),
+         r"num_splits must be an integer >= 1, got 2\.5"),
+        ("max_seq_len 0", lambda i: dict(max_seq_len=0),
+         r"max_seq_len must be an integer >= 1, got 0"),
+        ("max_seq_len 4", lambda i: dict(max_seq_len=4),
+         r"max_seq_len 4 is below the longest seq_len 5 \(sequence 0\)"),
+        # 2 KV heads x block_size 4 read as 4 KV heads x block_size 2. (Sizes that fit either
+        # way cannot be told apart: see kvlab.kernels.validate.)
+        ("head-major pool read as token-major",
+         lambda i: dict(query=i["query"][:, :2], k_cache=i["k_cache"].transpose(1, 2).contiguous(),
+                        v_cache=i["v_cache"].transpose(1, 2).contiguous()),
+         r"2 query heads cannot be grouped over 4 KV heads \(the pool read as token-major "
+         r"\[num_blocks, block_size, num_kv_heads, head_dim\]\)"),
+        ("tile 24", lambda i: dict(tile=24), r"tile must be a power of two >= 16, got 24"),
+    ]
+
+
+@pytest.mark.parametrize("what, change, message", _bad_decode_calls(),
+                         ids=[case[0] for case in _bad_decode_calls()])
+def test_each_argument_that_would_silently_give_a_wrong_answer_is_refused(what, change, message):
+    query, k_pool, v_pool, block_tables, lens, _ = scatter_case(
+        [5, 2], 4, 2, 2, 8, torch.float32, seed=13)
+    names = ("query", "k_cache", "v_cache", "block_tables", "seq_lens")
+    inputs = dict(zip(names, on_device(query, k_pool, v_pool, block_tables, lens)))
+    with pytest.raises(ValueError, match=message):
+        pa.paged_attention_decode(**{**inputs, **change(inputs)})
+
+
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_write_kv_refuses_a_strided_slot_mapping_and_a_pool_elsewhere(layout):
+    k_cache = torch.zeros(pa_pool_shape(layout), device=DEVICE)
+    key = torch.ones(2, 2, 8, device=DEVICE)
+    slots = torch.tensor([[1, 5], [2, 6]], device=DEVICE)[:, 0]  # slots 1 and 2, stride 2
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        write_kv(k_cache, k_cache.clone(), key, key, slots, layout=layout)
+    if DEVICE.type == "cuda":
+        with pytest.raises(ValueError, match="all inputs must be on one device"):
+            write_kv(k_cache, k_cache.clone(), key, key, slots.cpu().contiguous(), layout=layout)
+    assert k_cache.abs().sum() == 0  # a refused call writes nothing
+
+
+def pa_pool_shape(layout):
+    return (3, 4, 2, 8) if layout == TOKEN_MAJOR else (3, 2, 4, 8)
+
+
+def test_empty_batch_returns_an_empty_output():
+    query, k_pool, v_pool, block_tables, lens, _ = scatter_case(
+        [5], 4, 2, 2, 8, torch.float32, seed=16)
+    query, k_pool, v_pool = on_device(query, k_pool, v_pool)
+    empty_tables = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    out = pa.paged_attention_decode(query[:0], k_pool, v_pool, empty_tables,
+                                    torch.zeros(0, dtype=torch.int32, device=DEVICE))
+    assert out.shape == (0, 4, 8)
 
 
 def test_split_heuristic_fills_the_card_only_when_needed():

@@ -8,11 +8,25 @@ padded with a block of NaN.
 Small random scores hide online-softmax mistakes: exp(score) is finite without the running max,
 and the max may never grow after the first tile. So two checks use scores up to about 1000 (exp
 overflows float32 above 88) and two make the max grow late, in the last tiles, by a known margin.
+
+Two block-table mistakes give the right numbers on small pools, so they get cases of their own:
+
+* int32 arithmetic: rows pass 2^31 only in pools too big for a test, but a block id does not need
+  a pool behind it to be looked up, so `lookup_rows` is given ids whose rows pass 2^31; and its
+  rows must be int64, since the kernel multiplies them by head_dim.
+* an unmasked block-table load: the entries it reads past a sequence's end only feed K/V loads
+  that are masked, so no output changes; what fails is the read itself, of memory that is not the
+  table's. The table is put at the very end of readable memory (an inaccessible page after it):
+  the read crashes the process, so that case runs in a subprocess.
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,13 +54,20 @@ def _rows_kernel(out_ptr, table_ptr, seq_len, kv_head, LOOKUP: tl.constexpr,
     positions = tl.arange(0, TILE)
     owned = positions < seq_len
     rows = LOOKUP(table_ptr, positions, owned, kv_head, BLOCK_SIZE, NUM_KV_HEADS)
+    tl.static_assert(rows.dtype == tl.int64, "lookup_rows must return int64 rows: the kernel "
+                     "multiplies them by head_dim, and a big pool's element offsets pass 2^31")
     tl.store(out_ptr + positions, rows, mask=owned)
+
+
+# Block 2^26 + 1, of 4 slots x 8 KV heads, starts at row 2^31 + 32: past int32.
+BIG_BLOCK = 2 ** 26 + 1
 
 
 @pytest.mark.parametrize("table, seq_len, block_size, num_kv_heads, kv_head", [
     ([7, 2], 6, 4, 1, 0),
     ([3, 0, 5], 9, 4, 2, 1),
     ([4, 1, 6, 2, 0], 5, 1, 3, 2),
+    ([BIG_BLOCK, 3, BIG_BLOCK + 8, 5], 14, 4, 8, 7),
 ])
 def test_lookup_rows_by_hand(ex, table, seq_len, block_size, num_kv_heads, kv_head):
     out = torch.full((16,), -1, dtype=torch.int64, device=DEVICE)
@@ -55,10 +76,57 @@ def test_lookup_rows_by_hand(ex, table, seq_len, block_size, num_kv_heads, kv_he
               LOOKUP=ex.lookup_rows, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, TILE=16)
     expected = [(table[p // block_size] * block_size + p % block_size) * num_kv_heads + kv_head
                 for p in range(seq_len)]
+    past_int32 = " (rows past 2^31 - 1: int32 arithmetic wraps)" if max(expected) >= 2 ** 31 else ""
     assert_equal(out[:seq_len].tolist(), expected,
                  f"lookup_rows(block_table={table}, positions 0..{seq_len - 1}, "
                  f"block_size={block_size}, num_kv_heads={num_kv_heads}, kv_head={kv_head}) "
-                 f"[row = (block_id * block_size + offset) * num_kv_heads + kv_head]")
+                 f"[row = (block_id * block_size + offset) * num_kv_heads + kv_head]{past_int32}")
+
+
+GUARD_PAGE_SCRIPT = textwrap.dedent("""
+    import ctypes, mmap, os, runpy, sys
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors, so the guard page below is real memory
+    import torch
+
+    ex = runpy.run_path(sys.argv[1])
+    page = mmap.PAGESIZE
+    memory = mmap.mmap(-1, 2 * page)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.mprotect(start + page, page, 0) != 0:  # PROT_NONE: any read of page 2 faults
+        print("skip: mprotect failed"); sys.exit(0)
+    # Two sequences of 5 and 3 tokens in blocks of 1, their block tables 5 entries wide (the
+    # second padded with block 0), ending where readable memory ends. A tile is 16 positions, so
+    # an unmasked lookup reads up to 11 entries past the end.
+    num_blocks, head_dim = 8, 16
+    entries = torch.frombuffer(memory, dtype=torch.int32, count=10, offset=page - 10 * 4)
+    entries.copy_(torch.tensor([4, 0, 6, 2, 7, 1, 5, 3, 0, 0], dtype=torch.int32))
+    tables = entries.view(2, 5)
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(num_blocks, 1, 1, head_dim, generator=gen)
+    v_pool = torch.randn(num_blocks, 1, 1, head_dim, generator=gen)
+    query = torch.randn(2, 1, head_dim, generator=gen)
+    out = ex["paged_decode"](query, k_pool, v_pool, tables, torch.tensor([5, 3], dtype=torch.int32))
+    assert torch.isfinite(out).all()
+    print("ok")
+""")
+
+
+def test_lookup_rows_reads_only_the_entries_of_owned_positions(ex, tmp_path):
+    script = tmp_path / "guard_page.py"
+    script.write_text(GUARD_PAGE_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(Path(ex.__file__))],
+                         capture_output=True, text=True, timeout=300)
+    if run.stdout.startswith("skip:"):
+        pytest.skip(run.stdout.strip())
+    errors = run.stderr.strip().splitlines() or ["(no message)"]
+    assert run.returncode >= 0, (
+        f"paged_decode with the block table at the very end of readable memory crashed the "
+        f"process (signal {-run.returncode}) [lookup_rows read the block table at positions a "
+        f"sequence does not own: past the end there is no entry, only memory that is not the "
+        f"table's]")
+    assert run.returncode == 0, f"paged_decode failed in a subprocess: {errors[-1]}"
 
 
 @triton.jit
@@ -68,7 +136,8 @@ def _softmax_kernel(out_ptr, scores_ptr, values_ptr, num_keys, UPDATE: tl.conste
     m = tl.full([16], float("-inf"), tl.float32)
     l = tl.zeros([16], tl.float32)
     acc = tl.zeros([16, 16], tl.float32)
-    for start in range(0, num_keys, TILE):
+    start = 0
+    while start < num_keys:  # not a range(): see the exercise's paged_decode_kernel
         keys = start + tl.arange(0, TILE)
         real = keys < num_keys
         scores = tl.load(scores_ptr + rows[:, None] * num_keys + keys[None, :],
@@ -76,6 +145,7 @@ def _softmax_kernel(out_ptr, scores_ptr, values_ptr, num_keys, UPDATE: tl.conste
         values = tl.load(values_ptr + keys[:, None] * 16 + dims[None, :], mask=real[:, None],
                          other=0.0)
         m, l, acc = UPDATE(m, l, acc, scores, values)
+        start += TILE
     tl.store(out_ptr + rows[:, None] * 16 + dims[None, :], acc / l[:, None])
 
 

@@ -121,6 +121,8 @@ def test_lookup_rows_reads_only_the_entries_of_owned_positions(ex, tmp_path):
     if run.stdout.startswith("skip:"):
         pytest.skip(run.stdout.strip())
     errors = run.stderr.strip().splitlines() or ["(no message)"]
+    if errors[-1].startswith("NotImplementedError: "):  # a TODO still waiting: report it as one
+        raise NotImplementedError(errors[-1].removeprefix("NotImplementedError: "))
     assert run.returncode >= 0, (
         f"paged_decode with the block table at the very end of readable memory crashed the "
         f"process (signal {-run.returncode}) [lookup_rows read the block table at positions a "

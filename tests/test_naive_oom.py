@@ -14,8 +14,8 @@ from kvlab.errors import KVCacheOutOfMemory
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.serving import Request, RequestState, SchedulerConfig, serve
-from kvlab.serving.allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport
-from kvlab.serving.naive import NaiveExecutor, NaiveManager
+from kvlab.oom_story.allocator import AllocatorFigures, ByteLimit, OutOfMemoryReport
+from kvlab.oom_story.naive import NaiveExecutor, NaiveManager
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -176,7 +176,7 @@ def test_allocator_figures_arithmetic():
 def test_cuda_figures_read_the_allocators_books(monkeypatch):
     """The figures are read from memory_stats / mem_get_info / memory_snapshot (faked here with
     the keys and shapes torch documents), the largest *inactive* block of this device counted."""
-    from kvlab.serving import allocator_figures
+    from kvlab.oom_story import allocator
 
     stats = {"allocated_bytes.all.current": 7 * 2**30, "reserved_bytes.all.current": 9 * 2**30,
              "inactive_split_bytes.all.current": 2**31 - 2**20, "num_ooms": 3}
@@ -191,7 +191,7 @@ def test_cuda_figures_read_the_allocators_books(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake H200")
-    figures = allocator_figures.cuda_figures(torch.device("cuda", 0), limit_bytes=9 * 2**30 + 2**28)
+    figures = allocator.cuda_figures(torch.device("cuda", 0), limit_bytes=9 * 2**30 + 2**28)
     assert figures.source == "torch.cuda caching allocator on Fake H200"
     assert (figures.allocated_bytes, figures.reserved_bytes) == (7 * 2**30, 9 * 2**30)
     assert figures.reserved_unallocated_bytes == 2 * 2**30
@@ -206,6 +206,18 @@ def test_cuda_figures_read_the_allocators_books(monkeypatch):
         "free block in its reserved segments 500 MiB, room for a new segment 256 MiB), with 57 "
         "requests running; 2 GiB reserved but unallocated, 2 GiB of it in split blocks. It waits.")
 
+
+
+def test_run_peaks_read_the_same_books(monkeypatch):
+    """A run's peaks come from memory_stats too (faked with torch's documented keys)."""
+    from kvlab.oom_story import allocator
+
+    stats = {"reserved_bytes.all.peak": 9 * 2**30, "inactive_split_bytes.all.peak": 2**29,
+             "num_alloc_retries": 4, "num_ooms": 2, "reserved_bytes.all.current": 1}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    assert allocator.run_peaks(torch.device("cuda", 0)) == {
+        "reserved_bytes_peak": 9 * 2**30, "inactive_split_bytes_peak": 2**29,
+        "num_alloc_retries": 4, "num_ooms": 2}
 
 def test_sampling_through_the_naive_server_is_the_same_as_through_paged(model):
     """Seeded sampling and EOS come from the shared ModelExecutor: the tokens of each request do

@@ -17,14 +17,8 @@ cache manager that allocates, a runner that executes), one module per idea, in r
 * `engine`, `batch`: `LLMEngine` and `generate_batch`, the same scheduler for a batch of prompts
   given up front (n > 1 with copy-on-write, sampling, prefix caching): what stages 4-6 run.
 
-On a GPU (the GPU tour's step; `--dry-run` on the CPU):
-
-* `naive`: no memory manager, one KV tensor per request; the allocator decides, and its
-  `torch.OutOfMemoryError` is caught, reported, and never harms a running request.
-* `allocator_figures`: the caching allocator's books (allocated, reserved, split blocks, largest
-  free block) and the "asked > most it could hand out" message; `ByteLimit` for the CPU.
-* `oom_story` (+ `oom_report`): the naive server and paged + prefix through one real burst, at a
-  real model shape, under one lowered gpu_memory_utilization.
+On a GPU, the naive server (no memory manager, one KV tensor per request) running into
+`torch.OutOfMemoryError` is a demonstration beside this path: `kvlab.oom_story`.
 """
 
 from .batch import BatchResult, default_pool_size, generate_batch

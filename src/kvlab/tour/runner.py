@@ -126,7 +126,7 @@ def _headlines(out: Path, stages: list[Stage]) -> list[str]:
                              f"{goal['point']}")
         story = stage.out / f"{stage.name}.json"
         if stage.kind == "story" and story.is_file():  # every story is an oom_story run
-            from ..serving.oom_report import headline
+            from ..oom_story.report import headline
 
             lines.append(headline(json.loads(story.read_text())))
     return lines

@@ -4,7 +4,7 @@
 * benchmarks: every `kernels/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
   for the dry run), e.g. stage 5's `bench_paged_attention.py`;
 * stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
-  `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.serving.oom_story`,
+  `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.oom_story`,
   before the notebooks, and its naive run again with expandable segments after them;
 * notebooks: every `notebooks/NN_*.ipynb`, one process each (a notebook that fills the GPU never
   starves the next one).
@@ -31,8 +31,8 @@ TIMEOUTS = {"environment": 60, "tests": 150, "benchmark": 240, "story": 100, "no
 # The expandable-segments rerun of the naive server (the allocator's answer to fragmentation) runs
 # last, so it only takes time that the notebooks left over.
 STORIES = [
-    ("oom_story", "kvlab.serving.oom_story", (), False),
-    ("oom_story_expandable", "kvlab.serving.oom_story",
+    ("oom_story", "kvlab.oom_story", (), False),
+    ("oom_story_expandable", "kvlab.oom_story",
      ("--strategies", "naive", "--expandable-segments", "--budget", "20"), True),
 ]
 

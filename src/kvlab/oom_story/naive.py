@@ -8,8 +8,8 @@ prompt plus its `max_output_tokens`, freed when it ends. Nothing counts memory, 
 admits requests up to `max_num_seqs` and finds out it has run out when `torch.empty` raises
 `torch.OutOfMemoryError` (the class `torch.cuda.OutOfMemoryError` names). The tensors have a
 different size each, so the caching allocator splits freed blocks to serve smaller ones and the
-free memory ends up in pieces: the paper's external fragmentation (see `allocator_figures`).
-`exact_reservation.FirstFitSlabManager` places the same reservations by first fit in an address
+free memory ends up in pieces: the paper's external fragmentation (see `.allocator`).
+`kvlab.serving.exact_reservation.FirstFitSlabManager` places the same reservations by first fit in an address
 space it draws and counts; here the real allocator places them, and only its books tell.
 
 What this server does when the allocator refuses (a choice, documented and tested):
@@ -41,11 +41,11 @@ import torch
 
 from ..contiguous import SlabBatchStore
 from ..errors import KVCacheOutOfMemory
-from ..sizing import format_bytes
-from .allocator_figures import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
-from .kv_managers import KVManager
-from .model_runner import ModelExecutor
-from .request import Request
+from ..serving.kv_managers import KVManager
+from ..serving.model_runner import ModelExecutor
+from ..serving.request import Request
+from ..sizing import format_bytes, kv_bytes_per_token
+from .allocator import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
 
 __all__ = ["NaiveManager", "NaiveExecutor", "naive_store"]
 
@@ -88,8 +88,7 @@ class NaiveManager(KVManager):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.max_model_len, self.workspace_bytes = max_model_len, workspace_bytes
         self.allocator, self.limit_bytes = allocator, limit_bytes
-        self.bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
-                                * config.head_dim * dtype.itemsize)
+        self.bytes_per_token = kv_bytes_per_token(config, dtype)
         self.capacity_bytes = capacity_bytes
         self.capacity_tokens = max(1, capacity_bytes // self.bytes_per_token)
         self.kv: dict[int, torch.Tensor] = {}      # request_id -> its K/V tensor

@@ -1,7 +1,8 @@
-"""The report of `oom_story`: a few lines per run, the Markdown summary, the GPU tour's headline.
+"""The story's record, written out: a few lines per run, the Markdown summary, the GPU tour's
+headline.
 
-Every figure comes from the record `kvlab.serving.oom_story.run_story` returns (measured in that
-run); nothing here computes one.
+Every figure comes from the record `.story.run_story` returns (measured in that run; a refusal's
+sentence is `OutOfMemoryReport.message`, stored in the record); nothing here computes one.
 """
 
 from __future__ import annotations

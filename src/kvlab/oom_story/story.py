@@ -1,7 +1,7 @@
 """Stage 7 on a GPU: the naive server runs out of memory under a real burst; paged + prefix holds.
 
-    python -m kvlab.serving.oom_story --out DIR            # a CUDA GPU (the GPU tour's step)
-    python -m kvlab.serving.oom_story --out DIR --dry-run  # the same code path on the CPU
+    python -m kvlab.oom_story --out DIR            # a CUDA GPU (the GPU tour's step)
+    python -m kvlab.oom_story --out DIR --dry-run  # the same code path on the CPU
 
 One process, one model, one workload, two strategies through the one scheduler (`serve`):
 
@@ -19,8 +19,8 @@ One process, one model, one workload, two strategies through the one scheduler (
    default burst (200 requests, 227,745 tokens of prompt + max output = 27.8 GiB at 128 KiB per
    token, were they all held at once) would fit: no error to see. At this share it runs out during
    the burst. (Deliberately lowered, and every report says so.)
-4. naive (`kvlab.serving.naive`): one tensor per request; the allocator refuses; the error is
-   caught and reported with the allocator's figures (`allocator_figures`); the server goes on.
+4. naive (`.naive`): one tensor per request; the allocator refuses; the error is
+   caught and reported with the allocator's figures (`.allocator`); the server goes on.
 5. paged + prefix: the block pool is sized as vLLM sizes it, gpu_memory_utilization x the card -
    weights - activation peak (= `--kv-gib`) (`kvlab.paged.budget.num_blocks_for_budget`),
    allocated once; the same burst is served by preempting instead of failing. Reported: peak
@@ -50,16 +50,16 @@ from ..model import LlamaForCausalLM
 from ..paged.budget import kv_block_bytes, num_blocks_for_budget
 from ..paged.paged_cache import PagedKVCache
 from ..prefix.manager import PrefixCachingKVCacheManager
-from ..sizing import format_bytes
-from . import request as req
-from .allocator_figures import ByteLimit
+from ..serving import request as req
+from ..serving.model_runner import ModelExecutor
+from ..serving.prefix_manager import PrefixManager
+from ..serving.runner import serve
+from ..serving.scheduler import SchedulerConfig
+from ..serving.traces import load_trace
+from ..sizing import format_bytes, kv_bytes_per_token
+from .allocator import ByteLimit, run_peaks
 from .naive import NaiveExecutor, NaiveManager, naive_store
-from .oom_report import describe_run, write_record
-from .prefix_manager import PrefixManager
-from .model_runner import ModelExecutor
-from .runner import serve
-from .scheduler import SchedulerConfig
-from .traces import load_trace
+from .report import describe_run, write_record
 
 __all__ = ["StoryConfig", "run_story", "random_model", "main"]
 
@@ -190,16 +190,6 @@ def profile_workspace(model, story: StoryConfig) -> int:
     return int(peak)
 
 
-def allocator_peaks(device: torch.device) -> dict:
-    """Peaks of the caching allocator since the last reset (memory_stats), in bytes and counts:
-    how far reserved memory and its split free remainders grew during a run."""
-    stats = torch.cuda.memory_stats(device)
-    keys = {"reserved_bytes_peak": "reserved_bytes.all.peak",
-            "inactive_split_bytes_peak": "inactive_split_bytes.all.peak",
-            "num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms"}
-    return {name: int(stats.get(key, 0)) for name, key in keys.items()}
-
-
 def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> dict:
     """One strategy through `serve` under the time budget; its figures as a dict."""
     device = getattr(executor, "model").device
@@ -225,7 +215,7 @@ def _run(name, kv, executor, requests, story, num_running, bytes_per_token) -> d
     out.update(strategy=name, wall_s=time.perf_counter() - started, num_steps=timed.steps)
     if device.type == "cuda":
         out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-        out["allocator_peaks"] = allocator_peaks(device)
+        out["allocator_peaks"] = run_peaks(device)
     return out
 
 
@@ -254,8 +244,7 @@ def _story(story: StoryConfig, out: Path | None, log, device: torch.device, name
     model = random_model(story.model, dtype, device, story.num_layers, story.seed)
     config = model.config
     requests, described = workload(story, config.vocab_size)
-    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads \
-        * config.head_dim * dtype.itemsize
+    bytes_per_token = kv_bytes_per_token(config, dtype)
     workspace = profile_workspace(model, story)
     kv_room = int(story.kv_gib * 2**30)
     record = {"name": name, "story": dataclasses.asdict(story), "model": config.name,

@@ -1,6 +1,7 @@
 """What the memory allocator says when a KV allocation fails: the figures, and the arithmetic.
 
-A server with no KV memory manager (stage 7's naive strategy) asks PyTorch for one tensor per
+The one place the demonstration reads the allocator's books. A server with no KV memory manager
+(stage 7's naive strategy) asks PyTorch for one tensor per
 request, so the allocator is the only thing that decides how many requests run. PyTorch's CUDA
 caching allocator (c10/cuda/CUDACachingAllocator) keeps freed blocks for reuse instead of returning
 them to the driver, and splits a cached block to serve a smaller request. Its books, read here from
@@ -16,6 +17,9 @@ them to the driver, and splits a cached block to serve a smaller request. Its bo
   (segments that grow in place, so freed pages can be mapped where they are needed);
 * the largest free block inside the reserved segments (from `torch.cuda.memory_snapshot()`), and
   the room left for a new segment: min(free on the device, the process limit - reserved).
+
+* over a run (since `torch.cuda.reset_peak_memory_stats`): the peaks of reserved memory and of
+  split-block bytes, and how often it retried after freeing cached blocks (`run_peaks`).
 
 An allocation of n bytes succeeds if a cached free block holds n, or a new segment of n fits; so
 the failure reads "n B > the most it could hand out". `OutOfMemoryReport` writes that sentence.
@@ -33,7 +37,7 @@ import torch
 
 from ..sizing import format_bytes
 
-__all__ = ["AllocatorFigures", "OutOfMemoryReport", "ByteLimit", "cuda_figures"]
+__all__ = ["AllocatorFigures", "OutOfMemoryReport", "ByteLimit", "cuda_figures", "run_peaks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +135,18 @@ def cuda_figures(device: torch.device | str = "cuda", limit_bytes: int | None = 
         inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
         largest_free_block_bytes=largest, free_bytes=int(free), total_bytes=int(total),
         limit_bytes=limit_bytes, num_ooms=int(stats.get("num_ooms", 0)))
+
+
+_PEAK_KEYS = {"reserved_bytes_peak": "reserved_bytes.all.peak",
+              "inactive_split_bytes_peak": "inactive_split_bytes.all.peak",
+              "num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms"}
+
+
+def run_peaks(device: torch.device) -> dict:
+    """The caching allocator's peaks since the last reset (`torch.cuda.memory_stats`), in bytes and
+    counts: how far reserved memory and its split free remainders grew during a run."""
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for name, key in _PEAK_KEYS.items()}
 
 
 class ByteLimit:

@@ -68,8 +68,8 @@ def test_readme_trace_figures_are_computed():
     assert f"{real_share} of its requests are longer than 4,096 tokens" in readme
     assert (f"{fit_share} of the synthetic requests are longer than 4,096 tokens against "
             f"{real_share} of the real ones") in readme
-    assert f"prompt p99 is {fit.prompt_p99:,} tokens against {trace.prompt_p99:,}" in readme
-    assert f"output p99, {fit.output_p99:,}, is above the trace's {trace.output_p99:,}" in readme
+    assert f"prompt p99 is {fit.prompt_p99:,.0f} tokens against {trace.prompt_p99:,.0f}" in readme
+    assert f"output p99, {fit.output_p99:,.0f}, is above the trace's {trace.output_p99:,.0f}" in readme
 
 
 def test_readme_copy_on_write_example_prompt_length():

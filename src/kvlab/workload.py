@@ -117,21 +117,25 @@ def share_longer_than(requests: Sequence[Request], tokens: int) -> float:
     return sum(r.total_len > tokens for r in requests) / len(requests)
 
 
-def percentile(values: Iterable[int], q: float) -> int:
-    """The nearest-rank q-th percentile: the smallest value with at least q % of values <= it.
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100), interpolated linearly between order statistics; nan for no values.
 
-    Example: percentile([1, 2, 3, 4], 50) == 2; percentile(range(1, 101), 99) == 99.
+    The course's one definition, used for traffic (`traffic_stats`) and for replay latencies
+    (`kvlab.serving.metrics`): numpy's default method, the one vLLM's benchmark scripts report, so
+    a p99 here reads the same as a vLLM benchmark's. Example: percentile([1, 2, 3, 4], 50) == 2.5.
 
     Raises:
-        ValueError: no values, or q outside (0, 100].
+        ValueError: q outside [0, 100].
     """
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
     ordered = sorted(values)
     if not ordered:
-        raise ValueError("percentile of no values")
-    if not 0 < q <= 100:
-        raise ValueError(f"q must be in (0, 100], got {q}")
-    rank = math.ceil(q / 100 * len(ordered))
-    return ordered[rank - 1]
+        return math.nan
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +145,10 @@ class TrafficStats:
     num_requests: int
     prompt_mean: float
     prompt_median: float
-    prompt_p99: int
+    prompt_p99: float
     output_mean: float
     output_median: float
-    output_p99: int
+    output_p99: float
     share_longer_than: dict[int, float]  # total tokens -> share of requests longer
 
 

@@ -10,7 +10,7 @@ wall clock in model mode unless a cost model is given):
   requests is counted for each).
 * TTFT (time to first token) = first token time - arrival time; TPOT (time per output token) =
   (finish - first token) / (output tokens - 1), for requests with more than one output token.
-  Percentiles interpolate linearly between order statistics (numpy's default method).
+  Percentiles are `kvlab.workload.percentile`'s: linear between order statistics (numpy's default).
 * output_tokens_per_s = output tokens of finished requests / (last finish - first arrival).
 * prefix_hit_rate = prompt tokens found in the prefix cache / prompt tokens looked up, over every
   admission (None for a strategy without a prefix cache).
@@ -23,21 +23,11 @@ import dataclasses
 import math
 from typing import Sequence
 
+from ..workload import percentile
 from .request import Request
 
 __all__ = ["percentile", "StepSeries", "ServeResult", "summarize", "ROW_KEYS", "format_rows",
            "plot_memory"]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation; nan for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclasses.dataclass

@@ -54,8 +54,9 @@ def run_fetch(args: argparse.Namespace) -> int:
         return 0
     state = "downloaded to" if downloaded else "already present at"
     print(f"{state} {path}")
-    print(f"use it: kvlab generate --model {args.model} --prompt \"...\"   (weights are 4-bit "
-          f"quantized, dequantized to floats on load)")
+    # An instruct model answers a chat turn: --chat renders its template and stops at the turn's end.
+    print(f"use it: kvlab generate --model {args.model} --chat --prompt \"...\" --max-new-tokens 32"
+          f"   (weights are 4-bit quantized, dequantized to floats on load)")
     return 0
 
 

@@ -16,12 +16,9 @@
   Blocks are cached when their slots are reserved, as vLLM v1 does, so a request admitted later
   in the same step may hit a block whose K/V that step's forward pass has not written yet. The
   rule that makes this correct: a block is readable from the pass that writes it on. The serving
-  runner (`kvlab.serving.model_runner`) runs a step as one forward pass over all its tokens, and
-  in each layer its KV store writes the K/V of every token of the step before any token of that
-  layer attends, so a hit on a block that the same step prefills, or that a running request's
-  decode token fills, reads the new K/V, whatever the order of the two requests in the batch.
-  (A runner that ran decode and prefill as separate passes would let one read a block before the
-  other wrote it: another request's leftover K/V; tests/test_one_pass.py.)
+  runner keeps it by running a step as one forward pass that, in each layer, writes the K/V of
+  every token of the step before any token attends (why, and what two passes got wrong:
+  `kvlab.serving.model_runner`; tests/test_one_pass.py).
 * `free` and `preempt` work as before: blocks go back to the free block queue tail first, but keep
   their cache entries until allocation reuses them (LRU eviction, see `prefix_cache`). A preempted
   sequence may therefore hit its own blocks when it is admitted again.
@@ -37,10 +34,6 @@
 
 Forks (n > 1) share all blocks as in stage 4; the child inherits the parent's chain of entries, and
 copy-on-write only ever copies a partly filled block, which is never cached.
-
-The interface a scheduler needs (stage 7 uses it for its `paged+prefix` strategy):
-`blocks_to_admit` / `can_admit`, `allocate_with_prefix`, `append_slots(seq_id, n, token_ids)`,
-`append_in_last_block` (a decode step's fast path), `fork`, `free`, `preempt`, and `prefix_stats`.
 
 Sources: vLLM v1 KV cache manager (automatic prefix caching: full-block hashes chained through the
 parent, an LRU free block queue, the n - 1 cap); SGLang RadixAttention (Zheng et al., "SGLang:

@@ -208,20 +208,27 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv: KVStore | None = None) -> torch.Tensor:
-        """Logits for every token.
+                kv: KVStore | None = None,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for every token, or only for the rows in `logits_indices`.
 
         Args:
             token_ids: [num_tokens] int64.
             positions: [num_tokens] int64, absolute positions; default 0 .. num_tokens - 1.
             kv: the KV store; default `NoCache()` (the tokens are one whole sequence).
+            logits_indices: [num_rows] int64, the tokens whose next token is wanted (a server
+                samples only after each request's last scheduled token: vLLM's
+                `logits_indices`). The vocabulary projection is the largest matmul of a small
+                model, so a 1,000-token prefill that needs one row skips 999 of them.
 
         Returns:
-            [num_tokens, vocab_size] float32 logits.
+            [num_tokens or num_rows, vocab_size] float32 logits.
         """
         if positions is None:
             positions = torch.arange(token_ids.shape[0], device=token_ids.device)
         hidden = self.model(token_ids, positions, kv if kv is not None else NoCache())
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
         return self.lm_head(hidden).float()
 
     @property

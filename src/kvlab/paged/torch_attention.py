@@ -178,10 +178,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # Gather the whole padded batch at once: [num_seqs, width * block_size, H_kv, D].
     keys = k_cache[block_tables].reshape(num_seqs, width * block_size, *k_cache.shape[2:])
     values = v_cache[block_tables].reshape(num_seqs, width * block_size, *v_cache.shape[2:])
-    slot_positions = torch.arange(width * block_size, device=query.device)
-    holds_token = slot_positions[None, :] < seq_lens[:, None]  # [num_seqs, width * block_size]
-    outputs = [grouped_attention(query[i:i + 1], keys[i], values[i],
-                                 query_positions=seq_lens[i:i + 1] - 1, key_mask=holds_token[i],
-                                 scale=scale)
-               for i in range(num_seqs)]
-    return torch.cat(outputs)
+    holds_token = (torch.arange(width * block_size, device=query.device)[None, :]
+                   < seq_lens[:, None])  # [num_seqs, width * block_size]
+    # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
+    # head h = kv * G + g reads KV head kv. The one query of a sequence sits at its last
+    # position, so causality is just `holds_token`. Scores and softmax in float32.
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    grouped_q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    if scale is None:
+        scale = head_dim ** -0.5
+    scores = torch.einsum("skgd,slkd->skgl", grouped_q, keys.float()) * scale
+    scores = scores.masked_fill(~holds_token[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A weight of 0 times a NaN left in a slot the sequence does not own is still NaN: zero them.
+    values = values.float().masked_fill(~holds_token[:, :, None, None], 0.0)
+    out = torch.einsum("skgl,slkd->skgd", probs, values)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

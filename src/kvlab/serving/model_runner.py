@@ -76,13 +76,18 @@ class ModelExecutor:
             self.cache.copy_block(source, destination)
         sampled: dict[int, int] = {}
         if output.scheduled:
-            logits = self._forward(output.scheduled)
-            end = 0
+            # Only a request whose every token is computed by this step samples, from the row of
+            # its last token; a prefill chunk that leaves tokens for later needs no logits.
+            sampling, last_rows, end = [], [], 0
             for request, num_new in output.scheduled:
                 end += num_new  # the row after this request's last token
                 self._count(request, num_new)
                 if request.num_computed_tokens + num_new == request.num_tokens:
-                    self._sample(request, logits[end - 1], sampled)
+                    sampling.append(request)
+                    last_rows.append(end - 1)
+            logits = self._forward(output.scheduled, last_rows)
+            for request, row in zip(sampling, logits):
+                self._sample(request, row, sampled)
         elapsed = time.perf_counter() - started
         return sampled, (modelled if modelled is not None else elapsed)
 
@@ -130,9 +135,10 @@ class ModelExecutor:
 
     # ---- the forward pass -----------------------------------------------------------------------
 
-    def _forward(self, scheduled: list[tuple[Request, int]]) -> torch.Tensor:
+    def _forward(self, scheduled: list[tuple[Request, int]], logits_rows: list[int]
+                 ) -> torch.Tensor:
         """One pass over tokens computed .. computed + num_new - 1 of every scheduled request,
-        flat in schedule order. Returns logits [num_tokens, vocab_size]."""
+        flat in schedule order. Returns logits [len(logits_rows), vocab_size] of those rows."""
         token_ids, positions, query_lens, seq_lens = [], [], [], []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
@@ -143,7 +149,9 @@ class ModelExecutor:
         store = self._store([request for request, _ in scheduled], query_lens, seq_lens)
         device = self.model.device
         return self.model(torch.tensor(token_ids, device=device),
-                          torch.tensor(positions, device=device), store)
+                          torch.tensor(positions, device=device), store,
+                          logits_indices=torch.tensor(logits_rows, dtype=torch.long,
+                                                      device=device))
 
     def _store(self, batch: list[Request], query_lens: list[int], seq_lens: list[int]):
         """Where the pass's K/V live (see `kvlab.model.KVStore`): request i's last query_lens[i]

@@ -2,9 +2,10 @@
 
 Decode attention reads every cached K/V byte once and does ~1 FLOP per byte per query head, so it is
 memory-bound: the question is how close it gets to the memory system's limit. That limit is
-measured in the same run (a large device-to-device copy, bytes read + written / time), never taken
-from a datasheet. Per point of a grid (batch x context x block_size, Llama-3.1-8B attention shape:
-32 query / 8 KV heads, head_dim 128, bf16; fp16 below sm_80):
+measured in the same run (`kvlab.device.copy_bandwidth_gb_s`: a large device-to-device copy, bytes
+read + written / median time), never taken from a datasheet. Per point of a grid (batch x context
+x block_size, Llama-3.1-8B attention shape: 32 query / 8 KV heads, head_dim 128, bf16; fp16 below
+sm_80):
 
 * the kernel's median time (`triton.testing.do_bench`), achieved GB/s = (K/V bytes read + query
   read + output written + block table read) / time, and % of the measured copy bandwidth;
@@ -14,8 +15,9 @@ from a datasheet. Per point of a grid (batch x context x block_size, Llama-3.1-8
 * paging overhead: the same pool read through a shuffled block table vs the identity table.
 
 Then the layout study at one point: both pool layouts x block sizes 1-128, next to stage 4's waste
-for those block sizes on the requests stage 4 replays (`bench_report.stage4_waste`). Writes JSON, a Markdown table (card, versions,
-date) and a roofline plot. `--toy` runs a tiny grid on the CPU interpreter (tested, so it cannot
+for those block sizes on the requests stage 4 replays (`bench_report.stage4_waste`). Writes JSON
+(the machine as `kvlab.device.describe_environment` records it, as the GPU tour does), a Markdown
+table and a roofline plot. `--toy` runs a tiny grid on the CPU interpreter (tested, so it cannot
 rot); its timings measure the interpreter, not a kernel.
 
 Usage: python -m kvlab.kernels.bench_paged_attention [--toy] [--out DIR]
@@ -25,15 +27,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from ..device import GPU_COPY_BYTES, card_slug, default_dtype, describe_environment
 from .bench_report import format_markdown, plot_roofline, stage4_waste
 from .pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
 
@@ -56,7 +57,7 @@ class BenchConfig:
     layout_point: tuple = (64, 4096)
     layout_block_sizes: tuple = (1, 8, 16, 32, 64, 128)
     headline: tuple = (64, 4096, 16)       # the issue's goal: batch 64 x 4K context
-    copy_bytes: int = 2 ** 31
+    copy_bytes: int = GPU_COPY_BYTES   # the GPU tour's environment stage copies the same
     matmul_size: int = 8192
 
 
@@ -77,13 +78,6 @@ def median_ms(fn, device: torch.device) -> float:
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
-    """GB/s of a device-to-device copy of num_bytes (read + written counted), measured now."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * num_bytes / (median_ms(lambda: dst.copy_(src), device) * 1e6)
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int) -> float:
@@ -232,23 +226,9 @@ def layout_study(cfg: BenchConfig, dtype, device, copy_gbs: float) -> list[dict]
     return rows
 
 
-def card_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's ("cpu" where the platform does not say)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    return name or "cpu"
-
-
 def results_dir(device: torch.device) -> Path:
     """results/<card>, relative to the working folder: where a run's files are committed."""
-    return Path("results") / "".join(c if c.isalnum() else "-" for c in card_name(device)).strip("-")
-
-
-def environment(device: torch.device, dtype: torch.dtype, toy: bool) -> dict:
-    import triton
-    return dict(card=card_name(device), device=str(device), dtype=str(dtype).replace("torch.", ""),
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                mode="toy (CPU interpreter: timings measure the interpreter)" if toy else "full")
+    return Path("results") / card_slug(device)
 
 
 def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False,
@@ -257,11 +237,11 @@ def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False,
 
     progress, if given, is called with the results so far after every point (so a run that is
     stopped early still leaves its figures behind)."""
-    dtype = torch.float32 if toy else torch.bfloat16
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
-        dtype = torch.float16
-    env = environment(device, dtype, toy)
-    copy_gbs = copy_bandwidth(device, cfg.copy_bytes)
+    dtype = default_dtype(device)  # float32 on the CPU (toy), bf16 from sm_80, else fp16
+    env = describe_environment(
+        device, "toy (CPU interpreter: timings measure the interpreter)" if toy else "full",
+        copy_bytes=cfg.copy_bytes)
+    copy_gbs = env["copy_gb_s"]
     tflops = matmul_tflops(device, dtype, cfg.matmul_size)
     rows = []
     for block_size in cfg.block_sizes:

@@ -1,13 +1,24 @@
-"""The dtype the course picks per device: fp16 on a T4 (sm_75), bf16 from Ampere on, fp32 on CPU.
+"""kvlab.device: the dtype per device, the environment record, the copy bandwidth.
 
-No GPU exists on CI, so CUDA is mocked: what is pinned is the choice made from the capability the
-card reports, including on a T4, where torch.cuda.is_bf16_supported() answers True (emulation).
+The dtype: fp16 on a T4 (sm_75), bf16 from Ampere on, fp32 on CPU. No GPU exists on CI, so CUDA is
+mocked: what is pinned is the choice made from the capability the card reports, including on a T4,
+where torch.cuda.is_bf16_supported() answers True (emulation). The environment record is checked on
+the CPU and on a mocked H200; the copy bandwidth's formula with a faked clock (no wall-clock assert).
 """
+
+import json
+import types
 
 import pytest
 import torch
 
-from kvlab.device import default_device, default_dtype
+import kvlab.device
+from kvlab.device import copy_bandwidth_gb_s, default_device, default_dtype, describe_environment
+
+BASE_KEYS = {"date", "mode", "device", "card", "dtype", "python", "torch", "triton", "numpy",
+             "cuda", "cpu", "cpu_count", "triton_interpret"}
+GPU_KEYS = {"total_memory_bytes", "free_bytes", "total_bytes", "compute_capability",
+            "multiprocessors", "driver"}
 
 
 @pytest.fixture
@@ -58,3 +69,56 @@ def test_rocm_gets_bfloat16(fake_gpu, monkeypatch):
     fake_gpu((9, 4))
     monkeypatch.setattr(torch.version, "hip", "6.0")
     assert default_dtype("cuda") is torch.bfloat16
+
+
+def test_copy_bandwidth_counts_read_and_write_over_the_median_copy(monkeypatch):
+    ticks = iter(range(10**6))  # each perf_counter() call is 2**-10 s after the previous one
+    monkeypatch.setattr(kvlab.device, "perf_counter", lambda: next(ticks) * 2**-10)
+    # 2 x 2**20 bytes moved per copy, each copy 2**-10 s: 2**31 B/s.
+    assert copy_bandwidth_gb_s("cpu", 2**20, repeats=5) == pytest.approx(2**31 / 1e9)
+
+
+def test_copy_bandwidth_runs_on_cpu_tensors():
+    assert copy_bandwidth_gb_s(torch.device("cpu"), 1 << 16, repeats=3) > 0
+
+
+@pytest.mark.parametrize("num_bytes, repeats", [(0, 20), (-8, 20), (1024, 0)])
+def test_copy_bandwidth_refuses_empty_copies(num_bytes, repeats):
+    with pytest.raises(ValueError, match=f"num_bytes={num_bytes}, repeats={repeats}"):
+        copy_bandwidth_gb_s("cpu", num_bytes, repeats)
+
+
+def test_environment_record_on_the_cpu():
+    info = describe_environment("cpu", "a test", copy_bytes=1 << 16)
+    assert set(info) == BASE_KEYS | {"copy_bytes", "copy_gb_s"}
+    assert (info["mode"], info["device"], info["dtype"]) == ("a test", "cpu", "float32")
+    assert info["torch"] == torch.__version__ and info["cuda"] == torch.version.cuda
+    assert info["copy_bytes"] == 1 << 16 and info["copy_gb_s"] > 0
+    assert json.loads(json.dumps(info)) == info  # JSON-ready as it is
+    assert set(describe_environment("cpu", "no copy")) == BASE_KEYS  # copy only when asked
+
+
+def test_environment_record_on_a_mocked_h200(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    props = types.SimpleNamespace(name="NVIDIA H200", total_memory=150_121_545_728, major=9,
+                                  minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: props.name)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(kvlab.device.shutil, "which", lambda name: f"/usr/bin/{name}")
+    asked = []
+
+    def nvidia_smi(argv, **kwargs):
+        asked.append(argv)
+        return types.SimpleNamespace(returncode=0, stdout="575.57.08\n")
+
+    monkeypatch.setattr(kvlab.device.subprocess, "run", nvidia_smi)
+    info = describe_environment("cuda", "GPU tour")
+    assert set(info) == BASE_KEYS | GPU_KEYS
+    assert (info["card"], info["dtype"], info["compute_capability"]) == \
+        ("NVIDIA H200", "bfloat16", "9.0")
+    assert (info["multiprocessors"], info["driver"]) == (132, "575.57.08")
+    assert (info["free_bytes"], info["total_bytes"]) == (10 * 2**30, 140 * 2**30)
+    assert info["total_memory_bytes"] == props.total_memory
+    assert asked == [["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]]
+    assert kvlab.device.card_slug("cuda") == "NVIDIA-H200"

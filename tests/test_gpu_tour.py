@@ -135,6 +135,24 @@ def test_stages_are_found_from_the_repository(tmp_path):
         {Path(n).stem for n in names}
 
 
+def test_tour_and_benchmark_share_one_environment_record():
+    """One function describes the machine and measures its copy bandwidth for both commands."""
+    import kvlab.device
+    import kvlab.kernels.bench_paged_attention as bench
+    from kvlab.tour import environment as tour_environment
+
+    assert bench.describe_environment is kvlab.device.describe_environment
+    assert tour_environment.describe_environment is kvlab.device.describe_environment
+    assert bench.FULL.copy_bytes == kvlab.device.GPU_COPY_BYTES  # the same copy on a GPU
+    info = tour_environment.tour_environment(dry_run=True)
+    assert info["device"] == "cpu" and info["copy_bytes"] == tour_environment.CPU_COPY_BYTES
+    assert set(info) == set(kvlab.device.describe_environment("cpu", "any", copy_bytes=1))
+    text = tour_environment.format_environment(info)
+    for value in (info["card"], info["dtype"], info["torch"], str(info["numpy"]), info["cpu"]):
+        assert value in text
+    assert "Not measured on a GPU" in text
+
+
 def test_dry_run_end_to_end(tmp_path):
     """The prepared command, as CI runs it: every stage ok, every summary written, one archive."""
     out = tmp_path / "tour"

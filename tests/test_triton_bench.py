@@ -29,6 +29,11 @@ def test_toy_benchmark_writes_json_markdown_and_roofline(tmp_path):
     markdown = (tmp_path / "bench_paged_attention.md").read_text()
     env = results["environment"]
     assert env["torch"] in markdown and env["triton"] in markdown and env["card"] in markdown
+    # The same record, from the same function, as the GPU tour's environment stage writes.
+    from kvlab.tour.environment import tour_environment
+
+    assert set(env) == set(tour_environment(dry_run=True))
+    assert env["copy_gb_s"] == results["copy_gb_s"] and env["copy_bytes"] == TOY.copy_bytes
 
     expected_points = [(b, c, s) for s in TOY.block_sizes for b in TOY.batches
                        for c in TOY.contexts if b * c <= TOY.max_tokens]

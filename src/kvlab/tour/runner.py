@@ -54,13 +54,6 @@ def install_wheels(folder: Path, names: list[str]) -> None:
         raise RuntimeError(f"pip install from {folder} failed: {reason}")
 
 
-def _card_slug() -> str:
-    import torch
-
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
-
-
 def _stage_env(dry_run: bool) -> dict[str, str]:
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
     if dry_run:  # CPU even on a GPU machine; stage 5's kernels in Triton's interpreter
@@ -207,13 +200,18 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
         print(f"gpu tour: error: {args.repo} has no notebooks/ folder; pass --repo",
               file=sys.stderr)
         return 2
+    default_out = Path(tempfile.gettempdir()) / "kvlab-gpu-tour-dry-run"
     if not args.dry_run:
         import torch
+
+        from ..device import card_slug
 
         if not torch.cuda.is_available():
             print("gpu tour: error: no CUDA GPU here; use --dry-run to run the harness on the CPU",
                   file=sys.stderr)
             return 2
+        default_out = (args.repo / "results" / card_slug("cuda") /
+                       f"gpu-tour-{datetime.date.today().isoformat()}")
     missing = missing_modules()
     wheels = args.wheels or (args.repo / ".whl" if (args.repo / ".whl").is_dir() else None)
     if missing and wheels is not None:
@@ -224,9 +222,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
         print(f"gpu tour: warning: cannot import {', '.join(missing)}; fetch wheels with "
               f"`bash scripts/gpu_tour_wheels.sh` where there is network, then pass "
               f"--wheels .whl", flush=True)
-    out = args.out or (Path(tempfile.gettempdir()) / "kvlab-gpu-tour-dry-run" if args.dry_run
-                       else args.repo / "results" / _card_slug() /
-                       f"gpu-tour-{datetime.date.today().isoformat()}")
+    out = args.out or default_out
     notes = (f"- missing here: {', '.join(missing)} (stages that need them failed)",) \
         if missing else ()
     run_tour(args.repo.resolve(), out.resolve(), args.dry_run, args.budget, args.notebooks,

@@ -27,7 +27,7 @@ from .attention import grouped_attention
 from .config import LlamaConfig
 from .dtypes import DTypeLike, dtype_bytes, torch_dtype
 from .errors import KVCacheOutOfMemory
-from .requests import check_index, check_int
+from .checks import check_index, check_int
 from .sizing import format_bytes, kv_elements_per_token
 
 __all__ = ["ContiguousKVCache", "ContiguousSequence", "SlabBatchStore", "reservation_bytes"]

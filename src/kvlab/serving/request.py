@@ -32,7 +32,7 @@ import random
 from typing import Iterable, Sequence
 
 from .. import workload
-from ..requests import check_int
+from ..checks import check_int
 from ..sampling import check_temperature
 
 __all__ = ["Request", "RequestState", "SamplingParams", "stop_token_ids", "from_sizes",

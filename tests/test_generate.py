@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlab.generate import CACHE_KINDS, generate
-from kvlab.requests import check_request
+from kvlab.checks import check_request
 
 PROMPT = [11, 22, 33, 44]
 

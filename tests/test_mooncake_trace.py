@@ -9,8 +9,9 @@ import pytest
 
 from kvlab.prefix.trace_hit_rate import (hit_rate_curve, lru_hit_rate, pool_blocks_for,
                                          unbounded_hit_rate)
-from kvlab.traces.mooncake import (DATA_DIR, MooncakeRequest, TraceFormatError, expand_hash_ids,
+from kvlab.traces.mooncake import (DATA_DIR, TraceFormatError, block_keys, expand_hash_ids,
                                    load_mooncake_trace)
+from kvlab.workload import Request
 
 
 def write_trace(tmp_path, rows):
@@ -73,8 +74,8 @@ def test_block_size_expansion_inherits_the_512_token_identity():
     assert expand_hash_ids([7, 9], 600, 512) == [7, 9]
     # 600 tokens at block size 128 = 5 blocks: 4 from id 7, then the first of id 9.
     assert expand_hash_ids([7, 9], 600, 128) == [28, 29, 30, 31, 36]
-    request = MooncakeRequest(0, 600, 1, (7, 9))
-    assert request.block_keys(256) == [14, 15, 18]
+    request = Request(600, 1, trace_block_ids=(7, 9), trace_block_size=512)
+    assert block_keys(request, 256) == [14, 15, 18]
     with pytest.raises(ValueError, match="block_size must divide 512"):
         expand_hash_ids([7], 10, 48)
 

@@ -6,16 +6,16 @@ import json
 
 from cli_run import run
 from kvlab.lifetime import held_token_steps
-from kvlab.prefix.report_row import (CachedPrefixRequest, PrefixPagedStrategy,
-                                     mooncake_report_workload)
+from kvlab.prefix.report_row import PrefixPagedStrategy, mooncake_report_workload
 from kvlab.prefix.trace_hit_rate import lru_hit_rate
 from kvlab.report import PagedStrategy, replay
 from kvlab.traces.mooncake import load_mooncake_trace
+from kvlab.workload import Request
 
 
 def test_a_cached_prefix_is_paid_for_once_by_hand():
     # 40 prompt tokens, 3 generated: the steps hold 40, 41, 42 tokens = 3 blocks of 16 each.
-    plain, cached = CachedPrefixRequest(40, 3), CachedPrefixRequest(40, 3, cached_tokens=32)
+    plain, cached = Request(40, 3), Request(40, 3, num_cached_tokens=32)
     paged, prefix = PagedStrategy(16, 2), PrefixPagedStrategy(16, 2)
     assert paged.reserved_token_steps(plain) == prefix.reserved_token_steps(plain) == 3 * 48
     assert prefix.reserved_token_steps(cached) == 3 * 48 - 3 * 32  # 2 shared blocks per step
@@ -30,7 +30,7 @@ def test_mooncake_workload_carries_each_requests_hit():
     served = [r for r in load_mooncake_trace("synthetic", limit=300).requests
               if r.total_len <= 32768]
     assert hits.num_hit_tokens == lru_hit_rate(served, 100).num_hit_tokens > 0
-    assert sum(r.cached_tokens for r in requests) == hits.num_hit_tokens
+    assert sum(r.num_cached_tokens for r in requests) == hits.num_hit_tokens
     assert len(requests) == 300 and "prefix cache hit rate" in label
     report = replay(requests, [PagedStrategy(16, 1000), PrefixPagedStrategy(16, 1000)], 32768,
                     10**9)

@@ -291,8 +291,8 @@ def test_prefix_strategy_retries_the_queue_head_without_rehashing():
 def test_simulation_stand_in_ids_share_exactly_the_blocks_the_trace_shares():
     from kvlab.serving.prefix_manager import token_ids
 
-    a = Request(0, 0.0, 1100, 5, block_hashes=(7, 8, 9), hash_block_size=512)
-    b = Request(1, 0.0, 1030, 5, block_hashes=(7, 8, 4), hash_block_size=512)
+    a = Request(0, 0.0, 1100, 5, trace_block_ids=(7, 8, 9), trace_block_size=512)
+    b = Request(1, 0.0, 1030, 5, trace_block_ids=(7, 8, 4), trace_block_size=512)
     ids_a, ids_b = token_ids(a, 0, 1100), token_ids(b, 0, 1030)
     assert len(ids_a) == 1100 and len(ids_b) == 1030
     assert ids_a[:1024] == ids_b[:1024] and ids_a[1024:1030] != ids_b[1024:1030]
@@ -319,7 +319,7 @@ def test_malformed_traces_are_rejected_with_file_and_line(tmp_path):
             load_trace(jsonl)
     jsonl.write_text(good)
     [row] = load_trace(jsonl)
-    assert (row.prompt_len, row.output_len, row.block_hashes, row.hash_block_size) == \
+    assert (row.prompt_len, row.output_len, row.trace_block_ids, row.trace_block_size) == \
         (600, 3, (1, 2), 512)
 
 

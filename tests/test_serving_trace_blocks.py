@@ -35,8 +35,8 @@ def simulated_requests(draw, request_id: int) -> Request:
     prompt_len = draw(st.integers(1, 60))
     num_named = draw(st.integers(0, -(-prompt_len // trace_block_size)))
     trace_ids = tuple(draw(st.lists(st.integers(0, 4), min_size=num_named, max_size=num_named)))
-    request = Request(request_id, 0.0, prompt_len, 20, block_hashes=trace_ids,
-                      hash_block_size=trace_block_size if trace_ids else 0)
+    request = Request(request_id, 0.0, prompt_len, 20, trace_block_ids=trace_ids,
+                      trace_block_size=trace_block_size if trace_ids else 0)
     request.num_output_tokens = draw(st.integers(0, 19))
     return request
 
@@ -60,7 +60,7 @@ def test_block_contents_are_equal_exactly_when_stand_in_ids_are(a, b, block_size
 
 
 def test_a_block_inside_one_trace_block_is_one_run_and_consecutive_ids_merge():
-    request = Request(5, 0.0, 1100, 4, block_hashes=(7, 8, 3), hash_block_size=512)
+    request = Request(5, 0.0, 1100, 4, trace_block_ids=(7, 8, 3), trace_block_size=512)
     blocks = TraceBlocks(request)
     assert blocks.block(1, 16) == (7 * 512 + 16, 16)
     assert blocks.block(0, 1024) == (7 * 512, 1024)                     # 7 then 8: one run
@@ -69,14 +69,14 @@ def test_a_block_inside_one_trace_block_is_one_run_and_consecutive_ids_merge():
 
 
 def test_a_simulated_request_grows_only_by_its_own_output_ids():
-    request = Request(2, 0.0, 40, 3, block_hashes=(1,), hash_block_size=32)
+    request = Request(2, 0.0, 40, 3, trace_block_ids=(1,), trace_block_size=32)
     blocks = TraceBlocks(request)
     blocks.extend([-3, -3])
     assert len(blocks) == 42 and blocks.block(5, 7) == (-3, 7)
     with pytest.raises(ValueError, match="own id -3"):
         blocks.extend([7])
     with pytest.raises(ValueError, match="trace block ids must be >= 0"):
-        TraceBlocks(Request(0, 0.0, 8, 1, block_hashes=(-1,), hash_block_size=8))
+        TraceBlocks(Request(0, 0.0, 8, 1, trace_block_ids=(-1,), trace_block_size=8))
 
 
 def test_model_mode_requests_keep_their_real_ids():
@@ -142,8 +142,8 @@ def test_simulation_retries_the_queue_head_without_rehashing(monkeypatch):
 
     monkeypatch.setattr(TraceBlocks, "block_hash", counting)
     kv = prefix_manager.PrefixManager(SlotlessPrefixCachingManager(7, 16), 112)
-    first = Request(0, 0.0, 80, 4, block_hashes=(3, 4), hash_block_size=32)
-    head = Request(1, 0.0, 100, 4, block_hashes=(3, 4), hash_block_size=32)
+    first = Request(0, 0.0, 80, 4, trace_block_ids=(3, 4), trace_block_size=32)
+    head = Request(1, 0.0, 100, 4, trace_block_ids=(3, 4), trace_block_size=32)
     assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
     assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free
     assert len(calls) == 10                          # blocks 0-3 hit, block 4 missed
@@ -163,8 +163,8 @@ def test_simulated_forks_take_per_token_stand_ins_and_decide_alike(monkeypatch):
     def replay():
         requests = []
         for parent_id in range(0, 12, 3):
-            family = [Request(parent_id + i, 0.01 * parent_id, 70, 9, block_hashes=(1, 2, 3),
-                              hash_block_size=32) for i in range(3)]
+            family = [Request(parent_id + i, 0.01 * parent_id, 70, 9, trace_block_ids=(1, 2, 3),
+                              trace_block_size=32) for i in range(3)]
             family[0].forks = family[1:]
             requests.append(family[0])
         return serve(requests, simulated_manager("prefix", 24 * 16 * 100, 100, 128, 16),

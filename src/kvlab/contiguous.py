@@ -25,10 +25,10 @@ import torch
 
 from .attention import grouped_attention
 from .config import LlamaConfig
-from .dtypes import DTypeLike, dtype_bytes, torch_dtype
+from .dtypes import DTypeLike, torch_dtype
 from .errors import KVCacheOutOfMemory
-from .requests import check_index, check_int
-from .sizing import format_bytes, kv_elements_per_token
+from .checks import check_index, check_int
+from .sizing import format_bytes, kv_bytes_per_token
 
 __all__ = ["ContiguousKVCache", "ContiguousSequence", "SlabBatchStore", "reservation_bytes"]
 
@@ -40,7 +40,7 @@ def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int
     `element_bytes` is the cache dtype: an element size (2), a name ("bf16") or a torch dtype
     (see `kvlab.dtypes`).
     """
-    return max_num_seqs * max_model_len * kv_elements_per_token(config) * dtype_bytes(element_bytes)
+    return max_num_seqs * max_model_len * kv_bytes_per_token(config, element_bytes)
 
 
 class ContiguousKVCache:
@@ -72,9 +72,8 @@ class ContiguousKVCache:
         max_model_len = check_int("max_model_len", max_model_len, 1)
         self.config, self.max_num_seqs, self.max_model_len = config, max_num_seqs, max_model_len
         self.dtype, self.device = torch_dtype(dtype), torch.device(device)
-        dtype, element_bytes = self.dtype, dtype_bytes(dtype)
-        self.bytes_per_token = reservation_bytes(config, 1, 1, element_bytes)
-        wanted = reservation_bytes(config, max_num_seqs, max_model_len, element_bytes)
+        self.bytes_per_token = kv_bytes_per_token(config, self.dtype)
+        wanted = reservation_bytes(config, max_num_seqs, max_model_len, self.dtype)
         formula = (f"{max_num_seqs} seqs x {max_model_len} tokens x "
                    f"{format_bytes(self.bytes_per_token)}/token = {format_bytes(wanted)}")
         if budget_bytes is not None and wanted > budget_bytes:
@@ -85,8 +84,8 @@ class ContiguousKVCache:
                  config.num_key_value_heads, config.head_dim)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         try:
-            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except torch.cuda.OutOfMemoryError as error:
             self.k = self.v = None
             free, total = torch.cuda.mem_get_info(self.device)

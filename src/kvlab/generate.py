@@ -36,7 +36,7 @@ from .model import LlamaForCausalLM
 from .paged import PagedKVCache
 from .paged.backends import BackendLike
 from .prefix.manager import PrefixCacheStats
-from .requests import check_int, check_model_len, check_request
+from .checks import check_int, check_model_len, check_request
 from .sampling import check_temperature, make_generator, next_token
 from .serving.batch import generate_batch
 from .prefix.chats import render_chat
@@ -117,7 +117,7 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
         its stats (and the prefix cache's hit statistics for cache='prefix').
 
     Raises:
-        ValueError: bad request (see `kvlab.requests.check_request`), max_model_len above the
+        ValueError: bad request (see `kvlab.checks.check_request`), max_model_len above the
             model's max_position_embeddings, unknown cache kind, n > 1 without a paged cache,
             several prompts without a paged cache, a bad temperature, seed or eos_token_id.
         RequestTooLongError (a ValueError): prompt + max_new_tokens > max_model_len.

@@ -32,7 +32,7 @@ from .lifetime import decode_steps, held_token_steps
 from .workload import Request
 
 __all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow", "Report", "replay",
-           "measure_held", "format_report", "held_token_steps", "decode_steps"]
+           "measure_held", "format_report", "held_token_steps", "decode_steps", "SERVING_STRATEGY"]
 
 
 class CacheStrategy(Protocol):
@@ -195,9 +195,10 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
                   kv_budget_bytes, workload, model, kv_budget_source, tp, tp_chosen_because)
 
 
-# The stage-7 KV manager that serves each report row's design.
-MEASURED_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", "paged": "paged",
-                     "paged+prefix": "prefix"}
+# The one table of the designs' names: a row's name, as `kvlab report` and `kvlab serve` print
+# it -> the stage-7 strategy that serves it (`kvlab.serving.STRATEGIES`, `kvlab serve --strategy`).
+SERVING_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", "paged": "paged",
+                    "paged+prefix": "prefix"}
 
 
 def measure_held(report: Report, requests: Sequence[Request], block_size: int) -> None:
@@ -212,9 +213,9 @@ def measure_held(report: Report, requests: Sequence[Request], block_size: int) -
     from .serving.capacity import measure_requests_held  # stage 7, only when asked for
 
     for row in report.rows:
-        if row.strategy not in MEASURED_STRATEGY:
+        if row.strategy not in SERVING_STRATEGY:
             raise ValueError(f"no stage-7 KV manager serves the {row.strategy!r} row")
-        held = measure_requests_held(requests, MEASURED_STRATEGY[row.strategy],
+        held = measure_requests_held(requests, SERVING_STRATEGY[row.strategy],
                                      report.kv_budget_bytes, row.kv_bytes_per_token,
                                      report.max_model_len, block_size)
         row.requests_held_measured, row.requests_held_measured_peak = held.mean, held.peak

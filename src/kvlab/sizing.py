@@ -23,8 +23,7 @@ from .config import LlamaConfig
 from .dtypes import DTypeLike
 
 __all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
-           "local_gpu_memory", "default_kv_budget", "tp_shortfall", "smallest_fitting_tp",
-           "dtype_bytes", "kv_heads_per_gpu",
+           "local_gpu_memory", "default_kv_budget", "dtype_bytes", "dtype_name", "kv_heads_per_gpu",
            "kv_elements_per_token", "kv_bytes_per_token", "num_parameters", "weights_bytes",
            "SizeReport", "size_report", "SizingError", "format_bytes", "plural", "MAX_SEQ_LEN",
            "MAX_BATCH"]
@@ -136,75 +135,6 @@ def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: DTy
     return int(gpu_memory_utilization * gpu_memory_bytes) - weights_bytes(config, dtype, tp)
 
 
-def tp_shortfall(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int, *, tp: int,
-                 max_model_len: int, dtype: DTypeLike = "bf16",
-                 kv_cache_dtype: DTypeLike | None = None, gpu_memory_utilization: float = 0.9,
-                 kv_budget_bytes: int | None = None) -> str | None:
-    """Why one of `tp` GPUs cannot hold its share, with the numbers; None when it can.
-
-    Without kv_budget_bytes, the share is vLLM's start-up check: default_kv_budget must hold one
-    request of max_model_len tokens (vLLM v1 refuses to start otherwise: "To serve at least one
-    request with the model's max seq len ...", `check_enough_kv_cache_memory` in
-    vllm/v1/core/kv_cache_utils.py). With it, the weights and that KV budget must fit in the
-    card's memory.
-
-    Returns:
-        e.g. "141.1 GB of bf16 weights > 80 GiB H100-80GB" (llama-3.1-70b at tp 1), or None.
-
-    Raises:
-        SizingError: an impossible tp or unknown dtype.
-    """
-    weights = weights_bytes(config, dtype, tp)
-    per_gpu = " per GPU" if tp > 1 else ""
-    shown = f"{weights / 1e9:.1f} GB of {_dtype_name(dtype)} weights{per_gpu}"
-    card = f"{format_bytes(gpu_memory_bytes)} {gpu_name}"
-    if weights > gpu_memory_bytes:
-        return f"{shown} > {card}"
-    if kv_budget_bytes is not None:
-        if weights + kv_budget_bytes > gpu_memory_bytes:
-            return f"{shown} + a KV budget of {format_bytes(kv_budget_bytes)} > {card}"
-        return None
-    usable = f"{gpu_memory_utilization} x {card}"
-    budget = default_kv_budget(config, dtype=dtype, tp=tp, gpu_memory_bytes=gpu_memory_bytes,
-                               gpu_memory_utilization=gpu_memory_utilization)
-    if budget <= 0:
-        return f"{shown} > gpu_memory_utilization {usable}"
-    one_request = max_model_len * kv_bytes_per_token(config, kv_cache_dtype or dtype, tp)
-    if budget < one_request:
-        return (f"the KV budget {format_bytes(budget)} ({usable} - {shown}) < one "
-                f"max_model_len={max_model_len:,} request ({format_bytes(one_request)})")
-    return None
-
-
-def smallest_fitting_tp(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int,
-                        **fit) -> int:
-    """The smallest tensor-parallel size at which `tp_shortfall(..., **fit)` finds none.
-
-    Only the sizes `kv_heads_per_gpu` accepts are tried (tp divides num_attention_heads; tp and
-    num_key_value_heads divide one another).
-
-    Raises:
-        SizingError: no size fits (the message is the largest size's shortfall).
-    """
-    sizes = [tp for tp in range(1, config.num_attention_heads + 1) if _splits(config, tp)]
-    for tp in sizes:
-        shortfall = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=tp, **fit)
-        if shortfall is None:
-            return tp
-    raise SizingError(f"{config.name} at tp {sizes[-1]}: {shortfall}; no tensor-parallel size "
-                      f"fits (num_attention_heads={config.num_attention_heads} allows at most "
-                      f"{sizes[-1]})")
-
-
-def _splits(config: LlamaConfig, tp: int) -> bool:
-    """Whether `kv_heads_per_gpu` accepts this tp."""
-    try:
-        kv_heads_per_gpu(config, tp)
-    except SizingError:
-        return False
-    return True
-
-
 def plural(count: int, noun: str) -> str:
     """'1 request', '2 requests', '10,000 requests' (regular English plurals only)."""
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
@@ -224,7 +154,7 @@ def dtype_bytes(dtype: DTypeLike) -> int:
         raise SizingError(str(error)) from None
 
 
-def _dtype_name(dtype: DTypeLike) -> str:
+def dtype_name(dtype: DTypeLike) -> str:
     """The short name of a dtype for a report ('bf16'), as SizingError when unknown."""
     try:
         return dtypes.dtype_name(dtype)
@@ -380,8 +310,8 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
                               f"in [1, {top:,}], got {value!r}")
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    dtype = _dtype_name(dtype)
-    kv_cache_dtype = dtype if kv_cache_dtype is None else _dtype_name(kv_cache_dtype)
+    dtype = dtype_name(dtype)
+    kv_cache_dtype = dtype if kv_cache_dtype is None else dtype_name(kv_cache_dtype)
     per_token = kv_bytes_per_token(config, kv_cache_dtype, tp)
     weights = weights_bytes(config, dtype, tp)
     kv_cache = batch * seq_len * per_token

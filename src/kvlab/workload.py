@@ -39,11 +39,28 @@ __all__ = ["Request", "LogNormalFit", "AZURE_CONV_2023", "SHAREGPT", "synthetic_
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """Sizes of one request, in tokens. prompt_len >= 1; output_len >= 0 (0: prefill only)."""
+    """One request as a trace or a fit gives it (every reader and `synthetic_requests` makes these).
+
+    Attributes:
+        prompt_len, output_len: tokens; prompt_len >= 1, output_len >= 0 (0: prefill only).
+        arrival_s: seconds from the start of the trace.
+        trace_block_ids: the trace's ids of the prompt's consecutive blocks of `trace_block_size`
+            tokens (Mooncake: 512); equal ids at equal positions = a shared prefix. Empty when the
+            trace has none (Azure, synthetic). Not vLLM's `block_hashes`, which chain KV blocks.
+        trace_block_size: tokens per entry of `trace_block_ids` (0 when there are none).
+        num_cached_tokens: leading prompt tokens a prefix cache supplies, when a replay found them
+            (`kvlab.prefix.report_row`); 0 otherwise.
+
+    The server's view of a request (progress, sampling) is `kvlab.serving.Request`, made from
+    these by `kvlab.serving.from_sizes`.
+    """
 
     prompt_len: int
     output_len: int
     arrival_s: float = 0.0
+    trace_block_ids: tuple[int, ...] = ()
+    trace_block_size: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def total_len(self) -> int:

@@ -14,7 +14,7 @@ import math
 
 from ..config import LlamaConfig
 from ..dtypes import DTYPES as DTYPE_LIST
-from ..sizing import smallest_fitting_tp, tp_shortfall
+from ..tp_fit import smallest_fitting_tp, tp_shortfall
 
 __all__ = ["DTYPES", "positive_int", "int_up_to", "positive_float", "float_up_to",
            "check_lengths", "resolve_tp", "refuse_together"]
@@ -80,7 +80,7 @@ def resolve_tp(tp: int | None, config: LlamaConfig, gpu_name: str, gpu_memory_by
                **fit) -> tuple[int, str | None]:
     """The tensor-parallel size, and a sentence saying why when no --tp chose it.
 
-    tp given (--tp): it, if one GPU holds its share (`kvlab.sizing.tp_shortfall(**fit)`); no
+    tp given (--tp): it, if one GPU holds its share (`kvlab.tp_fit.tp_shortfall(**fit)`); no
     sentence. tp None: the smallest size that fits. That is 1 (vLLM's default; no sentence) unless
     the model does not fit on one card, where vLLM would refuse to start: the sentence then says
     which size was chosen and why.

@@ -73,7 +73,7 @@ def register(commands) -> None:
     p.add_argument("--strategy", choices=("contiguous", "paged", "prefix", "paged+prefix", "all"),
                    default="all",
                    help="one strategy, or all (default); prefix and paged+prefix are the same "
-                        "(the tables call it paged+prefix)")
+                        "(the tables call it paged+prefix: kvlab.report.SERVING_STRATEGY)")
     p.add_argument("--simulate", action="store_true",
                    help="no tensors: step times from the card's roofline (default: run the model)")
     p.add_argument("--model", default=None,
@@ -159,13 +159,14 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from ..report import SERVING_STRATEGY
     from ..serving import request as req
     from ..serving.metrics import format_rows
     from ..serving.runner import STRATEGIES
     from ..serving.traces import load_trace
 
     check_flags(args)
-    strategy = "prefix" if args.strategy == "paged+prefix" else args.strategy
+    strategy = SERVING_STRATEGY.get(args.strategy, args.strategy)  # paged+prefix -> prefix
     strategies = STRATEGIES if strategy == "all" else (strategy,)
     rows = load_trace(args.trace, args.num_requests)
     if not rows:

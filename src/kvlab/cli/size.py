@@ -10,7 +10,8 @@ import json
 
 from ..config import load_config
 from ..sizing import (GPU_MEMORY_GIB, MAX_BATCH, MAX_SEQ_LEN, SizingError, dtype_bytes,
-                      format_bytes, plural, size_report, smallest_fitting_tp, tp_shortfall)
+                      format_bytes, plural, size_report)
+from ..tp_fit import smallest_fitting_tp, tp_shortfall
 from .arguments import DTYPES, float_up_to, int_up_to
 
 __all__ = ["register", "run"]

@@ -16,7 +16,7 @@ import collections
 from typing import Iterable
 
 from ..errors import NoFreeBlocksError
-from ..requests import check_index, check_int
+from ..checks import check_index, check_int
 from .free_queue import Block, FreeBlockQueue
 
 __all__ = ["BlockPool"]

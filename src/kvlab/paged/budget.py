@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..config import LlamaConfig
-from ..dtypes import DTypeLike, dtype_bytes
-from ..sizing import format_bytes, kv_elements_per_token
+from ..dtypes import DTypeLike
+from ..sizing import format_bytes, kv_bytes_per_token
 from .block_table import cdiv
 from ..errors import KVCacheOutOfMemory
 
@@ -36,7 +36,7 @@ def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torc
     = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x dtype bytes
     = block_size x KV bytes per token. Llama-3.1-8B, bf16, block_size 16: 16 x 128 KiB = 2 MiB.
     """
-    return block_size * kv_elements_per_token(config) * dtype_bytes(dtype)
+    return block_size * kv_bytes_per_token(config, dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, weights_bytes: int, block_bytes: int,

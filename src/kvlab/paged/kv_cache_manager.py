@@ -29,7 +29,7 @@ from typing import Hashable
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from ..errors import NoFreeBlocksError, RequestTooLongError
-from ..requests import check_int
+from ..checks import check_int
 
 __all__ = ["KVCacheManager", "SlotReservation"]
 

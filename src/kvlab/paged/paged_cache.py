@@ -33,7 +33,7 @@ from ..dtypes import DTypeLike, torch_dtype
 from ..sizing import format_bytes
 from .budget import check_pool_fits, kv_block_bytes
 from ..errors import KVCacheOutOfMemory
-from ..requests import check_index, check_int, check_model_len
+from ..checks import check_index, check_int, check_model_len
 from .backends import BackendLike, resolve_backend
 from .block_table import cdiv
 from .kv_cache_manager import KVCacheManager

@@ -46,7 +46,7 @@ import dataclasses
 from typing import Hashable, Sequence
 
 from ..paged.block_table import BlockTable, cdiv
-from ..requests import check_int
+from ..checks import check_int
 from ..errors import NoFreeBlocksError, RequestTooLongError
 from ..paged.kv_cache_manager import KVCacheManager, SlotReservation
 from .block_hash import BlockHash, HashFunction, extra_keys_for, sha256, short

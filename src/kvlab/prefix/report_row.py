@@ -25,32 +25,24 @@ from ..traces.mooncake import TRACE_BLOCK_SIZE, MOONCAKE_TRACES, load_mooncake_t
 from ..workload import Request
 from .trace_hit_rate import TraceHitRate, lru_hit_rate
 
-__all__ = ["CachedPrefixRequest", "PrefixPagedStrategy", "mooncake_report_workload",
+__all__ = ["PrefixPagedStrategy", "mooncake_report_workload",
            "MOONCAKE_REPORT_TRACES", "prefix_note"]
 
 MOONCAKE_REPORT_TRACES = tuple(f"mooncake-{name}" for name in MOONCAKE_TRACES)
-
-
-@dataclasses.dataclass(frozen=True)
-class CachedPrefixRequest(Request):
-    """A request's sizes plus `cached_tokens`: leading prompt tokens a prefix cache supplies."""
-
-    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
 class PrefixPagedStrategy(PagedStrategy):
     """Paged allocation where a request's cached prefix blocks are counted once, by their owner.
 
-    At every step the request holds its first cached_tokens // block_size blocks through the
+    At every step the request holds its first num_cached_tokens // block_size blocks through the
     prefix cache (full blocks, shared) and pays for the rest as `PagedStrategy` does.
     """
 
     name: str = "paged+prefix"
 
     def _shared_tokens(self, request: Request) -> int:
-        cached = getattr(request, "cached_tokens", 0)
-        return cached // self.block_size * self.block_size  # whole blocks of this block_size
+        return request.num_cached_tokens // self.block_size * self.block_size  # whole blocks
 
     def reserved_token_steps(self, request: Request) -> int:
         shared = self._shared_tokens(request) * decode_steps(request)
@@ -62,7 +54,7 @@ class PrefixPagedStrategy(PagedStrategy):
 
 def mooncake_report_workload(trace: str, kv_budget_bytes: int, bytes_per_token: int,
                              max_model_len: int, limit: int | None = None
-                             ) -> tuple[list[CachedPrefixRequest], str, TraceHitRate]:
+                             ) -> tuple[list[Request], str, TraceHitRate]:
     """The requests of a Mooncake trace with their prefix-cache hits, for `kvlab.report.replay`.
 
     Args:
@@ -73,7 +65,8 @@ def mooncake_report_workload(trace: str, kv_budget_bytes: int, bytes_per_token: 
         limit: read at most this many requests.
 
     Returns:
-        (requests, a workload label, the LRU replay's `TraceHitRate`).
+        (requests with their `num_cached_tokens`, a workload label, the LRU replay's
+        `TraceHitRate`).
 
     Raises:
         ValueError: unknown trace, or a budget smaller than one 512-token block.
@@ -89,9 +82,8 @@ def mooncake_report_workload(trace: str, kv_budget_bytes: int, bytes_per_token: 
     served = [request for request in loaded if request.total_len <= max_model_len]
     hits = lru_hit_rate(served, capacity)
     hit_of = iter(hits.hit_tokens)
-    requests = [CachedPrefixRequest(r.input_length, r.output_length, r.arrival_s,
-                                    next(hit_of) if r.total_len <= max_model_len else 0)
-                for r in loaded]
+    requests = [dataclasses.replace(r, num_cached_tokens=next(hit_of))
+                if r.total_len <= max_model_len else r for r in loaded]
     label = (f"Mooncake {trace.removeprefix('mooncake-')} trace (FAST 2025, shipped), "
              f"prefix cache hit rate {hits.hit_rate:.1%}")
     return requests, label, hits

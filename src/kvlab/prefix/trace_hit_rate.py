@@ -32,7 +32,8 @@ from typing import Iterable, Sequence
 from ..config import load_config
 from ..paged.budget import num_blocks_for_budget
 from ..sizing import GPU_MEMORY_GIB, kv_bytes_per_token, weights_bytes
-from ..traces.mooncake import TRACE_BLOCK_SIZE, MooncakeRequest
+from ..traces.mooncake import TRACE_BLOCK_SIZE, block_keys
+from ..workload import Request
 from .prefix_cache import CachingBlockPool, PrefixCache
 
 __all__ = ["TraceHitRate", "unbounded_hit_rate", "lru_hit_rate", "hit_rate_curve",
@@ -73,7 +74,7 @@ class TraceHitRate:
         return None if self.capacity_blocks is None else self.capacity_blocks * self.block_size
 
 
-def unbounded_hit_rate(requests: Iterable[MooncakeRequest],
+def unbounded_hit_rate(requests: Iterable[Request],
                        block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
     """The ceiling: hit rate of a cache that keeps every full block forever.
 
@@ -83,21 +84,21 @@ def unbounded_hit_rate(requests: Iterable[MooncakeRequest],
     result = TraceHitRate(None, block_size)
     seen: set[int] = set()
     for request in requests:
-        keys = request.block_keys(block_size)
+        keys = block_keys(request, block_size)
         hits = 0
-        for key in keys[:(request.input_length - 1) // block_size]:  # the n - 1 cap
+        for key in keys[:(request.prompt_len - 1) // block_size]:  # the n - 1 cap
             if key not in seen:
                 break
             hits += 1
-        seen.update(keys[:request.input_length // block_size])  # full blocks only
+        seen.update(keys[:request.prompt_len // block_size])  # full blocks only
         result.num_requests += 1
-        result.num_query_tokens += request.input_length
+        result.num_query_tokens += request.prompt_len
         result.num_hit_tokens += hits * block_size
         result.hit_tokens.append(hits * block_size)
     return result
 
 
-def lru_hit_rate(requests: Iterable[MooncakeRequest], capacity_blocks: int,
+def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int,
                  block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
     """Hit rate of the prefix cache on a pool of `capacity_blocks` blocks, LRU eviction.
 
@@ -111,14 +112,14 @@ def lru_hit_rate(requests: Iterable[MooncakeRequest], capacity_blocks: int,
     pool = CachingBlockPool(capacity_blocks, cache)
     result = TraceHitRate(capacity_blocks, block_size)
     for request in requests:
-        keys = request.block_keys(block_size)
+        keys = block_keys(request, block_size)
         if len(keys) > capacity_blocks:
             result.num_too_big += 1
             result.hit_tokens.append(0)
             continue
         chain = []
         parent = None
-        for key in keys[:(request.input_length - 1) // block_size]:
+        for key in keys[:(request.prompt_len - 1) // block_size]:
             parent = cache.find(key, (key,), (), parent)
             if parent is None:
                 break
@@ -127,18 +128,18 @@ def lru_hit_rate(requests: Iterable[MooncakeRequest], capacity_blocks: int,
         pool.touch(block_ids)
         block_ids += pool.allocate(len(keys) - len(chain))
         parent = chain[-1] if chain else None
-        for index in range(len(chain), request.input_length // block_size):
+        for index in range(len(chain), request.prompt_len // block_size):
             parent = cache.insert(block_ids[index], keys[index], (keys[index],), (), parent)
         pool.release(reversed(block_ids))  # tail first, as KVCacheManager.free does
         result.num_requests += 1
-        result.num_query_tokens += request.input_length
+        result.num_query_tokens += request.prompt_len
         result.num_hit_tokens += len(chain) * block_size
         result.hit_tokens.append(len(chain) * block_size)
     result.num_evictions = pool.num_evictions
     return result
 
 
-def hit_rate_curve(requests: Sequence[MooncakeRequest], capacities_blocks: Iterable[int],
+def hit_rate_curve(requests: Sequence[Request], capacities_blocks: Iterable[int],
                    block_size: int = TRACE_BLOCK_SIZE) -> list[TraceHitRate]:
     """`lru_hit_rate` at each capacity (the same requests each time)."""
     return [lru_hit_rate(requests, capacity, block_size) for capacity in capacities_blocks]

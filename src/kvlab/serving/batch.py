@@ -17,7 +17,7 @@ from ..paged.block_table import cdiv
 from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, sha256
 from ..prefix.manager import PrefixCacheStats
-from ..requests import check_int
+from ..checks import check_int
 from .engine import EngineStats, LLMEngine
 
 __all__ = ["BatchResult", "generate_batch", "default_pool_size"]

@@ -56,7 +56,7 @@ def measure_requests_held(sizes: Iterable, strategy: str, kv_budget_bytes: int,
 
     Args:
         sizes: trace rows with prompt_len and output_len (tokens), e.g. `kvlab.workload.Request`;
-            rows with block_hashes (Mooncake) let the prefix strategy find shared blocks.
+            rows with trace_block_ids (Mooncake) let the prefix strategy find shared blocks.
         strategy: "contiguous", "paged" or "prefix" (`kvlab.serving.STRATEGIES`).
         kv_budget_bytes: KV memory (bytes); bytes_per_token: KV bytes of one token.
         max_model_len: longest request (tokens); longer ones are rejected, as in the report.

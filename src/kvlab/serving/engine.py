@@ -29,7 +29,7 @@ from ..paged.block_table import cdiv
 from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
 from ..prefix.manager import PrefixCacheStats, PrefixCachingKVCacheManager
-from ..requests import check_int, check_model_len, check_request
+from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
 from .kv_managers import PagedManager
 from .model_runner import ModelExecutor

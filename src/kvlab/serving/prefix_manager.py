@@ -113,7 +113,7 @@ def token_ids(request: Request, start: int, end: int) -> list[int]:
     if known is not None:
         known = known + request.output_token_ids  # outputs are known in model mode only
         return known[start:end] + [own] * (end - max(start, len(known)))
-    size, hashes = request.hash_block_size, request.block_hashes
+    size, hashes = request.trace_block_size, request.trace_block_ids
     ids: list[int] = []
     position = start
     prompt_end = min(end, request.prompt_len)

@@ -20,8 +20,8 @@ stop token ids, as vLLM's `SamplingParams.stop_token_ids`, HF's list-valued
 completions of one prompt (parallel sampling) carries n - 1 `forks`: siblings that share its
 prompt's KV once that is computed, each then sampling on its own (Kwon et al., section 4.4).
 
-Helpers here turn trace rows (`kvlab.workload.Request`: sizes and arrival times) into requests,
-replace arrival times by a Poisson process, and give token ids to requests for model mode.
+Helpers here turn a trace's requests (`kvlab.workload.Request`: sizes, arrival, block ids) into
+these, replace arrival times by a Poisson process, and give token ids to requests for model mode.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import enum
 import random
 from typing import Iterable, Sequence
 
-from ..requests import check_int
+from .. import workload
+from ..checks import check_int
 from ..sampling import check_temperature
 
 __all__ = ["Request", "RequestState", "SamplingParams", "stop_token_ids", "from_sizes",
@@ -124,9 +125,10 @@ class Request:
         max_output_tokens: tokens to generate (>= 1; the server stops after them, as a benchmark
             that ignores end-of-sequence does).
         prompt_token_ids: the prompt's ids (model mode), or None (simulation).
-        block_hashes: optional ids of the prompt's consecutive blocks of `hash_block_size` tokens
-            (a trace's prefix information: equal ids at equal positions = a shared prefix).
-        hash_block_size: tokens per entry of `block_hashes` (0 when there are none).
+        trace_block_ids: optional ids of the prompt's consecutive blocks of `trace_block_size`
+            tokens (a trace's prefix information: equal ids at equal positions = a shared prefix;
+            not vLLM's `request.block_hashes`, the chained hashes of the KV blocks).
+        trace_block_size: tokens per entry of `trace_block_ids` (0 when there are none).
         sampling: `SamplingParams` (greedy by default; model mode only reads it).
         cache_salt: only prefix-cache blocks hashed with the same salt are shared (one tenant's
             prompts never hit another's; vLLM's `cache_salt`).
@@ -144,8 +146,8 @@ class Request:
     prompt_len: int
     max_output_tokens: int
     prompt_token_ids: list[int] | None = None
-    block_hashes: tuple[int, ...] = ()
-    hash_block_size: int = 0
+    trace_block_ids: tuple[int, ...] = ()
+    trace_block_size: int = 0
     sampling: SamplingParams = GREEDY
     cache_salt: str | None = None
     forks: list["Request"] = dataclasses.field(default_factory=list)
@@ -197,25 +199,23 @@ class Request:
     def fresh_copy(self) -> "Request":
         """The same request, not yet served (to replay one workload through several strategies)."""
         return Request(self.request_id, self.arrival_s, self.prompt_len, self.max_output_tokens,
-                       self.prompt_token_ids, self.block_hashes, self.hash_block_size,
+                       self.prompt_token_ids, self.trace_block_ids, self.trace_block_size,
                        self.sampling, self.cache_salt, [fork.fresh_copy() for fork in self.forks])
 
 
-def from_sizes(sizes: Iterable, prompt_ids: bool = False, vocab_size: int = 0,
+def from_sizes(sizes: Iterable[workload.Request], prompt_ids: bool = False, vocab_size: int = 0,
                seed: int = 0) -> list[Request]:
-    """Requests from trace rows (anything with prompt_len, output_len, arrival_s; e.g.
-    `kvlab.workload.Request`), in arrival order.
+    """Requests to serve from a trace's or a fit's requests, in arrival order.
 
     Rows with 0 output tokens are served as 1 (a server always returns at least one token).
-    Optional attributes `block_hashes` / `hash_block_size` are carried over. With prompt_ids=True
-    every request gets `synthetic_prompt_ids` (vocab_size needed).
+    Their `trace_block_ids` / `trace_block_size` are carried over. With prompt_ids=True every
+    request gets `synthetic_prompt_ids` (vocab_size needed).
     """
     requests = []
     for index, row in enumerate(sizes):
-        request = Request(index, float(getattr(row, "arrival_s", 0.0)), int(row.prompt_len),
-                          max(1, int(row.output_len)),
-                          block_hashes=tuple(getattr(row, "block_hashes", ()) or ()),
-                          hash_block_size=int(getattr(row, "hash_block_size", 0) or 0))
+        request = Request(index, float(row.arrival_s), int(row.prompt_len),
+                          max(1, int(row.output_len)), trace_block_ids=tuple(row.trace_block_ids),
+                          trace_block_size=int(row.trace_block_size))
         if prompt_ids:
             request.prompt_token_ids = synthetic_prompt_ids(request, vocab_size, seed)
         requests.append(request)
@@ -264,32 +264,32 @@ def shrink(requests: Sequence[Request], factor: int) -> list[Request]:
     """Prompt and output lengths divided by `factor` (rounded, at least 1), arrival times kept.
 
     For the tiny model on a CPU, whose max_position_embeddings is 1,024: the traffic keeps its shape
-    (long tail, bursts) at a size a CPU runs in seconds. Prefix block hashes are kept, with their
+    (long tail, bursts) at a size a CPU runs in seconds. Trace block ids are kept, with their
     block size divided too (it must stay a whole number of tokens).
 
     Raises:
-        ValueError: factor < 1, or a hash block size it does not divide.
+        ValueError: factor < 1, or a trace block size it does not divide.
     """
     if not isinstance(factor, int) or factor < 1:
         raise ValueError(f"shrink factor must be a positive integer, got {factor!r}")
     out = []
     for r in requests:
-        if r.hash_block_size % factor:
-            raise ValueError(f"shrink factor {factor} does not divide the hash block size "
-                             f"{r.hash_block_size}")
+        if r.trace_block_size % factor:
+            raise ValueError(f"shrink factor {factor} does not divide the trace block size "
+                             f"{r.trace_block_size}")
         out.append(Request(r.request_id, r.arrival_s, max(1, round(r.prompt_len / factor)),
-                           max(1, round(r.max_output_tokens / factor)), None, r.block_hashes,
-                           r.hash_block_size // factor))
+                           max(1, round(r.max_output_tokens / factor)), None, r.trace_block_ids,
+                           r.trace_block_size // factor))
     return out
 
 
 def synthetic_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
     """Token ids for a request known only by its length (model mode on a trace).
 
-    Ids are drawn uniformly from [0, vocab_size). With block hashes, the tokens of each hashed block
-    are drawn from a generator seeded by (seed, position, hash), so two prompts that share a prefix
-    of blocks in the trace share exactly those token ids, and the prefix cache can find them. The
-    rest of the prompt is drawn from a generator seeded by (seed, request_id).
+    Ids are drawn uniformly from [0, vocab_size). With trace block ids, the tokens of each named
+    block are drawn from a generator seeded by (seed, position, block id), so two prompts that share
+    a prefix of blocks in the trace share exactly those token ids, and the prefix cache can find
+    them. The rest of the prompt is drawn from a generator seeded by (seed, request_id).
 
     Raises:
         ValueError: vocab_size < 1.
@@ -297,9 +297,9 @@ def synthetic_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> li
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     ids: list[int] = []
-    size = request.hash_block_size
-    for position, block_hash in enumerate(request.block_hashes if size else ()):
-        rng = random.Random(f"{seed}/{position}/{block_hash}")
+    size = request.trace_block_size
+    for position, block_id in enumerate(request.trace_block_ids if size else ()):
+        rng = random.Random(f"{seed}/{position}/{block_id}")
         ids += [rng.randrange(vocab_size) for _ in range(size)]
         if len(ids) >= request.prompt_len:
             break

@@ -44,23 +44,23 @@ class TraceBlocks(BlockTokens):
     """A simulated request's tokens (prompt, then outputs so far) as compact block contents.
 
     Args:
-        request: a request without token ids; its `block_hashes` (trace block ids, each >= 0)
-            name its first prompt blocks of `hash_block_size` tokens. Its num_tokens now are
+        request: a request without token ids; its `trace_block_ids` (each >= 0)
+            name its first prompt blocks of `trace_block_size` tokens. Its num_tokens now are
             the tokens described.
 
     Raises:
-        ValueError: a negative trace block id, or block ids with hash_block_size < 1.
+        ValueError: a negative trace block id, or block ids with trace_block_size < 1.
     """
 
     __slots__ = ("trace_ids", "trace_block_size", "named_end", "own_id", "prompt_len",
                  "num_tokens")
 
     def __init__(self, request: Request):
-        trace_ids, size = request.block_hashes, request.hash_block_size
+        trace_ids, size = request.trace_block_ids, request.trace_block_size
         if trace_ids and (size < 1 or min(trace_ids) < 0):
             raise ValueError(f"request {request.request_id}: trace block ids must be >= 0 with a "
-                             f"hash_block_size >= 1, got ids from {min(trace_ids)} and "
-                             f"hash_block_size={size}")
+                             f"trace_block_size >= 1, got ids from {min(trace_ids)} and "
+                             f"trace_block_size={size}")
         self.trace_ids, self.trace_block_size = trace_ids, size
         # Tokens 0 .. named_end - 1 lie in blocks the trace names; the rest have the own id.
         self.named_end = min(request.prompt_len, len(trace_ids) * size)

@@ -12,29 +12,19 @@ max_model_len are *kept* here: the server rejects them on arrival and counts the
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from ..traces.azure import TraceFormatError, load_azure_trace
-from ..traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace
+from ..traces.mooncake import load_mooncake_trace
 from ..traces.shipped import SHIPPED_TRACES, trace_file
+from ..workload import Request
 
-__all__ = ["TraceRow", "load_trace", "SHIPPED_TRACES"]
-
-@dataclasses.dataclass(frozen=True)
-class TraceRow:
-    """One request of a trace: sizes in tokens, arrival in seconds from the trace's start, and
-    the ids of its prompt blocks of `hash_block_size` tokens (none for the Azure trace)."""
-
-    prompt_len: int
-    output_len: int
-    arrival_s: float
-    block_hashes: tuple[int, ...] = ()
-    hash_block_size: int = 0
+__all__ = ["load_trace", "SHIPPED_TRACES"]
 
 
-def load_trace(trace: str | Path, limit: int | None = None) -> list[TraceRow]:
-    """Requests of a trace, in file order (at most `limit`).
+def load_trace(trace: str | Path, limit: int | None = None) -> list[Request]:
+    """Requests of a trace (`kvlab.workload.Request`, with the Mooncake block ids as
+    `trace_block_ids`), in file order (at most `limit`).
 
     Args:
         trace: a shipped name (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic)
@@ -48,11 +38,8 @@ def load_trace(trace: str | Path, limit: int | None = None) -> list[TraceRow]:
     """
     path = trace_file(trace)
     if path.suffix == ".csv":
-        return [TraceRow(r.prompt_len, r.output_len, r.arrival_s)
-                for r in load_azure_trace(path, limit)]
+        return load_azure_trace(path, limit)
     if path.suffix == ".jsonl":
-        return [TraceRow(r.input_length, r.output_length, r.arrival_s, r.hash_ids,
-                         TRACE_BLOCK_SIZE)
-                for r in load_mooncake_trace(path, limit=limit).requests]
+        return load_mooncake_trace(path, limit=limit).requests
     raise TraceFormatError(f"{path}: unknown trace format {path.suffix!r}; expected .csv (Azure "
                            f"LLM inference trace) or .jsonl (Mooncake)")

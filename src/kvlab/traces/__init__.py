@@ -12,8 +12,8 @@ and licence.
 
 from .azure import (AZURE_ATTRIBUTION, AZURE_TRACES, TraceFormatError, azure_trace,
                     azure_trace_path, load_azure_trace)
-from .mooncake import (MOONCAKE_TRACES, MooncakeRequest, MooncakeTrace, load_mooncake_trace)
+from .mooncake import MOONCAKE_TRACES, MooncakeTrace, load_mooncake_trace
 
 __all__ = ["AZURE_ATTRIBUTION", "AZURE_TRACES", "TraceFormatError", "azure_trace",
-           "azure_trace_path", "load_azure_trace", "MOONCAKE_TRACES", "MooncakeRequest",
-           "MooncakeTrace", "load_mooncake_trace"]
+           "azure_trace_path", "load_azure_trace", "MOONCAKE_TRACES", "MooncakeTrace",
+           "load_mooncake_trace"]

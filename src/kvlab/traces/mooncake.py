@@ -9,6 +9,7 @@ of the prompt (the last id may cover a partial block, so len(hash_ids) = ceil(in
 The ids are remapped hashes of the blocks *with their prefix*: equal ids at equal positions mean
 two prompts share everything up to the end of that block. That is exactly the key of a prefix
 cache, so the traces measure prefix caching on real traffic without a single token of text.
+Each line becomes a `kvlab.workload.Request` carrying its hash_ids as `trace_block_ids`.
 
 Two traces ship with kvlab as package data (Apache-2.0; `data/mooncake/NOTICE.md` keeps the
 attribution): `conversation` (12,031 requests, one hour of a production chat service) and
@@ -32,46 +33,13 @@ from pathlib import Path
 from ..workload import Request
 from .azure import TraceFormatError
 
-__all__ = ["TRACE_BLOCK_SIZE", "MOONCAKE_TRACES", "MooncakeRequest", "MooncakeTrace",
-           "load_mooncake_trace", "expand_hash_ids", "mooncake_trace_path", "TraceFormatError"]
+__all__ = ["TRACE_BLOCK_SIZE", "MOONCAKE_TRACES", "MooncakeTrace", "load_mooncake_trace",
+           "expand_hash_ids", "block_keys", "mooncake_trace_path", "TraceFormatError"]
 
 TRACE_BLOCK_SIZE = 512  # tokens per hash id in the published traces
 DATA_DIR = Path(__file__).parent / "data" / "mooncake"
 MOONCAKE_TRACES = {"conversation": "conversation_trace.jsonl",
                    "synthetic": "synthetic_trace.jsonl"}
-
-
-@dataclasses.dataclass(frozen=True)
-class MooncakeRequest:
-    """One request of a Mooncake trace.
-
-    Attributes:
-        timestamp_ms: arrival, milliseconds after the trace's start.
-        input_length, output_length: prompt and generated tokens.
-        hash_ids: one id per 512-token prompt block (ceil(input_length / 512) of them).
-    """
-
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-    @property
-    def arrival_s(self) -> float:
-        return self.timestamp_ms / 1000.0
-
-    @property
-    def total_len(self) -> int:
-        """Tokens the request holds at its end: input + output."""
-        return self.input_length + self.output_length
-
-    def block_keys(self, block_size: int = TRACE_BLOCK_SIZE) -> list[int]:
-        """Prefix-identity keys of the prompt's blocks of `block_size` tokens (see module doc)."""
-        return expand_hash_ids(self.hash_ids, self.input_length, block_size)
-
-    def as_request(self) -> Request:
-        """The sizes alone, as a `kvlab.workload.Request` (for the stage-2/4 report)."""
-        return Request(self.input_length, self.output_length, self.arrival_s)
 
 
 def expand_hash_ids(hash_ids: tuple[int, ...] | list[int], input_length: int,
@@ -94,6 +62,11 @@ def expand_hash_ids(hash_ids: tuple[int, ...] | list[int], input_length: int,
     return keys[:num_blocks]
 
 
+def block_keys(request: Request, block_size: int = TRACE_BLOCK_SIZE) -> list[int]:
+    """Prefix-identity keys of a trace request's prompt blocks of `block_size` tokens."""
+    return expand_hash_ids(request.trace_block_ids, request.prompt_len, block_size)
+
+
 @dataclasses.dataclass
 class MooncakeTrace:
     """A loaded trace.
@@ -101,7 +74,8 @@ class MooncakeTrace:
     Attributes:
         name: 'conversation', 'synthetic' or the file name.
         path: the file read.
-        requests: the requests kept, in file (arrival) order.
+        requests: the requests kept, in file (arrival) order; each carries its hash_ids as
+            `trace_block_ids` of `TRACE_BLOCK_SIZE` tokens.
         max_model_len: the limit applied (None: none).
         num_rejected: requests dropped because input + output > max_model_len.
         num_lines: requests in the file.
@@ -109,7 +83,7 @@ class MooncakeTrace:
 
     name: str
     path: Path
-    requests: list[MooncakeRequest]
+    requests: list[Request]
     max_model_len: int | None
     num_rejected: int
     num_lines: int
@@ -119,7 +93,7 @@ class MooncakeTrace:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(request.input_length for request in self.requests)
+        return sum(request.prompt_len for request in self.requests)
 
 
 def mooncake_trace_path(name: str) -> Path:
@@ -158,15 +132,14 @@ def load_mooncake_trace(trace: str | Path = "conversation", max_model_len: int |
     else:
         path = Path(trace)
         name = path.name
-    requests: list[MooncakeRequest] = []
+    requests: list[Request] = []
     num_lines = num_rejected = 0
     previous_ms = 0
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue  # a blank line (e.g. a trailing newline) is not a request
-            request = _parse_line(line, f"{path}:{line_number}", previous_ms)
-            previous_ms = request.timestamp_ms
+            request, previous_ms = _parse_line(line, f"{path}:{line_number}", previous_ms)
             num_lines += 1
             if max_model_len is not None and request.total_len > max_model_len:
                 num_rejected += 1
@@ -177,7 +150,8 @@ def load_mooncake_trace(trace: str | Path = "conversation", max_model_len: int |
     return MooncakeTrace(name, path, requests, max_model_len, num_rejected, num_lines)
 
 
-def _parse_line(line: str, where: str, previous_ms: int) -> MooncakeRequest:
+def _parse_line(line: str, where: str, previous_ms: int) -> tuple[Request, int]:
+    """The line's request and its timestamp in ms (the next line's lower bound)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
@@ -210,4 +184,5 @@ def _parse_line(line: str, where: str, previous_ms: int) -> MooncakeRequest:
     if len(hash_ids) != expected:
         raise TraceFormatError(f"{where}: input_length={input_length} needs {expected} hash_ids "
                                f"(one per {TRACE_BLOCK_SIZE}-token block), got {len(hash_ids)}")
-    return MooncakeRequest(timestamp, input_length, output_length, tuple(hash_ids))
+    return Request(input_length, output_length, timestamp / 1000.0, tuple(hash_ids),
+                   TRACE_BLOCK_SIZE), timestamp

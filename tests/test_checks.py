@@ -12,7 +12,7 @@ from kvlab.errors import RequestTooLongError
 from kvlab.generate import generate
 from kvlab.paged import PagedKVCache
 from kvlab.serving import LLMEngine, generate_batch
-from kvlab.requests import check_index, check_int, check_model_len, check_request
+from kvlab.checks import check_index, check_int, check_model_len, check_request
 
 # ---- B. max_model_len never above max_position_embeddings ---------------------------------------
 

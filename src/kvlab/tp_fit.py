@@ -1,0 +1,85 @@
+"""Does one of `tp` GPUs hold its share of a model? The fit check behind `--tp` and `kvlab size`.
+
+Under tensor parallelism each GPU holds 1/tp of the weights and of every token's K/V
+(`kvlab.sizing`). vLLM v1 refuses to start unless what is left of `gpu_memory_utilization` x the
+card after the weights holds one request of max_model_len tokens ("To serve at least one request
+with the model's max seq len ...", `check_enough_kv_cache_memory` in
+vllm/v1/core/kv_cache_utils.py). `tp_shortfall` says why a size fails that check, with the numbers;
+`smallest_fitting_tp` finds the smallest size that passes it.
+"""
+
+from __future__ import annotations
+
+from .config import LlamaConfig
+from .dtypes import DTypeLike
+from .sizing import (SizingError, default_kv_budget, dtype_name, format_bytes, kv_bytes_per_token,
+                     kv_heads_per_gpu, weights_bytes)
+
+__all__ = ["tp_shortfall", "smallest_fitting_tp"]
+
+
+def tp_shortfall(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int, *, tp: int,
+                 max_model_len: int, dtype: DTypeLike = "bf16",
+                 kv_cache_dtype: DTypeLike | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_budget_bytes: int | None = None) -> str | None:
+    """Why one of `tp` GPUs cannot hold its share, with the numbers; None when it can.
+
+    Without kv_budget_bytes, the share is vLLM's start-up check (module docstring):
+    default_kv_budget must hold one request of max_model_len tokens. With it, the weights and that
+    KV budget must fit in the card's memory.
+
+    Returns:
+        e.g. "141.1 GB of bf16 weights > 80 GiB H100-80GB" (llama-3.1-70b at tp 1), or None.
+
+    Raises:
+        SizingError: an impossible tp or unknown dtype.
+    """
+    weights = weights_bytes(config, dtype, tp)
+    per_gpu = " per GPU" if tp > 1 else ""
+    shown = f"{weights / 1e9:.1f} GB of {dtype_name(dtype)} weights{per_gpu}"
+    card = f"{format_bytes(gpu_memory_bytes)} {gpu_name}"
+    if weights > gpu_memory_bytes:
+        return f"{shown} > {card}"
+    if kv_budget_bytes is not None:
+        if weights + kv_budget_bytes > gpu_memory_bytes:
+            return f"{shown} + a KV budget of {format_bytes(kv_budget_bytes)} > {card}"
+        return None
+    usable = f"{gpu_memory_utilization} x {card}"
+    budget = default_kv_budget(config, dtype=dtype, tp=tp, gpu_memory_bytes=gpu_memory_bytes,
+                               gpu_memory_utilization=gpu_memory_utilization)
+    if budget <= 0:
+        return f"{shown} > gpu_memory_utilization {usable}"
+    one_request = max_model_len * kv_bytes_per_token(config, kv_cache_dtype or dtype, tp)
+    if budget < one_request:
+        return (f"the KV budget {format_bytes(budget)} ({usable} - {shown}) < one "
+                f"max_model_len={max_model_len:,} request ({format_bytes(one_request)})")
+    return None
+
+
+def smallest_fitting_tp(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int,
+                        **fit) -> int:
+    """The smallest tensor-parallel size at which `tp_shortfall(..., **fit)` finds none.
+
+    Only the sizes `kv_heads_per_gpu` accepts are tried (tp divides num_attention_heads; tp and
+    num_key_value_heads divide one another).
+
+    Raises:
+        SizingError: no size fits (the message is the largest size's shortfall).
+    """
+    sizes = [tp for tp in range(1, config.num_attention_heads + 1) if _splits(config, tp)]
+    for tp in sizes:
+        shortfall = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=tp, **fit)
+        if shortfall is None:
+            return tp
+    raise SizingError(f"{config.name} at tp {sizes[-1]}: {shortfall}; no tensor-parallel size "
+                      f"fits (num_attention_heads={config.num_attention_heads} allows at most "
+                      f"{sizes[-1]})")
+
+
+def _splits(config: LlamaConfig, tp: int) -> bool:
+    """Whether `kv_heads_per_gpu` accepts this tp."""
+    try:
+        kv_heads_per_gpu(config, tp)
+    except SizingError:
+        return False
+    return True

@@ -1,5 +1,7 @@
 """The two physical layouts of a block pool, and which addresses one attention program reads.
 
+One layer's pool holds `num_blocks` blocks of `block_size` token slots, in one of two axis orders:
+
 * token-major `[num_blocks, block_size, num_kv_heads, head_dim]`: what stage 4 allocates; the slot
   mapping indexes its flat `[num_blocks * block_size, num_kv_heads, head_dim]` view.
 * head-major `[num_blocks, num_kv_heads, block_size, head_dim]`: the order vLLM's original

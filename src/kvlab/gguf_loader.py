@@ -10,7 +10,7 @@ llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) interleaves 
 RoPE rotates together, where HF's "rotate half" pairs i with i + head_dim/2 (`unpermute_rows`).
 
 The weights are the 4-bit-rounded ones, so logits differ from the bf16 release and equal
-transformers' own dequantized load of the file (tests/test_gguf_model.py, to 1e-4).
+transformers' own dequantized load of the file (tests/test_gguf_loader.py, to 1e-4).
 """
 
 from __future__ import annotations

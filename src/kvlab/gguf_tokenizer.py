@@ -4,7 +4,7 @@ There is no tokenizer.json; llama.cpp's converter stores the pieces: `tokenizer.
 = byte-level BPE), `.tokens` (id = list index), `.merges` ("a b", best first), `.token_type` (3 =
 control token such as `<|im_start|>`), `.pre` (the pre-tokenizer) and `tokenizer.chat_template`
 (Jinja, as in HF's tokenizer_config.json). They are assembled with `tokenizers` and the template
-rendered by sandboxed `jinja2`, as `apply_chat_template` does (tests/test_gguf_model.py compares
+rendered by sandboxed `jinja2`, as `apply_chat_template` does (tests/test_gguf_loader.py compares
 both with transformers' own GGUF conversion).
 
 A reply ends at the end-of-turn token, which need not be EOS: a ChatML fine-tune may keep

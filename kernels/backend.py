@@ -1,13 +1,9 @@
 """The stage-5 kernels as an attention backend of the paged cache (`kvlab.paged.backends`).
 
-`PagedKVCache(..., attention_backend="triton")` (or `kvlab generate --cache paged --attention
-triton`) routes every layer's K/V writes through `kvlab.kernels.write_kv` and every decode step
-through `kvlab.kernels.paged_attention.paged_attention_decode`. Prefill (many query tokens of one
-sequence) stays on the PyTorch path: stage 5's kernel is a decode kernel, and vLLM too runs prefill
-and decode through different kernels.
-
-Without a GPU the kernels run in Triton's interpreter: set TRITON_INTERPRET=1 before Triton is
-first imported (the CLI and the tests do), or the first call raises a ValueError saying so.
+`PagedKVCache(..., attention_backend="triton")` (`kvlab generate --cache paged --attention triton`)
+sends K/V writes to `kvlab.kernels.write_kv` and decode to `paged_attention_decode`. Prefill stays
+in PyTorch: stage 5's kernel is a decode kernel (vLLM too runs the two through different kernels).
+Without a GPU, set TRITON_INTERPRET=1 before Triton is first imported (the CLI and tests do).
 """
 
 from __future__ import annotations
@@ -23,13 +19,7 @@ __all__ = ["TritonBackend"]
 
 
 class TritonBackend:
-    """Write K/V and attend in decode with Triton kernels; prefill in PyTorch.
-
-    Args:
-        layout: the pool layout it reads, "token-major" (default) or "head-major".
-
-    Shapes and dtypes: as `kvlab.paged.backends.TorchBackend` (float16, bfloat16, float32 pools).
-    """
+    """Triton writes and decode, PyTorch prefill; shapes and dtypes as `TorchBackend`'s."""
 
     name = "triton"
 

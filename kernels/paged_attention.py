@@ -1,45 +1,30 @@
 """Stage 5: a Triton paged-attention decode kernel, GQA-aware, with online softmax and split-KV.
 
-One decode step: each of `num_seqs` sequences has one new query token (all query heads) and attends
-over its own `seq_len` keys and values, which live in a block pool, scattered over the blocks its
-block table names (vLLM paper, Kwon et al., SOSP 2023, section 4.1). The kernel reads them in place,
-block by block, instead of gathering a contiguous copy first as the PyTorch reference does.
+Each of `num_seqs` sequences has one new query token (all heads) and attends over its `seq_len`
+keys and values, scattered over the pool blocks its block table names (vLLM paper, Kwon et al.,
+SOSP 2023, section 4.1). The kernel reads them in place instead of gathering a contiguous copy.
 
-Design, in the order the notebook builds it:
-
-* One **program** (one instance of the kernel, `tl.program_id`) = one KV head of one sequence. GQA
-  (Ainslie et al., 2023) lets `group = num_heads / num_kv_heads` query heads share that KV head, so
-  the program holds all `group` query rows at once and each K/V vector is read from memory once,
-  not once per query head. `tl.dot` on a GPU needs tiles of at least 16 rows, so the group is
-  padded to 16 rows and the padding is masked on load and store.
-* **Block table lookup per token**: position p lives in block `block_table[p // block_size]`,
-  slot `p % block_size`. The block id is cast to int64 before it multiplies the block stride: in
-  int32, block_id x stride wraps past 2^31 - 1 once one layer's pool holds 2^31 elements, e.g.
-  131,072 blocks x 16 tokens x 8 KV heads x 128 dims (4 GiB of bf16), or 65,536 blocks at
-  head_dim 256.
+* One **program** = one KV head of one sequence. Under GQA (Ainslie et al., 2023) it holds all
+  `group = num_heads / num_kv_heads` query rows, so each K/V vector is read once; `tl.dot` needs
+  16 rows, so the group is padded to 16 and the padding masked.
+* **Block table lookup per token**: position p is slot `p % block_size` of block
+  `block_table[p // block_size]`. The block id is cast to int64 first: in int32, block_id x stride
+  wraps once one layer's pool holds 2^31 elements (131,072 blocks x 16 tokens x 8 KV heads x 128
+  dims, 4 GiB of bf16; 65,536 blocks at head_dim 256).
 * **Online softmax** (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1):
-  a running max `m`, running sum `l` and running output `acc`, all float32, rescaled by
-  exp(m_old - m_new) whenever a tile raises the max; one pass over the keys, nothing stored.
-* **Masks, on values as well as scores**: slots past seq_len (the unused end of the last block) and
-  padded block-table entries belong to someone else. Their loads are masked (`other=0`), so a NaN or
-  Inf left there by another request never enters the arithmetic (0 x NaN would still be NaN).
-* **Split-KV** (flash-decoding): for few long sequences, each sequence's tokens are cut into splits
-  run by separate programs, each writing a partial output and the log-sum-exp of its scores; a
-  reduce kernel combines them. `kvlab.kernels.split_kv` chooses the number of splits.
-* **Layouts**: the kernel takes the pool's strides named by meaning (block, token slot, head, dim),
-  so token-major and head-major pools run through the same code (`kvlab.kernels.pool_layout`).
+  running max `m`, sum `l` and output `acc` in float32, rescaled by exp(m_old - m_new); one pass.
+* **Masks on values as well as scores**: slots past seq_len and padded block-table entries belong
+  to someone else; loading them as 0 keeps a NaN left there out of the arithmetic (0 x NaN = NaN).
+* **Split-KV** (flash-decoding): a long sequence is cut into splits, each writing a partial output
+  and its log-sum-exp; a reduce kernel combines them (`kvlab.kernels.split_kv` chooses how many).
+* **Layouts**: strides are passed by meaning (block, slot, head, dim), so token-major and
+  head-major pools share the code (`kvlab.kernels.pool_layout`).
 
-Interpreter: under TRITON_INTERPRET=1 Triton runs the kernel in NumPy on the CPU. Two things differ
-there, and each is handled by a compile-time flag, so the compiled kernel is the one it always was:
-
-* `tl.dot` on bfloat16 tiles multiplies the wrong numbers (Triton issue 11584), so bf16 tiles are
-  upcast to float32 first (UPCAST). On a GPU the bf16/fp16 tensor-core path stays.
-* Triton 3.6's interpreter turns a `range` bound into a Python int with `int()` of a 1-element
-  NumPy array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
-  scalars"; Triton 3.9 squeezes the array first). So the interpreter runs the tile loop as a
-  `while` (WHILE_LOOP). Compiled, it stays a `for`: Triton's software pipeliner (num_stages)
-  transforms `for` loops only; compiled for sm_80, the `for` loop prefetches K/V tiles with
-  cp.async into multi-buffered shared memory, the `while` loop does not.
+Under TRITON_INTERPRET=1 (NumPy on the CPU) two compile-time flags keep the GPU kernel unchanged:
+UPCAST, because the interpreter's `tl.dot` on bfloat16 multiplies the wrong numbers (Triton issue
+11584); WHILE_LOOP, because Triton 3.6's interpreter calls `int()` on a 1-element array for a
+`range` bound, which NumPy 2.4 refuses. Compiled, the loop stays a `for`: only `for` loops are
+software-pipelined (num_stages; on sm_80, cp.async prefetch of K/V tiles into shared memory).
 """
 
 from __future__ import annotations
@@ -72,11 +57,8 @@ def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, ti
                  stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One tile: positions [tile_start, tile_start + TILE) of one sequence, those below `end`.
-
-    q [GROUP_PAD, HEAD_DIM_PAD]; acc [GROUP_PAD, HEAD_DIM_PAD] fp32; m_i, l_i [GROUP_PAD] fp32 with
-    scores in log2 units (qk_scale includes log2(e), so exp2 is used). Returns (acc, m_i, l_i).
-    """
+    """Positions [tile_start, tile_start + TILE) below `end`. q, acc [GROUP_PAD, HEAD_DIM_PAD];
+    acc, m_i, l_i fp32, scores in log2 units (qk_scale includes log2(e)). Returns (acc, m_i, l_i)."""
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     positions = tile_start + tl.arange(0, TILE)
     owned = positions < end  # slots past the sequence's end are someone else's
@@ -110,8 +92,7 @@ def _attend_tokens(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, 
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr):
-    """The inner loop: positions [start, end) of one sequence, TILE tokens at a time (shapes as
-    `_attend_tile`). WHILE_LOOP: the interpreter's form of the loop (see the module docstring)."""
+    """Positions [start, end), TILE tokens at a time; WHILE_LOOP under the interpreter."""
     if WHILE_LOOP:
         tile_start = start
         while tile_start < end:
@@ -145,12 +126,9 @@ def _paged_decode_kernel(out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bloc
                          HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          TILE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr):
-    """Grid (num_seqs, num_kv_heads, num_splits): one KV head of one sequence, one split of it.
-
-    Without SPLIT, writes the normalised output [num_seqs, num_heads, head_dim] in out's dtype.
-    With SPLIT, writes float32 partial outputs [num_seqs, num_heads, num_splits, head_dim] and
-    their log2-sum-exp [num_seqs, num_heads, num_splits] (-inf for a split with no tokens).
-    """
+    """Grid (num_seqs, num_kv_heads, num_splits). Without SPLIT: the output [num_seqs, num_heads,
+    head_dim] in out's dtype. With SPLIT: fp32 partials [num_seqs, num_heads, num_splits, head_dim]
+    and their log2-sum-exp [num_seqs, num_heads, num_splits] (-inf for an empty split)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -216,9 +194,8 @@ def _reduce_splits_kernel(out_ptr, partial_ptr, lse_ptr, num_splits,
 
 
 def _tile_for(head_dim_pad: int, element_bytes: int, max_seq_len: int, small_smem: bool) -> int:
-    """Tokens per tile: one K tile of at most 16 KiB (8 KiB on GPUs before sm_80, whose shared
-    memory is smaller), no more than the longest sequence needs, never below the 16 rows tl.dot
-    requires. fp16, head_dim 128: 64 tokens; head_dim 256 or fp32: 32."""
+    """Tokens per tile: a K tile of <= 16 KiB (8 KiB before sm_80), <= the longest sequence,
+    >= 16 rows for tl.dot. fp16, head_dim 128: 64 tokens; head_dim 256 or fp32: 32."""
     budget = (8 if small_smem else 16) * 1024
     largest = max(MIN_DOT_ROWS, budget // (head_dim_pad * element_bytes))
     return max(MIN_DOT_ROWS, min(largest, triton.next_power_of_2(max_seq_len)))
@@ -227,21 +204,8 @@ def _tile_for(head_dim_pad: int, element_bytes: int, max_seq_len: int, small_sme
 def kernel_constants(dtype: torch.dtype, head_dim: int, group: int, block_size: int,
                      max_seq_len: int, capability: tuple[int, int] | None = None,
                      tile: int | None = None) -> dict:
-    """The compile-time choices of one decode launch (tile sizes, padding, precision, stages).
-
-    Args:
-        dtype: of query and pools. head_dim, group (query heads per KV head), block_size: sizes.
-        max_seq_len: the longest sequence of the batch (bounds the tile).
-        capability: the GPU's compute capability, None on CPU (the interpreter).
-        tile: force the tokens per tile (a power of two >= 16).
-
-    Returns:
-        The constexpr keyword arguments of `_paged_decode_kernel` except SPLIT, plus num_stages
-        on GPUs before sm_80.
-
-    Raises:
-        ValueError: a tile that is not a power of two >= 16.
-    """
+    """The constexpr keyword arguments of `_paged_decode_kernel` except SPLIT (plus num_stages
+    before sm_80). capability is None on CPU; ValueError: a tile not a power of two >= 16."""
     head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
     old_gpu = capability is not None and capability[0] < 8
     element_bytes = torch.finfo(dtype).bits // 8
@@ -268,33 +232,18 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            tile: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache (Triton).
 
-    Args:
-        query: [num_seqs, num_heads, head_dim], float16, bfloat16 or float32.
-        k_cache, v_cache: one layer's pools, same dtype as query, in `layout`:
-            token-major [num_blocks, block_size, num_kv_heads, head_dim] or
-            head-major [num_blocks, num_kv_heads, block_size, head_dim].
-        block_tables: [num_seqs, max_blocks_per_seq] int32 or int64, padded with any block id.
-        seq_lens: [num_seqs] int32 or int64, tokens of each sequence (>= 1), the new one included.
-        scale: score scale, default 1 / sqrt(head_dim).
-        layout: "token-major" or "head-major" (`kvlab.kernels.pool_layout`).
-        num_splits: split-KV splits per sequence; None picks from the batch, lengths and the
-            card's multiprocessor count (`choose_num_splits`; 1 under the interpreter); 1 = no split.
-        max_seq_len: the longest seq_len, if the caller knows it (saves a device-to-host copy);
-            each sequence is read up to max_seq_len tokens, so it must be >= max(seq_lens).
-        out: optional [num_seqs, num_heads, head_dim] tensor of query's dtype to write into.
-        validate: check seq_lens, block ids and max_seq_len against each other and the pool
-            (reads them on the host). With validate=False they are trusted: a seq_len of 0 gives
-            zeros, and one past its block table or max_seq_len gives a wrong answer, silently.
-        tile: tokens per loop iteration, a power of two >= 16 (default: see `_tile_for`); tests
-            use 16 so that short sequences still take several iterations.
+    query [num_seqs, num_heads, head_dim] fp16, bf16 or fp32; k_cache, v_cache one layer's pools
+    of query's dtype, token-major [num_blocks, block_size, num_kv_heads, head_dim] or head-major
+    [num_blocks, num_kv_heads, block_size, head_dim]; block_tables [num_seqs, max_blocks_per_seq]
+    and seq_lens [num_seqs] (>= 1, the new token included), int32 or int64. scale defaults to
+    1 / sqrt(head_dim). num_splits None picks one (`choose_num_splits`; 1 under the interpreter).
+    max_seq_len, if known, saves a device-to-host copy and must be >= max(seq_lens). validate
+    checks lengths and block ids on the host; without it a seq_len of 0 gives zeros and one past its
+    block table gives a wrong answer, silently. tile: a power of two >= 16 (tests use 16).
 
-    Returns:
-        [num_seqs, num_heads, head_dim], query's dtype. Head h reads KV head h // group.
-
-    Raises:
-        ValueError: shapes, dtypes, devices, strides, layout or lengths that do not fit, an `out`
-            unlike query, num_splits or max_seq_len not an integer >= 1, max_seq_len below the
-            longest seq_len (message has the numbers); bfloat16 on a GPU below sm_80.
+    Returns [num_seqs, num_heads, head_dim] in query's dtype; head h reads KV head h // group.
+    ValueError (with the numbers): shapes, dtypes, devices, strides, layout or lengths that do not
+    fit, an `out` unlike query, bad num_splits or max_seq_len; bfloat16 on a GPU below sm_80.
     """
     check_interpreter(INTERPRETED, LANGUAGE_INTERPRETED)
     geometry = check_decode_inputs(query, k_cache, v_cache, block_tables, seq_lens, layout,

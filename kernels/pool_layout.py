@@ -1,21 +1,17 @@
 """The two physical layouts of a block pool, and which addresses one attention program reads.
 
-A block pool of one layer holds `num_blocks` blocks of `block_size` token slots, each slot holding
-`num_kv_heads` vectors of `head_dim` numbers. Two orders of the middle axes are in use:
+One layer's pool holds `num_blocks` blocks of `block_size` token slots, in one of two axis orders:
 
-* token-major, `[num_blocks, block_size, num_kv_heads, head_dim]` (what stage 4 allocates; the
-  slot mapping then indexes the flat `[num_blocks * block_size, num_kv_heads, head_dim]` view),
-* head-major, `[num_blocks, num_kv_heads, block_size, head_dim]` (the order vLLM's original
-  PagedAttention kernel reads its value cache in; Kwon et al., SOSP 2023, section 4.1).
+* token-major `[num_blocks, block_size, num_kv_heads, head_dim]`: what stage 4 allocates; the slot
+  mapping indexes its flat `[num_blocks * block_size, num_kv_heads, head_dim]` view.
+* head-major `[num_blocks, num_kv_heads, block_size, head_dim]`: the order vLLM's original
+  PagedAttention kernel reads its value cache in (Kwon et al., SOSP 2023, section 4.1).
 
-The decode kernel (`kvlab.kernels.paged_attention`) gives one program one KV head of one sequence.
-In token-major order, the `block_size` vectors of that head inside one block are `num_kv_heads *
-head_dim` elements apart: the program reads `block_size` separate runs of `head_dim` elements. In
-head-major order they sit next to each other: one run of `block_size * head_dim` elements per block.
-Longer contiguous runs mean fewer, fuller memory transactions; what that is worth in GB/s is what
-stage 5's benchmark (`kvlab.kernels.bench_paged_attention`) times on a GPU.
-
-This module needs no Triton: the CPU picture of the notebook uses it.
+One decode program reads one KV head of one sequence. Token-major, that head's vectors in a block
+are `num_kv_heads * head_dim` elements apart (`block_size` runs of `head_dim`); head-major, they
+are one run of `block_size * head_dim`. Longer runs mean fewer, fuller memory transactions; stage
+5's benchmark (`kvlab.kernels.bench_paged_attention`) times what that is worth in GB/s. No Triton
+here: the notebook's CPU picture uses this module.
 """
 
 from __future__ import annotations
@@ -41,15 +37,7 @@ def check_layout(layout: str) -> str:
 
 def pool_shape(layout: str, num_blocks: int, block_size: int, num_kv_heads: int,
                head_dim: int) -> tuple[int, int, int, int]:
-    """The 4-d shape of one layer's K (or V) pool in `layout`.
-
-    Returns:
-        (num_blocks, block_size, num_kv_heads, head_dim) for token-major,
-        (num_blocks, num_kv_heads, block_size, head_dim) for head-major.
-
-    Raises:
-        ValueError: unknown layout, or a size < 1.
-    """
+    """The 4-d shape of one layer's K (or V) pool; ValueError: unknown layout, a size < 1."""
     check_layout(layout)
     sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                  head_dim=head_dim)
@@ -62,13 +50,8 @@ def pool_shape(layout: str, num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 def pool_strides(pool: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """Element strides of a pool tensor named by meaning: (block, token slot, KV head, dim).
-
-    The kernel takes these four numbers, so one kernel reads either layout: only the strides differ.
-
-    Raises:
-        ValueError: unknown layout or a pool that is not 4-d.
-    """
+    """Element strides by meaning, (block, token slot, KV head, dim): one kernel, either layout.
+    ValueError: unknown layout or a pool that is not 4-d."""
     check_layout(layout)
     if pool.dim() != 4:
         raise ValueError(f"a pool is 4-d, got shape {tuple(pool.shape)}")
@@ -80,15 +63,8 @@ def pool_strides(pool: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 
 def program_addresses(layout: str, block_table: list[int], seq_len: int, kv_head: int,
                       block_size: int, num_kv_heads: int, head_dim: int) -> list[int]:
-    """Element offsets into a contiguous pool that one program reads for K (or V), in read order.
-
-    One program = one KV head of one sequence: for each of its `seq_len` tokens (position p lives
-    in block `block_table[p // block_size]`, slot `p % block_size`), the `head_dim` elements of
-    head `kv_head`. Multiply by the element size for byte addresses.
-
-    Raises:
-        ValueError: unknown layout, a head out of range, or a block table too short for seq_len.
-    """
+    """Element offsets (not bytes) one program reads for K (or V), in read order. ValueError:
+    unknown layout, a head out of range, or a block table too short for seq_len."""
     check_layout(layout)
     if not 0 <= kv_head < num_kv_heads:
         raise ValueError(f"kv_head {kv_head} out of range for {num_kv_heads} KV heads")
@@ -106,11 +82,7 @@ def program_addresses(layout: str, block_table: list[int], seq_len: int, kv_head
 
 
 def contiguous_runs(addresses: list[int]) -> list[tuple[int, int]]:
-    """Split sorted-by-read-order addresses into maximal runs of consecutive offsets.
-
-    Returns:
-        [(first_address, length_in_elements), ...] in read order; [] for no addresses.
-    """
+    """Maximal runs of consecutive offsets, [(first_address, length_in_elements), ...]."""
     runs: list[tuple[int, int]] = []
     for address in addresses:
         if runs and runs[-1][0] + runs[-1][1] == address:
@@ -134,12 +106,7 @@ class RunStats:
 
 def run_stats(layout: str, block_table: list[int], seq_len: int, kv_head: int, block_size: int,
               num_kv_heads: int, head_dim: int, element_bytes: int = 2) -> RunStats:
-    """Count the contiguous runs one program reads, and their size in bytes.
-
-    Token-major gives runs of head_dim * element_bytes bytes (one per token); head-major gives up
-    to block_size * head_dim * element_bytes bytes (one per block, shorter in a partly filled
-    last block). Two blocks that happen to be neighbours in the pool merge into one run.
-    """
+    """The contiguous runs one program reads, in bytes; neighbouring blocks merge into one run."""
     addresses = program_addresses(layout, block_table, seq_len, kv_head, block_size,
                                   num_kv_heads, head_dim)
     lengths = [length * element_bytes for _, length in contiguous_runs(addresses)]
@@ -149,11 +116,7 @@ def run_stats(layout: str, block_table: list[int], seq_len: int, kv_head: int, b
 
 def plot_program_reads(block_table: list[int], seq_len: int, kv_head: int, block_size: int,
                        num_kv_heads: int, head_dim: int, ax=None):
-    """Picture of the pool's elements one program reads, one row per layout.
-
-    Each row is the flat pool (blocks in the table's order of ids); read elements are dark,
-    the rest light; block boundaries are drawn as thin lines. Returns the matplotlib Axes.
-    """
+    """The flat pool, one row per layout, the elements one program reads dark; returns the Axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:

@@ -23,23 +23,9 @@ MAX_SPLITS = 64
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
                       max_splits: int = MAX_SPLITS) -> int:
-    """Splits per sequence so that the launch gives every multiprocessor at least one program.
-
-    Args:
-        num_seqs, num_kv_heads: the launch has num_seqs * num_kv_heads programs per split.
-        max_seq_len: tokens of the longest sequence of the batch.
-        num_sms: the card's streaming multiprocessor count
-            (torch.cuda.get_device_properties(device).multi_processor_count).
-        min_tokens_per_split: never cut a sequence into pieces shorter than this many tokens.
-        max_splits: upper bound (the reduce kernel's tile).
-
-    Returns:
-        1 when one split per sequence already fills the card (or sequences are short);
-        otherwise ceil(num_sms / programs), capped by the length and by max_splits.
-
-    Raises:
-        ValueError: a count below 1.
-    """
+    """Splits per sequence so that every multiprocessor (num_sms) gets a program: 1 when
+    num_seqs * num_kv_heads already fills the card, else ceil(num_sms / programs), capped by
+    max_seq_len // min_tokens_per_split and max_splits. ValueError: a count below 1."""
     for name, value in dict(num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len,
                             num_sms=num_sms, min_tokens_per_split=min_tokens_per_split,
                             max_splits=max_splits).items():
@@ -54,11 +40,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 def tokens_per_split(max_seq_len: int, num_splits: int, tile: int) -> int:
-    """Tokens each split covers: an equal share of the longest sequence, rounded up to whole tiles.
-
-    Split s of a sequence covers positions [s * n, min(seq_len, (s + 1) * n)); shorter sequences
-    leave their last splits empty (the kernel writes those as empty, weight 0 in the reduce).
-    """
+    """n, an equal share of the longest sequence rounded up to whole tiles: split s covers
+    [s * n, min(seq_len, (s + 1) * n)); a shorter sequence's last splits are empty (weight 0)."""
     if num_splits < 1 or tile < 1 or max_seq_len < 1:
         raise ValueError(f"need max_seq_len, num_splits, tile >= 1, got {max_seq_len}, "
                          f"{num_splits}, {tile}")

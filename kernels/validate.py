@@ -1,17 +1,12 @@
 """Input checks of the stage-5 kernels, on the host, with the numbers in every message (no Triton).
 
-A kernel that is handed a wrong shape does not fail: it reads whatever memory the wrong strides
-point at. So every launch wrapper checks, before it launches, every argument that would otherwise
-give a wrong answer silently: shapes, dtypes, devices, the strides the kernel assumes (seq_lens
-and slot_mapping are read as contiguous vectors), the output buffer, the split count, and (unless
-told not to, since it reads device tensors on the host) the block ids, the lengths and
-`max_seq_len` against the lengths.
-
-What no check can see: a tensor does not record its layout. A head-major pool passed as
-token-major is refused when its sizes do not fit the query (the messages name the layout read);
-when they do fit (block_size 16 read as 16 KV heads of a 32-head query), only the caller's
-`layout` says which it is. `PagedKVCache` records the layout its pool was allocated in and
-`kvlab.paged.backends.resolve_backend` refuses a backend of the other layout.
+A kernel handed a wrong shape does not fail: it reads whatever the wrong strides point at. So each
+launch wrapper first checks whatever would otherwise give a silent wrong answer: shapes, dtypes,
+devices, the strides assumed (seq_lens and slot_mapping are read as contiguous vectors), the output,
+the split count, and (unless validate=False, since it reads device tensors on the host) block ids
+and lengths. No check can see a layout: a head-major pool read as token-major is refused only when
+its sizes do not fit (messages name the layout read), so `PagedKVCache` records its pool's layout
+and `kvlab.paged.backends.resolve_backend` refuses a backend of the other one.
 """
 
 from __future__ import annotations
@@ -51,11 +46,7 @@ def pool_geometry(pool: torch.Tensor, layout: str) -> PoolGeometry:
 
 
 def check_device(tensor: torch.Tensor, interpreted: bool) -> None:
-    """A Triton launch needs CUDA tensors, or the interpreter (which runs on CPU tensors).
-
-    Raises:
-        ValueError: CPU tensors without TRITON_INTERPRET=1; bfloat16 on a GPU below sm_80.
-    """
+    """ValueError: an unsupported dtype, CPU tensors without TRITON_INTERPRET=1, bf16 below sm_80."""
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {tensor.dtype} not supported: use float16, bfloat16 or float32")
     if tensor.is_cuda:
@@ -70,12 +61,8 @@ def check_device(tensor: torch.Tensor, interpreted: bool) -> None:
 
 
 def check_interpreter(kernels_interpreted: bool, language_interpreted: bool) -> None:
-    """Interpreted kernels need Triton itself imported under TRITON_INTERPRET=1 too.
-
-    Raises:
-        ValueError: TRITON_INTERPRET=1 was set after Triton was first imported (torch imports it,
-            e.g. while loading a model), so Triton's helpers are compiled-mode functions.
-    """
+    """ValueError: TRITON_INTERPRET=1 set after Triton was first imported (Triton's helpers are
+    then compiled-mode functions the interpreted kernels cannot call)."""
     if kernels_interpreted and not language_interpreted:
         raise ValueError("TRITON_INTERPRET=1 was set after Triton was first imported (torch "
                          "imports it, e.g. when a model is loaded): set it before importing torch")
@@ -110,10 +97,7 @@ def check_decode_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         interpreted: bool, validate: bool = True,
                         out: torch.Tensor | None = None, max_seq_len: int | None = None,
                         num_splits: int | None = None) -> PoolGeometry:
-    """Everything `paged_attention_decode` needs to be true before it launches.
-
-    Returns the pool geometry. Raises ValueError naming the offending sizes (see the caller).
-    """
+    """Everything `paged_attention_decode` needs before it launches; returns the pool geometry."""
     geometry = pool_geometry(k_cache, layout)
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
@@ -162,8 +146,7 @@ def check_decode_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def _check_lengths(seq_lens: torch.Tensor, width: int, block_size: int, layout: str,
                    max_seq_len: int | None) -> None:
-    """Every sequence has 1 to width * block_size tokens, and max_seq_len covers the longest
-    (the kernel sizes its splits from max_seq_len and stops each sequence there)."""
+    """1 <= seq_len <= width * block_size, and max_seq_len (which sizes the splits) >= each."""
     capacity = width * block_size
     shortest, longest = int(seq_lens.min()), int(seq_lens.max())
     if shortest < 1 or longest > capacity:
@@ -183,7 +166,7 @@ def _check_lengths(seq_lens: torch.Tensor, width: int, block_size: int, layout: 
 def check_write_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str,
                        interpreted: bool, validate: bool = True) -> PoolGeometry:
-    """Everything `write_kv` needs before it launches (see its docstring)."""
+    """Everything `write_kv` needs before it launches."""
     geometry = pool_geometry(k_cache, layout)
     expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1,
                 geometry.num_kv_heads, geometry.head_dim)

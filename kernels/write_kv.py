@@ -1,9 +1,8 @@
 """Stage 5: a Triton kernel that stores new keys and values into the block pool at the slot mapping.
 
-Token i's K/V go to slot `slot_mapping[i]` = block_id * block_size + offset (stage 4). A slot of -1
-means "do not store" (vLLM uses it for padding tokens of a batch; its `reshape_and_cache` kernel
-plays this role), so a padded batch needs no compaction first. Either pool layout works: the kernel
-takes the pool's strides by meaning (`kvlab.kernels.pool_layout.pool_strides`).
+Token i's K/V go to slot `slot_mapping[i]` = block_id * block_size + offset (stage 4); -1 means
+"do not store", as for the padding tokens of vLLM's `reshape_and_cache`, so a padded batch needs no
+compaction. Either pool layout works (strides by meaning, `kvlab.kernels.pool_layout`).
 """
 
 from __future__ import annotations
@@ -50,18 +49,9 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slot_mapping_
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor, layout: str = TOKEN_MAJOR,
              validate: bool = True) -> None:
-    """Store token i's key and value at slot `slot_mapping[i]` of one layer's pool (in place).
-
-    Args:
-        k_cache, v_cache: one layer's pools in `layout` (see `kvlab.kernels.pool_layout`).
-        key, value: [num_tokens, num_kv_heads, head_dim], the pool's dtype.
-        slot_mapping: [num_tokens] int32 or int64; -1 skips the token.
-        layout: "token-major" or "head-major".
-        validate: check the slots against the pool first (reads them on the host).
-
-    Raises:
-        ValueError: shapes, dtypes or devices that do not fit; a slot below -1 or past the pool.
-    """
+    """Store key, value [num_tokens, num_kv_heads, head_dim] (the pool's dtype) in place at
+    slot_mapping [num_tokens] (int32 or int64). validate checks the slots on the host. ValueError:
+    shapes, dtypes or devices that do not fit; a slot below -1 or past the pool."""
     check_interpreter(INTERPRETED, LANGUAGE_INTERPRETED)
     geometry = check_write_inputs(key, value, k_cache, v_cache, slot_mapping, layout,
                                   interpreted=INTERPRETED, validate=validate)

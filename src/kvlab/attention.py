@@ -5,10 +5,9 @@ Transformer Models from Multi-Head Checkpoints", section 2) lets `G = num_attent
 num_key_value_heads` query heads share one key/value head. Query head `h` reads KV head
 `h // G`. MHA is G = 1, MQA (Shazeer, 2019) is one KV head for all.
 
-`grouped_attention` computes it with a reshape: the G query heads of one KV head are laid side by
-side as extra rows, so one batched matmul per KV head serves the whole group and the K/V tensors
-are never copied G times. `repeat_kv` does the copy instead; it exists as the reference the tests
-compare against (and for the training script, which hands whole sequences to PyTorch's SDPA).
+`grouped_attention` lays the G query heads of one KV head side by side as extra rows, so one
+batched matmul per KV head serves the group and K/V are never copied G times. `repeat_kv` does the
+copy (G times the memory, what GQA avoids): the tests' reference, and the training script's SDPA.
 """
 
 from __future__ import annotations
@@ -26,28 +25,14 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float | None = None) -> torch.Tensor:
     """Causal softmax attention of one sequence, GQA by grouping (no repeated K/V).
 
-    Args:
-        query: [num_query_tokens, num_attention_heads, head_dim].
-        key, value: [num_key_tokens, num_key_value_heads, head_dim], same dtype as query.
-        query_positions: [num_query_tokens] int64, absolute position of each query token.
-        key_positions: [num_key_tokens] int64; default 0, 1, ..., num_key_tokens - 1.
-        key_mask: optional [num_key_tokens] bool, False for slots that hold no token (padding).
-        scale: multiplies the scores; default 1 / sqrt(head_dim) (Vaswani et al., 2017).
-
-    A query at position p sees the keys at positions <= p (causal mask). Scores and softmax are
-    computed in float32 whatever the input dtype (as HF and vLLM do), the result is cast back.
-
-    Slots that no query may see (masked by `key_mask`, or past every query's position) never reach
-    the output, whatever they hold: a masked score becomes -inf, but a softmax weight of 0 times a
-    NaN or Inf value is still NaN, so such slots' values are zeroed before the weighted sum. A
-    reused block or a padding block may hold another request's NaN (an fp16 overflow) or
-    uninitialised memory; it must not poison this sequence.
-
-    Returns:
-        [num_query_tokens, num_attention_heads, head_dim], dtype of query.
-
-    Raises:
-        ValueError: head counts that do not group evenly, or mismatched head_dim.
+    query [num_query_tokens, num_attention_heads, head_dim] (also the output's shape and dtype);
+    key, value [num_key_tokens, num_key_value_heads, head_dim]; positions int64 (key_positions
+    default 0 .. num_key_tokens - 1); key_mask [num_key_tokens] bool, False for padding slots;
+    scale default 1 / sqrt(head_dim) (Vaswani et al., 2017). A query at position p sees keys at
+    positions <= p; scores and softmax in float32 (as HF and vLLM). Values of slots no query may
+    see are zeroed before the weighted sum, since 0 x NaN is NaN: a reused or padding block may
+    hold another request's NaN or uninitialised memory. ValueError: heads that do not group
+    evenly, or mismatched head_dim.
     """
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads, key_dim = key.shape
@@ -85,9 +70,5 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def repeat_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
-    """Copy each KV head `group` times, [T, Hkv, D] -> [T, Hkv * group, D].
-
-    Head kv * group + g of the result is a copy of KV head kv, which is the mapping
-    `h -> h // group` that GQA defines. This costs `group` times the memory: the thing GQA avoids.
-    """
+    """[T, Hkv, D] -> [T, Hkv * group, D], head h a copy of KV head h // group."""
     return kv.repeat_interleave(group, dim=1)

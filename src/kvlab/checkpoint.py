@@ -1,13 +1,9 @@
 """Load and save Llama checkpoints in the Hugging Face folder layout.
 
-A checkpoint folder holds `config.json`, one or more `*.safetensors` files with HF parameter names,
-and (for text in and out) `tokenizer.json`. That is what `save_pretrained` writes and what the Hub
-serves, so a learner with internet access can point the course at SmolLM2 or TinyLlama; offline, the
-course's own tiny model (`kvlab.checkpoint.TINY_MODEL_DIR`) has the same layout.
-
-A GGUF file (llama.cpp's format) loads too, by path (`*.gguf`) or as a pretrained model fetched with
-`kvlab fetch` (`"smollm2-135m"`, see `kvlab.fetch`); its quantized weights are dequantized to floats
-(`kvlab.gguf_loader`) and its tokenizer comes from its metadata (`kvlab.gguf_tokenizer`).
+A folder of `config.json`, `*.safetensors` (HF parameter names) and `tokenizer.json`: what
+`save_pretrained` writes and the Hub serves; the course's tiny model (`TINY_MODEL_DIR`) has the same
+layout. A GGUF file loads too, by path or as a model fetched with `kvlab fetch` (`kvlab.fetch`,
+`kvlab.gguf_loader`, `kvlab.gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -44,14 +40,8 @@ _OTHER_MODELS = (f"or --model tiny, tiny-mha, {', '.join(PRETRAINED)} after `kvl
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """'tiny', 'tiny-mha' or a checkpoint folder path -> the folder.
-
-    Raises:
-        ConfigError: `model` names a size preset such as 'llama-3.1-8b' (shapes without weights:
-            presets are for `kvlab size` and `kvlab report --model`).
-        MissingInputFileError (a FileNotFoundError): the folder or its config.json does not exist.
-        InputFileError: `model` is a file, not a folder.
-    """
+    """'tiny', 'tiny-mha' or a checkpoint folder path -> the folder. ConfigError: a size preset
+    (shapes, no weights); MissingInputFileError: no folder or config.json; InputFileError: a file."""
     if str(model) in _NAMED_MODELS:
         return _NAMED_MODELS[str(model)]
     folder = Path(model)
@@ -72,14 +62,8 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 
 def gguf_file(model: str | Path) -> Path | None:
-    """The GGUF file `model` names: a fetched pretrained model ('smollm2-135m') or a `*.gguf` path;
-    None for anything else (a checkpoint folder, 'tiny').
-
-    Raises:
-        ModelNotFetchedError (a FileNotFoundError): a pretrained model not fetched yet; the message
-            names `kvlab fetch <name>`.
-        FileNotFoundError: a `*.gguf` path that does not exist.
-    """
+    """The GGUF file of a fetched model ('smollm2-135m') or a `*.gguf` path, else None.
+    ModelNotFetchedError (names `kvlab fetch <name>`); FileNotFoundError: no such *.gguf."""
     if str(model) in PRETRAINED:
         return model_path(str(model))
     if str(model).endswith(".gguf"):
@@ -91,19 +75,9 @@ def gguf_file(model: str | Path) -> Path | None:
 
 def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Build a `LlamaForCausalLM` from a checkpoint folder and load its safetensors weights.
-
-    `model` is 'tiny', 'tiny-mha', a checkpoint folder, a fetched pretrained model
-    ('smollm2-135m': 4-bit weights dequantized to floats) or a `*.gguf` file.
-    Tied embeddings: a checkpoint with tie_word_embeddings=True stores no `lm_head.weight`.
-
-    Raises:
-        FileNotFoundError: no config.json or no *.safetensors in the folder; a pretrained model
-            not fetched (the message names `kvlab fetch`).
-        InputFileError: a file of the folder cannot be read as what it should be.
-        ConfigError: the config is one the decoder does not implement.
-        KeyError: weights missing from, or unexpected in, the checkpoint (names listed).
-    """
+    """'tiny', 'tiny-mha', a checkpoint folder, a fetched model or a `*.gguf` file, loaded.
+    FileNotFoundError: no config.json or *.safetensors, or not fetched; InputFileError: an
+    unreadable file; ConfigError: unsupported; KeyError: weights missing or unexpected (listed)."""
     gguf_path = gguf_file(model)
     if gguf_path is not None:
         from .gguf_loader import load_gguf_model
@@ -145,13 +119,8 @@ def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
 
 
 def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
-    """The `tokenizers.Tokenizer` stored as tokenizer.json in the checkpoint folder, or built from
-    a GGUF file's metadata (see `kvlab.gguf_tokenizer`).
-
-    Raises:
-        FileNotFoundError: the folder has no tokenizer.json; a pretrained model not fetched.
-        InputFileError: tokenizer.json is not a `tokenizers` tokenizer (the message names it).
-    """
+    """The folder's tokenizer.json, or a GGUF file's. FileNotFoundError: none, or not fetched;
+    InputFileError: tokenizer.json is not a `tokenizers` tokenizer."""
     gguf_path = gguf_file(model)
     if gguf_path is not None:
         from .gguf_tokenizer import load_gguf_tokenizer
@@ -170,12 +139,8 @@ def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
 
 
 def load_chat_template(model: str | Path = "smollm2-135m"):
-    """The model's `ChatTemplate` (messages -> prompt text). GGUF models only: the tiny model is
-    not a chat model.
-
-    Raises:
-        ValueError: the model has no chat template. FileNotFoundError: as `gguf_file`.
-    """
+    """The model's `ChatTemplate`, GGUF models only. ValueError: none (the tiny model is not a
+    chat model); FileNotFoundError: as `gguf_file`."""
     gguf_path = gguf_file(model)
     if gguf_path is None:
         raise ValueError(f"{model}: no chat template (only GGUF models such as smollm2-135m "
@@ -186,8 +151,7 @@ def load_chat_template(model: str | Path = "smollm2-135m"):
 
 
 def eos_token_id(model: str | Path) -> int | None:
-    """The token that ends a reply (SmolLM2-Instruct: `<|im_end|>`, id 2); None for the tiny model,
-    which has no end-of-sequence token."""
+    """The token that ends a reply (SmolLM2-Instruct: `<|im_end|>`, id 2); None for the tiny model."""
     gguf_path = gguf_file(model)
     if gguf_path is None:
         return None

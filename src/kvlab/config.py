@@ -1,13 +1,9 @@
 """Model configuration with Hugging Face Llama field names.
 
-A `LlamaConfig` holds exactly the numbers that decide how big a model's weights and KV cache are,
-named as in a Hugging Face `config.json` (`hidden_size`, `num_key_value_heads`, `rope_theta`, ...),
-so a learner can open any published checkpoint's config and read it against this class.
-
-Two styles of RoPE settings exist in the wild and both are read:
-
-* `rope_theta` + `rope_scaling` at the top level: most published checkpoints (Llama 2/3, Mistral, Qwen2).
-* `rope_parameters = {"rope_type": ..., "rope_theta": ...}`: what current `transformers` writes.
+A `LlamaConfig` holds the numbers that size a model's weights and KV cache, named as in a Hugging
+Face `config.json`, so any published checkpoint's config reads against it. Both RoPE styles are
+read: top-level `rope_theta` + `rope_scaling` (Llama 2/3, Mistral, Qwen2) and the `rope_parameters`
+dict that current `transformers` writes.
 """
 
 from __future__ import annotations
@@ -30,16 +26,9 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-style decoder (field names and meanings as in HF `LlamaConfig`).
-
-    Units: every size is a count (of tokens, heads, channels), never bytes.
-    `head_dim` is per attention head; when a config omits it, it is hidden_size / num_attention_heads.
-
-    Raises:
-        ConfigError: a non-positive size, or num_attention_heads not divisible by
-            num_key_value_heads (each KV head must serve a whole group of query heads, GQA paper
-            Ainslie et al. 2023, section 2).
-    """
+    """The shape of a Llama-style decoder; every size a count (tokens, heads, channels), never
+    bytes. ConfigError: a non-positive size, or num_attention_heads not divisible by
+    num_key_value_heads (each KV head serves a whole group; Ainslie et al. 2023, section 2)."""
 
     vocab_size: int
     hidden_size: int
@@ -90,16 +79,9 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict, name: str = "custom") -> "LlamaConfig":
-        """Build a config from the dict of a Hugging Face `config.json`.
-
-        Honours an explicit `head_dim`; derives it from hidden_size / num_attention_heads only
-        when absent (Llama 3.2 1B and Mistral Nemo are checkpoints where they differ from the
-        derived value or must not be derived). A missing num_key_value_heads means MHA.
-
-        Raises:
-            ConfigError: a required field is missing, or hidden_size is not divisible by
-                num_attention_heads when head_dim has to be derived.
-        """
+        """From a HF `config.json` dict. An explicit `head_dim` wins (Mistral Nemo's differs from
+        hidden_size / num_attention_heads); a missing num_key_value_heads means MHA. ConfigError:
+        a required field missing, or head_dim underivable."""
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [key for key in required if key not in raw]
@@ -214,15 +196,9 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def load_config(model: str | Path) -> LlamaConfig:
-    """A preset name, a course model ('tiny', 'tiny-mha'), a path to a `config.json`, or a
-    checkpoint folder holding one.
-
-    Raises:
-        ConfigError: the name is neither a preset nor an existing path (the message lists the
-            presets), a folder without config.json, a file that is not a JSON object, or a field
-            with the wrong type or value.
-        InputFileError: the file is unreadable, empty, binary or not UTF-8.
-    """
+    """A preset, a course model ('tiny', 'tiny-mha'), a `config.json` or a folder holding one.
+    ConfigError: none of those (the message lists the presets), not a JSON object, a bad field;
+    InputFileError: unreadable, empty, binary or not UTF-8."""
     from .input_files import read_text
 
     key = str(model).lower()

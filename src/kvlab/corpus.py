@@ -1,15 +1,10 @@
 """The text the tiny model learns from: Python's own reference pages, shipped with every install.
 
-`pydoc_data.topics` holds the Language Reference pages that `help("if")` prints (PSF licence),
-about 465 kB of English on Python 3.11. Topics are sorted by name; every tenth one, starting at the
-sixth, is held out of training.
-
-Some topics are sections of others (the page for "for" is also inside "compound"), so a held-out
-topic may still have been seen in training. The evaluation split keeps only held-out topics that
-share no line (of 30+ characters) with the training split: text the model has really never seen,
-for measuring perplexity (stage 3).
-Other Python versions ship slightly different pages, so figures computed on this text can move a
-little between Python versions (the committed notebook outputs come from Python 3.11).
+`pydoc_data.topics` holds the Language Reference pages `help("if")` prints (PSF licence), ~465 kB
+on Python 3.11; every tenth topic by name from the sixth is held out. Some topics are sections of
+others ("for" is inside "compound"), so the eval split keeps only held-out topics sharing no line of
+30+ characters with training: text never seen, for stage 3's perplexity. Other Python versions ship
+slightly different pages, so figures may move a little (the notebooks' come from Python 3.11).
 """
 
 from __future__ import annotations
@@ -34,14 +29,7 @@ def _long_lines(text: str) -> set[str]:
 
 
 def corpus_texts(split: str) -> list[str]:
-    """The texts of the 'train' or 'eval' split, in topic-name order.
-
-    'train': every topic not held out. 'eval': the held-out topics none of whose long lines
-    appear in the training split (uncontaminated).
-
-    Raises:
-        ValueError: a split other than 'train' or 'eval'.
-    """
+    """The 'train' or 'eval' split's texts in topic-name order; ValueError for another split."""
     from pydoc_data.topics import topics
 
     if split not in ("train", "eval"):

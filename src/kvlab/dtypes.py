@@ -1,20 +1,10 @@
 """One vocabulary for storage dtypes: a name, a torch dtype, or an element size, all mean the same.
 
-Sizing speaks in short names ("bf16"), the caches allocate `torch.dtype`s, and a byte count is an
-element size. `resolve_dtype` turns any of them into one `DType` record, so every part of the
-course accepts whichever the reader has at hand:
-
-    >>> resolve_dtype("bfloat16")
-    DType(name='bf16', bytes=2, torch_name='bfloat16')
-    >>> resolve_dtype("fp8").bytes
-    1
-
-An element size alone names a dtype only when it is unambiguous: 4 is fp32 and 1 is fp8, but 2
-could be bf16 or fp16, so `resolve_dtype(2)` refuses; `dtype_bytes(2)` (which needs only the
-size) accepts it.
-
-This module does not import torch until a torch dtype is asked for, so `kvlab size` (which only
-needs bytes) starts without paying for torch.
+Sizing speaks in short names ("bf16"), the caches allocate `torch.dtype`s, a byte count is an
+element size; `resolve_dtype` turns any of them into one `DType`. A size alone names a dtype only
+when unambiguous (4 is fp32, 1 is fp8, 2 could be bf16 or fp16: `resolve_dtype(2)` refuses,
+`dtype_bytes(2)` accepts). torch is imported only when a torch dtype is asked for, so `kvlab size`
+starts without it.
 """
 
 from __future__ import annotations
@@ -31,14 +21,8 @@ __all__ = ["DType", "DTypeLike", "DTYPES", "resolve_dtype", "torch_dtype", "dtyp
 
 @dataclasses.dataclass(frozen=True)
 class DType:
-    """A storage dtype of the course.
-
-    Attributes:
-        name: short name used in figures and on the command line ("bf16", "fp16", "fp32", "fp8").
-        bytes: bytes per element.
-        torch_name: attribute of the `torch` module ("bfloat16", ..., "float8_e4m3fn": the fp8
-            format vLLM uses by default for an fp8 KV cache).
-    """
+    """name as in figures and flags ("bf16"); bytes per element; torch_name, the `torch` attribute
+    ("float8_e4m3fn" is the fp8 format vLLM uses by default for an fp8 KV cache)."""
     name: str
     bytes: int
     torch_name: str
@@ -68,17 +52,8 @@ def _names() -> str:
 
 
 def resolve_dtype(dtype: DTypeLike) -> DType:
-    """The `DType` a name, torch dtype, element size or `DType` stands for.
-
-    Args:
-        dtype: "bf16"/"bfloat16"/"fp16"/"float16"/"fp32"/"float32"/"fp8"/"float8"; a torch dtype
-            (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn); an element size
-            in bytes when unambiguous (4 -> fp32, 1 -> fp8); or a `DType`.
-
-    Raises:
-        ValueError: an unknown name or torch dtype, or an ambiguous/unknown element size; the
-            message names the value and what is accepted.
-    """
+    """The `DType` of a name ("bf16", "bfloat16", "float8", ...), torch dtype, unambiguous element
+    size or `DType`; ValueError naming the value and what is accepted otherwise."""
     if isinstance(dtype, DType):
         return dtype
     if isinstance(dtype, bool):
@@ -106,21 +81,17 @@ def _is_torch_dtype(value) -> bool:
 
 
 def torch_dtype(dtype: DTypeLike) -> "torch.dtype":
-    """The torch dtype of `dtype` (see `resolve_dtype`). Raises ValueError as it does."""
+    """As `resolve_dtype`, the torch dtype."""
     return resolve_dtype(dtype).torch
 
 
 def dtype_name(dtype: DTypeLike) -> str:
-    """The short name ("bf16", "fp16", "fp32", "fp8") of `dtype`. Raises ValueError as resolve_dtype."""
+    """As `resolve_dtype`, the short name ("bf16", "fp16", "fp32", "fp8")."""
     return resolve_dtype(dtype).name
 
 
 def dtype_bytes(dtype: DTypeLike) -> int:
-    """Bytes per element of `dtype`; any element size of a course dtype (1, 2, 4) is accepted as is.
-
-    Raises:
-        ValueError: unknown name, torch dtype or element size.
-    """
+    """Bytes per element; a course dtype's element size (1, 2, 4) is accepted as is."""
     if isinstance(dtype, int) and not isinstance(dtype, bool) and dtype in {d.bytes for d in DTYPES}:
         return dtype
     return resolve_dtype(dtype).bytes

@@ -1,21 +1,16 @@
 """The errors of the KV caches and the requests they serve, in one place every stage imports.
 
-A server must react to each differently, so they are different classes:
+A server reacts to each differently, so they are different classes:
 
-* `KVCacheOutOfMemory`: the cache cannot be set up or cannot grow: a contiguous reservation larger
-  than the budget (stage 2), a block pool that cannot hold one max_model_len request, a memory
-  budget smaller than the weights (stage 4). The message gives the arithmetic.
-* `NoFreeBlocksError` (a `KVCacheOutOfMemory`): the block pool has run dry *right now*. The request
-  is fine; it will fit once other sequences finish. The scheduler preempts a sequence (vLLM paper,
-  Kwon et al., SOSP 2023, section 4.5) or waits, then retries. Nothing changed when it was raised.
-* `RequestTooLongError` (a `ValueError`): a request that can *never* fit: longer than
-  max_model_len, or needing more blocks than the whole pool has. Waiting would block the queue
-  forever, so it is rejected at once.
+* `KVCacheOutOfMemory`: the cache cannot be set up or grow (a slab over budget in stage 2, a pool
+  that cannot hold one max_model_len request, a budget below the weights in stage 4).
+* `NoFreeBlocksError` (a `KVCacheOutOfMemory`): the pool is dry *right now*; the scheduler preempts
+  (Kwon et al., SOSP 2023, section 4.5) or waits, then retries. Nothing changed.
+* `RequestTooLongError` (a `ValueError`): can *never* fit (past max_model_len or the whole pool);
+  waiting would block the queue forever, so it is rejected at once.
 
-Bad arguments (a negative count, an unknown id, a limit above the model's) raise the built-in
-`ValueError` / `KeyError` with the value in the message; a failed call changes no state.
-
-This module imports nothing from kvlab, so any stage can import it without a cycle.
+Bad arguments raise the built-in `ValueError` / `KeyError` with the value; a failed call changes no
+state. No kvlab imports here, so any stage imports it without a cycle.
 """
 
 from __future__ import annotations

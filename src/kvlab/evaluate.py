@@ -19,15 +19,9 @@ __all__ = ["perplexity"]
 
 @torch.inference_mode()
 def perplexity(model: LlamaForCausalLM, token_ids: Sequence[int], window: int = 256) -> float:
-    """exp(mean NLL) of `token_ids` under `model`, in non-overlapping windows of `window` tokens.
-
-    Each window is one independent sequence (positions 0 .. window - 1) and predicts its own
-    tokens 1 .. window - 1; a last window shorter than 2 tokens is dropped.
-
-    Raises:
-        ValueError: window < 2, window > the model's max_position_embeddings, or fewer than
-            2 tokens to score.
-    """
+    """exp(mean NLL) over non-overlapping windows, each an independent sequence (a last window
+    under 2 tokens is dropped). ValueError: window outside [2, max_position_embeddings], or
+    fewer than 2 tokens."""
     if not 2 <= window <= model.config.max_position_embeddings:
         raise ValueError(f"window must be in [2, {model.config.max_position_embeddings}], "
                          f"got {window}")

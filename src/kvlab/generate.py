@@ -1,27 +1,19 @@
 """Generation of one request, with the KV cache of your choice: the course's one entry point.
 
-    generate(model, prompt_ids, 20, cache="none")        # stage 1: recompute everything each step
-    generate(model, prompt_ids, 20, cache="contiguous")  # stage 2: one max_model_len slab
-    generate(model, prompt_ids, 20, cache="paged")       # stage 4: blocks from a shared pool
-    generate(model, [prompt_a, prompt_b], 20, cache="prefix")  # stage 6: later prompts hit
-                                                               # earlier prompts' full blocks
-    chat(model, tokenizer, chat_template, ["What is the capital of France?"], 32)  # a reply
+cache="none" (stage 1: rerun the whole sequence each step), "contiguous" (stage 2: one
+max_model_len slab), "paged" (stage 4: blocks of a shared pool) or "prefix" (stage 6: later prompts
+hit earlier prompts' full blocks). With a cache the prompt runs once (prefill) and each later step
+feeds only the newest token at its absolute position (decode).
 
-Without a cache every step runs the whole sequence through the model again (cost grows with the
-position). With a cache the prompt is run once (prefill) and each later step feeds only the newest
-token at its absolute position (decode), reading every earlier K/V from the cache. Greedy decoding
-picks the arg-max token, so every path must produce the same tokens: the course's first
-equivalence check. Sampling (temperature > 0) draws from the request's own seeded stream
-(`kvlab.sampling`), so the same seed gives the same samples through every cache too.
+Greedy decoding picks the arg-max, so every cache must give the same tokens: the course's first
+equivalence check. A sample draws from the request's own seeded stream (`kvlab.sampling`), so it
+too is the same through every cache. This module owns the choice of cache; `kvlab generate` only
+parses and prints.
 
-This function owns the choice of cache; the `kvlab generate` command only parses and prints.
-
-`chat` is the same generation for an instruct model: each user message is rendered into a prompt
-with the model's own chat template (`kvlab.gguf_tokenizer.ChatTemplate`, as transformers'
-`apply_chat_template(..., add_generation_prompt=True)` does), and each reply stops at the model's
-end-of-turn token (`ChatTemplate.stop_token_ids`: SmolLM2's `<|im_end|>`). Without it an
-instruct model's output runs on past its turn and makes up the next user message itself.
-`kvlab generate --chat` and the notebooks call it.
+`chat` renders each user message with the model's chat template (as transformers'
+`apply_chat_template(..., add_generation_prompt=True)`) and stops each reply at its end-of-turn
+token (SmolLM2's `<|im_end|>`); without that an instruct model runs on and invents the next user
+message.
 """
 
 from __future__ import annotations
@@ -50,20 +42,9 @@ CACHE_KINDS = ("none", "contiguous", "paged", "prefix")
 
 @dataclasses.dataclass
 class GenerationResult:
-    """What `generate` produced.
-
-    Attributes:
-        token_ids: generated ids of the (first) completion, prompt excluded.
-        completions: generated ids of each of the n completions ([token_ids] when n = 1).
-        cache: the KV cache used (None without one).
-        stats: the engine's counts (`kvlab.serving.EngineStats`: (preemptions, peak blocks, blocks saved by sharing,
-            copy-on-write copies, prefill tokens run) for cache="paged" or "prefix", else None.
-            Those caches run through `kvlab.serving.LLMEngine`, the course's one scheduler.
-        prefix_stats: prefix cache hit rate, blocks not computed, prefill tokens skipped and
-            evictions for cache="prefix", else None.
-        prompt_completions: the completions of every prompt, in the order given
-            ([completions] for one prompt).
-    """
+    """token_ids: the first completion, prompt excluded; completions: all n; prompt_completions:
+    every prompt's, in order. stats (`EngineStats`, from `kvlab.serving.LLMEngine`) for "paged" and
+    "prefix", prefix_stats for "prefix", else None."""
 
     token_ids: list[int]
     completions: list[list[int]] = dataclasses.field(default_factory=list)
@@ -87,41 +68,16 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
              temperature: float = 0.0,
              seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
              attention_backend: BackendLike = None) -> GenerationResult:
-    """Generate from one prompt (or, with the prefix cache, several): greedy by default.
+    """Generate from one prompt, greedy by default (module docstring for the caches).
 
-    Args:
-        model: the decoder.
-        prompt_ids: prompt token ids; with cache='paged' or 'prefix' also a list of prompts,
-            generated as one batch and admitted in the order given, so that with 'prefix' each
-            can hit the full blocks of those before it.
-        max_new_tokens: tokens to generate (fewer if a stop token comes first).
-        cache: 'none' (recompute everything each step), 'contiguous' (one max_model_len slab),
-            'paged' (blocks of `block_size` tokens; needed for n > 1, whose completions share
-            the prompt's blocks) or 'prefix' (paged + automatic prefix caching, stage 6).
-        max_model_len: longest sequence allowed (prompt + generated); default the model's
-            max_position_embeddings, never more. The contiguous cache reserves exactly this many
-            tokens; the paged pool is sized by `kvlab.serving.generate_batch`'s rule.
-        eos_token_id: stop after this token, or after any of several (an instruct model's
-            end-of-sequence and end-of-turn tokens); the stop token is the last one returned.
-        n: completions of each prompt (cache='paged' or 'prefix' only).
-        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
-        seed: this request's sampling seed: the same prompt, seed and temperature give the same
-            tokens through every cache (`kvlab.sampling`).
-            With several prompts, or cache='prefix', it seeds the engine instead: prompt i
-            draws from the stream of (seed, i), so two copies of one prompt still sample
-            independently.
-        block_size, num_blocks, attention_backend: the paged cache's (cache='paged'/'prefix').
-
-    Returns:
-        GenerationResult with the generated ids (int), the cache object and, for the paged cache,
-        its stats (and the prefix cache's hit statistics for cache='prefix').
-
-    Raises:
-        ValueError: bad request (see `kvlab.checks.check_request`), max_model_len above the
-            model's max_position_embeddings, unknown cache kind, n > 1 without a paged cache,
-            several prompts without a paged cache, a bad temperature, seed or eos_token_id.
-        RequestTooLongError (a ValueError): prompt + max_new_tokens > max_model_len.
-        KVCacheOutOfMemory: the cache cannot be reserved.
+    With cache 'paged' or 'prefix', prompt_ids may be several prompts, one batch admitted in order
+    (so with 'prefix' each can hit the blocks of those before it), and n > 1 completions share
+    the prompt's blocks. max_model_len defaults to (and may not exceed) max_position_embeddings.
+    eos_token_id: one stop id or several (EOS and end-of-turn), the stop token returned last.
+    seed: the request's stream; with several prompts or 'prefix' it seeds the engine, prompt i
+    drawing from (seed, i). ValueError: a bad request (`kvlab.checks.check_request`), cache,
+    temperature, seed or eos_token_id; n > 1 or several prompts without a paged cache;
+    RequestTooLongError: prompt + max_new_tokens > max_model_len; KVCacheOutOfMemory.
     """
     config = model.config
     if cache not in CACHE_KINDS:
@@ -185,22 +141,14 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
 
 
 def default_cache(num_prompts: int) -> str:
-    """The cache `chat` and `kvlab generate` use unless told: the contiguous cache of stage 2 for
-    one prompt; the paged engine for several, the course's one way to run them as one batch."""
+    """Contiguous for one prompt; paged for several (the one way to run them as a batch)."""
     return "contiguous" if num_prompts == 1 else "paged"
 
 
 @dataclasses.dataclass
 class ChatResult:
-    """What `chat` produced.
-
-    Attributes:
-        prompt_texts: each conversation rendered by the chat template, ending where the reply
-            begins.
-        prompt_ids: those as token ids (what was prefilled).
-        replies: replies[p][i] is completion i of conversation p as text, its stop token left out.
-        generation: the `GenerationResult` (token ids with the stop token, cache, stats).
-    """
+    """prompt_texts: each rendered conversation, ending where the reply begins; prompt_ids: what
+    was prefilled; replies[p][i]: completion i of conversation p as text, stop token left out."""
 
     prompt_texts: list[str]
     prompt_ids: list[list[int]]
@@ -211,23 +159,9 @@ class ChatResult:
 def chat(model: LlamaForCausalLM, tokenizer, chat_template, user_messages: Sequence[str],
          max_new_tokens: int, *, system: str | None = None, cache: str | None = None,
          **options) -> ChatResult:
-    """The assistant's reply to each user message, each its own conversation, as one batch.
-
-    Args:
-        model, tokenizer: the decoder and its `tokenizers.Tokenizer`.
-        chat_template: a `kvlab.gguf_tokenizer.ChatTemplate`; replies stop at its
-            stop_token_ids. None (a model without one, e.g. the tiny model): the plain transcript
-            of `kvlab.prefix.chats.render_chat` and no stop token.
-        user_messages: one user message per conversation.
-        max_new_tokens: most tokens per reply (the stop token included).
-        system: the system message; None keeps the template's own default (SmolLM2's names
-            the model).
-        cache: as `generate`; default `default_cache(len(user_messages))`.
-        options: the rest of `generate`'s keywords (n, temperature, seed, max_model_len, ...).
-
-    Raises:
-        ValueError: no user message, a message that is not a str, and whatever `generate` raises.
-    """
+    """The reply to each user message, each its own conversation, as one batch. chat_template
+    None (the tiny model): `render_chat`'s plain transcript, no stop token. system None keeps the
+    template's default; options go to `generate`. ValueError: no message, or one not a str."""
     if (isinstance(user_messages, str) or len(user_messages) == 0
             or not all(isinstance(m, str) for m in user_messages)):
         raise ValueError(f"chat needs one or more user messages (str), got {user_messages!r}")

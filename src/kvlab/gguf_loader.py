@@ -1,23 +1,16 @@
 """Load a Llama-architecture GGUF file (llama.cpp's format) into kvlab's decoder.
 
-A GGUF file holds key/value metadata (the model's shape under llama.cpp's key names, the tokenizer)
-and the tensors, usually quantized: Q4_1 stores each block of 32 weights as 4-bit integers plus one
-fp16 scale and one fp16 minimum. The `gguf` library (maintained in the llama.cpp repository) reads
-the file and dequantizes every type it knows (Q4_0, Q4_1, Q5_*, Q8_0, K-quants, F16, BF16, F32, ...)
-to float32; kvlab writes no GGUF parser of its own. What this module adds is the translation:
+A GGUF file holds metadata (the shape under llama.cpp's key names, the tokenizer) and tensors,
+usually quantized (Q4_1: each block of 32 weights as 4-bit integers plus an fp16 scale and an fp16
+minimum). The `gguf` library (from the llama.cpp repository) parses the file and dequantizes every
+type to float32; this module only translates: metadata -> `LlamaConfig` with HF field names
+(`llama.attention.head_count_kv` -> `num_key_value_heads`), tensor names -> HF parameter names
+(`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and the q/k row order:
+llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) interleaves the channel pairs
+RoPE rotates together, where HF's "rotate half" pairs i with i + head_dim/2 (`unpermute_rows`).
 
-* metadata -> `LlamaConfig` with Hugging Face field names (`llama.attention.head_count_kv` ->
-  `num_key_value_heads`, ...);
-* tensor names -> HF parameter names (`blk.3.attn_q.weight` ->
-  `model.layers.3.self_attn.q_proj.weight`);
-* the query/key row order. llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`)
-  reorders the rows of q_proj and k_proj so that the two channels RoPE rotates together sit next to
-  each other (interleaved pairs, as in Meta's original code); HF's "rotate half" layout pairs
-  channel i with channel i + head_dim/2 instead. `unpermute_rows` undoes that reordering.
-
-The weights are dequantized, not the original ones: a Q4_1 file gives the 4-bit-rounded weights as
-float32 numbers, so logits differ from the bf16 release (and equal transformers' own dequantized
-load of the same file, which tests/test_gguf_model.py checks to 1e-4).
+The weights are the 4-bit-rounded ones, so logits differ from the bf16 release and equal
+transformers' own dequantized load of the file (tests/test_gguf_loader.py, to 1e-4).
 """
 
 from __future__ import annotations
@@ -59,15 +52,9 @@ _IGNORED_TENSORS = ("rope_freqs.weight",)
 
 
 def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over the file (memory-mapped: tensors are read when dequantized).
-
-    Indexing a file takes seconds (the reader parses every metadata array, e.g. 49,152 vocabulary
-    strings), so readers are kept per (path, size, modification time) and shared: the model, its
-    tokenizer and its chat template come from one parse. Treat the reader as read-only.
-
-    Raises:
-        FileNotFoundError: no file at the path. ConfigError: the file is not GGUF.
-    """
+    """A memory-mapped `gguf.GGUFReader`, shared per (path, size, mtime) because parsing takes
+    seconds (49,152 vocabulary strings): model, tokenizer and chat template come from one parse, so
+    treat it as read-only. FileNotFoundError: no file; ConfigError: not GGUF."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -86,11 +73,7 @@ def _cached_reader(path: Path, size: int, mtime_ns: int):
 
 
 def gguf_metadata(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
-    """One metadata value as a Python object (int, float, str, bool or list).
-
-    Raises:
-        ConfigError: the key is absent and no default is given.
-    """
+    """One metadata value as a Python object; ConfigError if absent and no default is given."""
     field = reader.fields.get(key)
     if field is None:
         if default is _REQUIRED:
@@ -100,17 +83,10 @@ def gguf_metadata(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
 
 
 def read_gguf_config(path_or_reader: Any, name: str | None = None) -> LlamaConfig:
-    """The model's shape from a GGUF file's metadata, as a `LlamaConfig` (HF field names).
-
-    head_dim is `{arch}.attention.key_length` when present, else embedding_length / head_count;
-    tie_word_embeddings is True when the file stores no separate `output.weight`.
-
-    Raises:
-        FileNotFoundError: no file at the path.
-        ConfigError: not a GGUF file, an architecture other than llama, a missing key, or RoPE
-            scaling (which kvlab's decoder does not implement; the rope type is kept in the config
-            so `check_model_supported` names it).
-    """
+    """The model's shape from the metadata. head_dim: `{arch}.attention.key_length`, else
+    embedding_length / head_count; tied when there is no `output.weight`. FileNotFoundError;
+    ConfigError: not GGUF, not llama, a missing key (RoPE scaling is kept for
+    `check_model_supported` to name)."""
     reader = path_or_reader if hasattr(path_or_reader, "fields") else open_gguf(path_or_reader)
     arch = gguf_metadata(reader, "general.architecture")
     label = name or gguf_metadata(reader, "general.name", "gguf")
@@ -147,12 +123,7 @@ def read_gguf_config(path_or_reader: Any, name: str | None = None) -> LlamaConfi
 
 
 def gguf_tensor_name_to_hf(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors the
-    decoder does not use (rope_freqs).
-
-    Raises:
-        KeyError: a tensor name kvlab does not know (the name is in the message).
-    """
+    """The HF name; None for tensors the decoder recomputes (rope_freqs); KeyError: unknown."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     if name in _IGNORED_TENSORS:
@@ -165,16 +136,8 @@ def gguf_tensor_name_to_hf(name: str) -> str | None:
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's RoPE row order for q_proj / k_proj weights.
-
-    weight: [num_heads * head_dim, hidden_size] as stored in the GGUF (rows of each head in
-    interleaved pairs: 0, d/2, 1, d/2 + 1, ...). Returns the same shape with each head's rows in
-    HF's rotate-half order (0, 1, ..., d/2 - 1, d/2, ...). num_heads is num_attention_heads for
-    q_proj and num_key_value_heads for k_proj.
-
-    Raises:
-        ValueError: the row count is not num_heads x an even head_dim.
-    """
+    """[num_heads * head_dim, hidden_size] with each head's rows from interleaved (0, d/2, 1,
+    d/2 + 1, ...) to rotate-half order; num_heads is q's or k's. ValueError: head_dim not even."""
     rows = weight.shape[0]
     if rows % num_heads or (rows // num_heads) % 2:
         raise ValueError(f"{rows} rows do not split into {num_heads} heads of an even head_dim")
@@ -185,10 +148,7 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def describe_quantization(path: str | Path) -> dict[str, int]:
-    """How many tensors of each GGUF type the file holds.
-
-    SmolLM2-135M-Instruct.Q4_1.gguf: {'Q8_0': 1, 'F32': 61, 'Q4_1': 210}.
-    """
+    """Tensors per GGUF type; SmolLM2-135M-Instruct.Q4_1: {'Q8_0': 1, 'F32': 61, 'Q4_1': 210}."""
     counts: dict[str, int] = {}
     for tensor in open_gguf(path).tensors:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
@@ -197,17 +157,9 @@ def describe_quantization(path: str | Path) -> dict[str, int]:
 
 def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32
                          ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Read and dequantize every tensor of a Llama GGUF file under its HF parameter name.
-
-    Returns:
-        (config, {HF name: tensor}) with tensors in `dtype` on the CPU, q_proj / k_proj rows in HF
-        order, and no lm_head.weight when the embeddings are tied.
-
-    Raises:
-        FileNotFoundError, ConfigError: as `read_gguf_config`.
-        KeyError: an unknown tensor name.
-        ValueError: a tensor whose shape differs from what the config implies (names both).
-    """
+    """(config, {HF name: CPU tensor in dtype}), q/k rows in HF order, no lm_head.weight when tied.
+    Raises as `read_gguf_config`; KeyError: an unknown tensor; ValueError: a shape the config
+    does not imply."""
     import gguf
 
     reader = open_gguf(path)
@@ -239,15 +191,8 @@ def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """kvlab's `LlamaForCausalLM` with the dequantized weights of a Llama GGUF file.
-
-    Quantized weights (Q4_1, Q8_0, ...) become float numbers equal to the rounded values the file
-    stores; they are then cast to `dtype` (float32 keeps them exactly).
-
-    Raises:
-        FileNotFoundError, ConfigError, KeyError, ValueError: see `load_gguf_state_dict`.
-        KeyError: a parameter the decoder needs is missing from the file (names listed).
-    """
+    """The decoder with the file's dequantized weights (float32 keeps them exactly). Raises as
+    `load_gguf_state_dict`; KeyError: a parameter missing from the file (names listed)."""
     config, tensors = load_gguf_state_dict(path, dtype)
     with torch.device("meta"):  # no random init: every parameter is assigned from the file below
         model = LlamaForCausalLM(config)

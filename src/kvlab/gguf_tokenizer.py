@@ -1,23 +1,17 @@
 """The tokenizer and chat template stored in a GGUF file's metadata.
 
-A GGUF file carries no tokenizer.json; llama.cpp's converter stores the pieces instead:
-`tokenizer.ggml.model` ("gpt2" = byte-level BPE), `tokenizer.ggml.tokens` (the vocabulary, id = list
-index), `tokenizer.ggml.merges` ("a b" strings, best first), `tokenizer.ggml.token_type` (3 marks a
-control token such as `<|im_start|>`), `tokenizer.ggml.pre` (which pre-tokenizer split the text
-before BPE) and `tokenizer.chat_template` (a Jinja template, as in HF's tokenizer_config.json).
+There is no tokenizer.json; llama.cpp's converter stores the pieces: `tokenizer.ggml.model` ("gpt2"
+= byte-level BPE), `.tokens` (id = list index), `.merges` ("a b", best first), `.token_type` (3 =
+control token such as `<|im_start|>`), `.pre` (the pre-tokenizer) and `tokenizer.chat_template`
+(Jinja, as in HF's tokenizer_config.json). They are assembled with `tokenizers` and the template
+rendered by sandboxed `jinja2`, as `apply_chat_template` does (tests/test_gguf_loader.py compares
+both with transformers' own GGUF conversion).
 
-A chat model's reply ends at its end-of-turn token, which need not be its end-of-sequence token
-(`tokenizer.ggml.eos_token_id`): a ChatML fine-tune of a base model may keep `<|endoftext|>` as
-EOS while its template closes every message with `<|im_end|>` (SmolLM2-Instruct stores
-`<|im_end|>` as EOS, so the two coincide there). llama.cpp therefore stops at a set of
-end-of-generation ids: EOS, `tokenizer.ggml.eot_token_id`, `tokenizer.ggml.eom_token_id` and
-known end-of-turn token texts (llama-vocab.cpp). kvlab reads the end-of-turn token off the
-template itself instead of a list of names: the control token the template writes right after a
-message's content (`ChatTemplate.stop_token_ids`).
-
-kvlab assembles these with the `tokenizers` library (the one behind every HF fast tokenizer) and
-renders the chat template with `jinja2` in a sandbox, as transformers' `apply_chat_template` does.
-tests/test_gguf_model.py checks both against transformers' own GGUF tokenizer conversion.
+A reply ends at the end-of-turn token, which need not be EOS: a ChatML fine-tune may keep
+`<|endoftext|>` as EOS while its template closes messages with `<|im_end|>` (SmolLM2-Instruct's EOS
+is `<|im_end|>`). llama.cpp stops at EOS, EOT, EOM and known end-of-turn texts (llama-vocab.cpp);
+kvlab instead reads the control token the template writes right after a message's content
+(`ChatTemplate.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -54,15 +48,8 @@ def _pre_tokenizer(pre: str | None):
 
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
-    """A `tokenizers.Tokenizer` built from the GGUF's byte-level BPE vocabulary and merges.
-
-    Control tokens (token_type 3) are registered as special tokens, so `<|im_start|>` in a chat
-    prompt is one token, and `decode` leaves them out by default (skip_special_tokens=True).
-
-    Raises:
-        FileNotFoundError: no file. ConfigError: not byte-level BPE ("gpt2"), or a pre-tokenizer
-            kvlab does not reproduce (the name is in the message).
-    """
+    """Byte-level BPE with control tokens as special tokens (`<|im_start|>` is one token; decode
+    skips them). FileNotFoundError; ConfigError: not "gpt2", or a pre-tokenizer not reproduced."""
     reader = open_gguf(path)
     kind = gguf_metadata(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
@@ -93,12 +80,8 @@ def special_token_ids(path: str | Path) -> dict[str, int | None]:
 
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A model's chat template: messages [{'role': ..., 'content': ...}] -> the prompt text.
-
-    template: the Jinja source from `tokenizer.chat_template`; bos_token / eos_token: the strings
-    the template may refer to; stop_token_ids: the ids that end an assistant's turn (EOS, EOT/EOM
-    and the template's end-of-turn token; see the module docstring): generation stops at any.
-    """
+    """Messages [{'role': ..., 'content': ...}] -> prompt text; generation stops at any of
+    stop_token_ids (EOS, EOT/EOM and the template's end-of-turn token)."""
 
     template: str
     bos_token: str = ""
@@ -106,12 +89,8 @@ class ChatTemplate:
     stop_token_ids: frozenset[int] = frozenset()
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation; with add_generation_prompt it ends where the
-        assistant's reply begins (for SmolLM2: '<|im_start|>assistant\\n').
-
-        Raises:
-            ValueError: a message without 'role' and 'content', or the template raised an error.
-        """
+        """The prompt, ending where the reply begins with add_generation_prompt (SmolLM2:
+        '<|im_start|>assistant\\n'). ValueError: no 'role'/'content', or the template raised."""
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -135,11 +114,7 @@ class ChatTemplate:
 
 
 def load_chat_template(path: str | Path) -> ChatTemplate:
-    """The `ChatTemplate` stored in a GGUF file.
-
-    Raises:
-        FileNotFoundError: no file. ConfigError: the file has no tokenizer.chat_template.
-    """
+    """The file's template; FileNotFoundError: no file; ConfigError: no tokenizer.chat_template."""
     reader = open_gguf(path)
     tokens = gguf_metadata(reader, "tokenizer.ggml.tokens")
 

@@ -1,13 +1,9 @@
 """Turn a multi-head (MHA) checkpoint into grouped-query attention (GQA) by mean-pooling.
 
-Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
-Checkpoints" (EMNLP 2023), section 2.1: to go from H KV heads to H / G, average the key and value
-projection matrices of each group of G adjacent heads. The paper then "uptrains" for about 5 % of
-the original compute to recover quality; the course skips uptraining so the learner sees the raw
-cost of sharing heads, measured as perplexity on held-out text (`kvlab.evaluate.perplexity`).
-
-Grouping follows the GQA mapping: query head h reads KV head h // G, so KV head j of the new model
-is the mean of old KV heads j*G ... j*G + G - 1 (the ones whose query heads it now serves).
+Ainslie et al. (EMNLP 2023), section 2.1: from H KV heads to H / G, average the K and V projections
+of each group of G adjacent heads, so new KV head j is the mean of old heads j*G ... j*G + G - 1
+(query head h reads h // G, `kvlab.attention`). The paper then uptrains on ~5 % of the original
+compute; the course does not, so the raw cost of sharing shows as perplexity (`kvlab.evaluate`).
 """
 
 from __future__ import annotations
@@ -23,19 +19,8 @@ __all__ = ["mean_pool_kv_heads", "convert_to_gqa"]
 
 def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
                        new_num_kv_heads: int) -> torch.Tensor:
-    """Average a k_proj / v_proj weight over groups of adjacent heads.
-
-    Args:
-        weight: [num_kv_heads * head_dim, hidden_size], the nn.Linear weight (rows = output channels,
-            head-major: rows j*head_dim ... (j+1)*head_dim - 1 belong to head j).
-        new_num_kv_heads: heads after pooling; must divide num_kv_heads.
-
-    Returns:
-        [new_num_kv_heads * head_dim, hidden_size], same dtype.
-
-    Raises:
-        ValueError: new_num_kv_heads does not divide num_kv_heads.
-    """
+    """k_proj / v_proj [num_kv_heads * head_dim, hidden_size] (head j's rows contiguous) ->
+    [new_num_kv_heads * head_dim, hidden_size]; ValueError: the new count does not divide the old."""
     if new_num_kv_heads < 1 or num_kv_heads % new_num_kv_heads:
         raise ValueError(f"cannot pool {num_kv_heads} KV heads into {new_num_kv_heads}: "
                          f"the new count must divide the old one")
@@ -47,15 +32,8 @@ def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
 
 @torch.no_grad()
 def convert_to_gqa(model: LlamaForCausalLM, num_key_value_heads: int) -> LlamaForCausalLM:
-    """A copy of `model` with num_key_value_heads KV heads, K/V projections mean-pooled per group.
-
-    num_key_value_heads = 1 gives multi-query attention (MQA). The query, output and MLP weights are
-    unchanged; the KV cache of the result is smaller by old_heads / new_heads.
-
-    Raises:
-        ValueError: num_key_value_heads does not divide the model's KV heads
-            (or num_attention_heads).
-    """
+    """A copy with K/V projections mean-pooled to num_key_value_heads (1 = MQA), the rest unchanged.
+    ValueError: it does not divide the model's KV heads (or num_attention_heads)."""
     config = model.config
     new_config = config.with_changes(num_key_value_heads=num_key_value_heads)
     converted = LlamaForCausalLM(new_config).to(model.dtype).to(model.device)

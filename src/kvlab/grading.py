@@ -54,12 +54,8 @@ def _brief(value: Any) -> str:
 
 
 def _differences(got: Any, expected: Any, at: str = "", label: str | None = None) -> list[str]:
-    """Where got and expected differ, one phrase per place: `at` is the path to this value
-    ("[2]", "['admitted']"), `label` how the phrase names it (default: `at`). A list, tuple or
-    dict is shown first, whole where both fit in WIDTH, when it is the top value (a list or tuple
-    also where its lengths differ); then a list or tuple names its first differing index, a dict
-    only the keys that differ. A long str gives its lengths and the text where it first differs.
-    Empty when equal in value and type."""
+    """One phrase per place got and expected differ ([] if equal in value and type); `at` is the
+    path ("[2]", "['admitted']"), `label` its name in the phrase (default `at`)."""
     where = f"{label or at}: " if label or at else ""
     if got == expected and _types(got) == _types(expected):
         return []

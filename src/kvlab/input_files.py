@@ -1,14 +1,9 @@
 """Reading the files a user names, with one clear error that names the file and what it should be.
 
-A trace, a config.json or a checkpoint folder typed on the command line can turn out to be a
-folder, an empty file, a binary file or a file without read permission. The operating system and the
-text codec report those with messages that do not say which file was meant or what it should have
-held ("'utf-8' codec can't decode byte 0x89 in position 0"). Every reader of a user's file goes
-through `read_text` instead, so every such failure becomes one `InputFileError` of the form
-
-    <path>: <what is wrong>; expected <what the file should hold>
-
-which the `kvlab` command prints on one line before exiting with status 2.
+A path typed on the command line can be a folder, empty, binary or unreadable, and the OS and codec
+say so without naming the file or what it should hold ("'utf-8' codec can't decode byte 0x89").
+Every reader of a user's file goes through `read_text`, so each failure is one `InputFileError`,
+`<path>: <what is wrong>; expected <what it should hold>`, which `kvlab` prints before exit 2.
 """
 
 from __future__ import annotations
@@ -37,22 +32,9 @@ def input_file_error(path: str | Path, problem: str, expected: str) -> InputFile
 
 
 def read_text(path: str | Path, expected: str) -> str:
-    """The whole text of a user's file, decoded as UTF-8 (a leading byte-order mark is dropped).
-
-    Args:
-        path: the file as the user gave it.
-        expected: what the file should hold, for the message (e.g. "a CSV trace with header
-            TIMESTAMP,ContextTokens,GeneratedTokens").
-
-    Returns:
-        The text (str). Files are read whole: the largest the course reads is a trace of ~1 MB.
-
-    Raises:
-        MissingInputFileError: no such file.
-        InputFileError: a folder, a file over MAX_TEXT_BYTES, an unreadable file (permissions,
-            I/O error), an empty or whitespace-only file, a binary file (it holds NUL bytes), or
-            text that is not UTF-8. The message names the path and `expected`.
-    """
+    """The whole file as UTF-8 (a byte-order mark dropped); `expected` is for the message.
+    MissingInputFileError: no such file; InputFileError: a folder, over MAX_TEXT_BYTES,
+    unreadable, empty or blank, binary (NUL bytes), or not UTF-8."""
     path = Path(path)
     if not path.exists():
         raise MissingInputFileError(f"{path}: no such file; expected {expected}")

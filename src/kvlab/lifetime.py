@@ -1,20 +1,11 @@
 """A request's life in the KV cache: how many steps it stays, and how many tokens it holds at each.
 
-One definition, shared by `kvlab report`, the notebooks and the tests that replay requests through
-the engine (`kvlab.serving.LLMEngine`: the one scheduler with the paged KV manager). A request of
-P prompt tokens that generates G tokens:
-
-* Step 0 is the prefill: the K/V of the P prompt tokens are written and the first output token is
-  sampled from the last position's logits. The cache holds P tokens.
-* Step i (1 <= i < G) is a decode step: the token sampled at step i - 1 is fed in, its K/V written,
-  and the next token sampled. The cache holds P + i tokens.
-* After the step that samples token G the request finishes and frees its memory. That last token is
-  returned to the user but never fed back, so its K/V is never written.
-
-So the request stays S = max(G, 1) steps and holds P, P + 1, ..., P + S - 1 tokens (a prefill-only
-request, G = 0, holds P for its one step). That is what vLLM's scheduler reserves too: the slot of a
-token is reserved in the step that feeds it (Kwon et al., SOSP 2023, section 4.3; vLLM v1
-`KVCacheManager.allocate_slots`).
+One definition for `kvlab report`, the notebooks and the engine replay tests. A request of P prompt
+tokens generating G: step 0 (prefill) writes P tokens' K/V and samples the first output; decode step
+i (1 <= i < G) feeds the token sampled at i - 1, so the cache holds P + i; the step sampling token
+G finishes the request, and that token is never fed back, so its K/V is never written. So it stays
+S = max(G, 1) steps holding P, ..., P + S - 1 tokens, as vLLM reserves a token's slot in the step
+that feeds it (Kwon et al., SOSP 2023, section 4.3; vLLM v1 `KVCacheManager.allocate_slots`).
 """
 
 from __future__ import annotations
@@ -37,10 +28,7 @@ def decode_steps(request: RequestSizes) -> int:
 
 
 def tokens_held(request: RequestSizes) -> range:
-    """Tokens in the cache at each of the request's steps: P, P + 1, ..., P + S - 1.
-
-    Example: P = 3, G = 2 -> range(3, 5), i.e. 3 tokens at the prefill, 4 at the one decode step.
-    """
+    """Tokens in the cache at each step: P, ..., P + S - 1 (P = 3, G = 2 -> range(3, 5))."""
     return range(request.prompt_len, request.prompt_len + decode_steps(request))
 
 

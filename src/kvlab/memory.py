@@ -1,12 +1,8 @@
 """One memory report for every stage: count bytes, never estimate them.
 
-A `MemoryReport` holds the weights' bytes, the KV bytes reserved, the KV bytes holding token states,
-the waste 1 - used / reserved, the CUDA peak, and the device they were measured on.
-
-* On CPU every figure is the exact byte count of the tensors (numel x element_size).
-* On CUDA the same counts are cross-checked against the caching allocator: the cache records
-  `torch.cuda.memory_allocated` before and after reserving its tensors, and `measure` checks that
-  this delta agrees with the tensor bytes (the allocator rounds each allocation up to 512 B).
+Every figure is the exact byte count of tensors (numel x element_size). On CUDA it is
+cross-checked: the cache records `torch.cuda.memory_allocated` around allocating its tensors, and
+`measure` checks that delta against the tensor bytes, up to the allocator's rounding.
 """
 
 from __future__ import annotations
@@ -27,17 +23,9 @@ _CUDA_SLACK_PER_TENSOR = 2**20 + 512
 
 
 class AccountedCache(Protocol):
-    """Everything `measure` reads from a KV cache; both caches of the course provide all of it.
-
-    Attributes:
-        reserved_bytes: bytes set aside for sequences (held blocks, or every slab).
-        used_bytes: bytes holding token states (tokens held x KV bytes per token).
-        allocated_bytes: bytes of every tensor the cache allocated (the whole block pool, held or
-            free; for the contiguous cache the same as reserved_bytes).
-        num_tensors: tensors the cache allocated (the allocator rounds each one up).
-        allocator_delta_bytes: CUDA only: growth of torch.cuda.memory_allocated while the cache
-            allocated its tensors; None on CPU.
-    """
+    """What `measure` reads from a KV cache. reserved_bytes: set aside for sequences (held blocks,
+    or every slab); used_bytes: tokens held x KV bytes per token; allocated_bytes: every tensor
+    (the whole pool, held or free); allocator_delta_bytes: CUDA only, else None."""
 
     reserved_bytes: int
     used_bytes: int
@@ -61,12 +49,8 @@ def device_name(device: str | torch.device) -> str:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Bytes a model and its KV cache take on one device.
-
-    kv_reserved_bytes: bytes the cache has set aside (whether or not tokens are in them).
-    kv_used_bytes: bytes holding token states (tokens held x KV bytes per token).
-    peak_allocated_bytes / allocator_kv_bytes: CUDA only (None on CPU), from torch.cuda.
-    """
+    """Bytes a model and its KV cache take on one device (fields as `AccountedCache`'s;
+    peak_allocated_bytes and allocator_kv_bytes CUDA only)."""
 
     device: str
     weights_bytes: int
@@ -77,7 +61,7 @@ class MemoryReport:
 
     @property
     def waste(self) -> float:
-        """1 - used / reserved: the share of reserved KV memory holding no token (0 if none reserved)."""
+        """1 - used / reserved: reserved KV memory holding no token (0 if none reserved)."""
         if self.kv_reserved_bytes == 0:
             return 0.0
         return 1.0 - self.kv_used_bytes / self.kv_reserved_bytes
@@ -105,21 +89,9 @@ def _exact(num_bytes: int) -> str:
 
 def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None = None,
             device: str | torch.device | None = None) -> MemoryReport:
-    """Measure a model's weights and a cache's reservation/use on their device.
-
-    Args:
-        model: the decoder (its parameters are counted; tied weights once), or None.
-        cache: a KV cache with every attribute of `AccountedCache`, or None.
-        device: where to read CUDA figures; default the model's device, else CPU.
-
-    Returns:
-        MemoryReport. On CUDA it includes peak allocated bytes, and the allocator's own delta for
-        the cache when the cache recorded one (`allocator_delta_bytes`).
-
-    Raises:
-        RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree by more than
-            the allocator's rounding (that would mean the cache is not counting what it holds).
-    """
+    """A model's weights (tied once) and a cache's bytes on device (default the model's, else
+    CPU). RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree beyond its
+    rounding (the cache is not counting what it holds)."""
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
     device = torch.device(device)

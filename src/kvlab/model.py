@@ -33,21 +33,15 @@ class KVStore(Protocol):
 
     def attend(self, layer_index: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Store this step's K/V of `layer_index`, attend `query` over everything stored.
-
-        query [num_tokens, num_attention_heads, head_dim]; key, value [num_tokens,
-        num_key_value_heads, head_dim]; positions [num_tokens] int64. Returns the attention output
-        [num_tokens, num_attention_heads, head_dim].
-        """
+        """Store this step's K/V of `layer_index`, attend `query` over everything stored: query
+        and the output [num_tokens, num_attention_heads, head_dim]; key, value [num_tokens,
+        num_key_value_heads, head_dim]; positions [num_tokens] int64."""
         ...
 
 
 class NoCache:
-    """No KV cache at all: every forward pass sees the whole sequence and recomputes every K/V.
-
-    Correct by construction, and the reference every cache is checked against. The price is that
-    step t recomputes t tokens, so generating n tokens costs O(n^2) projections.
-    """
+    """No KV cache: each pass recomputes every K/V (O(n^2) projections for n tokens); the
+    reference every cache is checked against."""
 
     def attend(self, layer_index, query, key, value, positions):
         return grouped_attention(query, key, value, query_positions=positions,
@@ -55,12 +49,8 @@ class NoCache:
 
 
 def check_model_supported(config: LlamaConfig) -> None:
-    """Refuse configs whose maths this decoder does not implement (instead of computing wrong logits).
-
-    Raises:
-        ConfigError: RoPE scaling (e.g. Llama 3.1's 'llama3' rope_scaling), a non-Llama
-            architecture, or attention biases.
-    """
+    """ConfigError for maths this decoder lacks (RoPE scaling such as Llama 3.1's, a non-Llama
+    architecture, attention biases), instead of wrong logits."""
     if config.rope_type != "default":
         raise ConfigError(
             f"{config.name}: rope_scaling of type {config.rope_type!r} is not implemented by "
@@ -87,23 +77,16 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al., 2021) in the "rotate half" layout that HF Llama checkpoints use.
-
-    Channel i of the first half of a head is paired with channel i of the second half and the pair
-    is rotated by angle position * theta^(-2i / head_dim).
-    """
+    """RoPE (Su et al., 2021), HF Llama's "rotate half" layout: channels i and i + head_dim / 2
+    are rotated together by position * theta^(-2i / head_dim)."""
 
     def __init__(self, head_dim: int, rope_theta: float):
         super().__init__()
         self.head_dim, self.rope_theta = head_dim, rope_theta
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
-        """theta^(-2i / head_dim) for i < head_dim / 2, float32 [head_dim / 2].
-
-        Recomputed on every call (head_dim / 2 numbers) rather than stored as a buffer, so that
-        `model.to(torch.bfloat16)` can never round the frequencies: in bf16 the angle at position
-        4,000 would be off by up to ~0.7 rad.
-        """
+        """float32 [head_dim / 2]; recomputed, not a buffer, so `model.to(torch.bfloat16)` cannot
+        round it (in bf16 the angle at position 4,000 would be off by up to ~0.7 rad)."""
         exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
         return 1.0 / (self.rope_theta ** exponents)
 
@@ -191,12 +174,7 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus the language-model head that turns hidden states into next-token logits.
-
-    Raises:
-        ConfigError: at construction, for a config this decoder does not implement
-            (see `check_model_supported`).
-    """
+    """The decoder plus the LM head; ConfigError at construction (`check_model_supported`)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -210,20 +188,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVStore | None = None,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for every token, or only for the rows in `logits_indices`.
+        """float32 logits [num_tokens, vocab_size] of token_ids [num_tokens] at absolute positions
+        (default 0 .. num_tokens - 1) through kv (default `NoCache()`: one whole sequence).
 
-        Args:
-            token_ids: [num_tokens] int64.
-            positions: [num_tokens] int64, absolute positions; default 0 .. num_tokens - 1.
-            kv: the KV store; default `NoCache()` (the tokens are one whole sequence).
-            logits_indices: [num_rows] int64, the tokens whose next token is wanted (a server
-                samples only after each request's last scheduled token: vLLM's
-                `logits_indices`). The vocabulary projection is the largest matmul of a small
-                model, so a 1,000-token prefill that needs one row skips 999 of them.
-
-        Returns:
-            [num_tokens or num_rows, vocab_size] float32 logits.
-        """
+        logits_indices [num_rows] int64: only those rows' logits ([num_rows, vocab_size]). A server
+        samples only after each request's last scheduled token (vLLM's `logits_indices`), and the
+        vocabulary projection is a small model's largest matmul: a 1,000-token prefill that needs
+        one row skips 999 of them."""
         if positions is None:
             positions = torch.arange(token_ids.shape[0], device=token_ids.device)
         hidden = self.model(token_ids, positions, kv if kv is not None else NoCache())

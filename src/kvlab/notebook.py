@@ -1,20 +1,11 @@
 """One call at the top of every notebook: device, Triton mode, seeds, threads, quiet known warnings.
 
-    from kvlab.notebook import setup
-    env = setup(seed=0)     # prints e.g. "kvlab setup: cpu, float32, TRITON_INTERPRET=1, seed 0, 1 thread"
-
-What it does, in the order that matters:
-
-1. Picks the device (`kvlab.device`): a CUDA GPU if there is one, else the CPU; and the dtype the
-   course uses there (float32 on CPU, bf16 or fp16 on a GPU).
-2. Without CUDA, sets TRITON_INTERPRET=1 so stage 5's Triton kernels run in Triton's interpreter
-   on the CPU. Triton reads it when a kernel is *defined*, so this must happen before any kernel
-   module is imported: call `setup()` first. If Triton was already imported, the result says so.
-3. Seeds Python's, NumPy's (when installed) and torch's random generators.
-4. Sets torch's CPU thread count (default 1: the course's tensors are tiny, and on a shared CPU a
-   thread pool costs more than it saves).
-5. Silences only the warnings named in `KNOWN_HARMLESS_WARNINGS`, each by its message and
-   category. A learner's own warnings, and every other library warning, still show.
+In the order that matters: 1. the device (`kvlab.device`: CUDA if any, else CPU) and its dtype
+(float32 on CPU, bf16 or fp16 on a GPU); 2. without CUDA, TRITON_INTERPRET=1, which Triton reads
+when a kernel is *defined*, so call `setup()` before importing any kernel (the result says if
+Triton came first); 3. seeds for Python, NumPy (if installed) and torch; 4. torch's CPU threads
+(default 1: on a shared CPU a pool costs more than the tiny tensors save); 5. silences only
+`KNOWN_HARMLESS_WARNINGS`, by message and category.
 """
 
 from __future__ import annotations
@@ -36,18 +27,7 @@ KNOWN_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class NotebookEnvironment:
-    """What `setup` chose.
-
-    Attributes:
-        device: "cuda:0" or "cpu".
-        dtype: the torch dtype the course uses on that device.
-        triton_interpret: whether TRITON_INTERPRET=1 is set (no CUDA).
-        triton_imported_before: Triton was imported before `setup` ran (too late for kernels
-            already defined to switch to the interpreter).
-        seed: the seed given to Python, NumPy and torch.
-        num_threads: torch's CPU threads.
-        silenced: the messages of the warnings silenced.
-    """
+    """What `setup` chose; triton_imported_before: too late for defined kernels to be interpreted."""
 
     device: str
     dtype: str
@@ -68,19 +48,8 @@ class NotebookEnvironment:
 
 
 def setup(seed: int = 0, num_threads: int | None = 1, quiet: bool = False) -> NotebookEnvironment:
-    """Prepare a notebook: device, TRITON_INTERPRET, seeds, threads, known-harmless warnings.
-
-    Args:
-        seed: seeds `random`, NumPy (if installed) and torch (CPU and CUDA).
-        num_threads: torch CPU threads; None leaves torch's default.
-        quiet: do not print the one-line summary.
-
-    Returns:
-        NotebookEnvironment: what was chosen (also printed unless quiet).
-
-    Raises:
-        ValueError: seed < 0 or num_threads < 1.
-    """
+    """What was chosen, printed unless quiet; num_threads None leaves torch's default.
+    ValueError: seed < 0 or num_threads < 1."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)

@@ -1,12 +1,9 @@
 """Pictures the notebooks draw from the library's own state (matplotlib).
 
-`draw_block_tables(cache)` draws a paged cache as notebook 04 shows it: each sequence's block table
-on top, one box per entry `logical → physical` in logical order, an arrow from each entry to its
-physical block; the pool below, every block's slots coloured by the sequence that owns them and
-labelled with the position of the token each slot holds. A block shared by several sequences
-(after `fork`, before copy-on-write) is hatched and shows its ref count. This is figure 6 of Kwon et
-al., *Efficient Memory Management for Large Language Model Serving with PagedAttention* (SOSP
-2023), drawn from a live `kvlab.paged.PagedKVCache`.
+`draw_block_tables(cache)` is figure 6 of Kwon et al. (SOSP 2023) drawn from a live
+`PagedKVCache`: each block table on top (`logical → physical`, an arrow to each block), the pool
+below, slots coloured by owner and labelled with their token's position; a shared block (after
+`fork`, before copy-on-write) hatched, with its ref count.
 """
 
 from __future__ import annotations
@@ -23,21 +20,8 @@ __all__ = ["draw_block_tables"]
 
 
 def draw_block_tables(cache: "PagedKVCache", title: str = "") -> "Figure":
-    """Draw `cache`'s block tables over its physical block pool; return the matplotlib figure.
-
-    Args:
-        cache: a `PagedKVCache` (anything with `.manager.tables` {seq_id: BlockTable},
-            `.block_size` and `.num_blocks`).
-        title: the figure's title.
-
-    Returns:
-        The figure (one axes, no ticks), a pyplot figure: a notebook shows it when the cell ends.
-        Assign the result (`figure = draw_block_tables(...)`) so it is not shown a second time as
-        the cell's value.
-
-    Raises:
-        ValueError: the cache holds no sequence (there would be nothing to draw).
-    """
+    """The pyplot figure (assign it, or the notebook shows it twice); `cache` needs
+    `.manager.tables`, `.block_size`, `.num_blocks`. ValueError: the cache holds no sequence."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 

@@ -1,15 +1,7 @@
 """One call for notebooks and servers: the real pretrained model if fetched, else the tiny model.
 
-    from kvlab.pretrained import load_course_model
-    loaded = load_course_model()            # SmolLM2-135M-Instruct when `kvlab fetch` was run
-    print(loaded.note)                      # says which model, and how to get the real one
-    ids = loaded.tokenizer.encode("The capital of France is").ids
-    from kvlab.generate import chat        # the assistant's reply, via the model's chat template
-    chat(loaded.model, loaded.tokenizer, loaded.chat_template, ["What is the capital of France?"],
-         32).replies[0][0]
-
-Nothing is downloaded here: when the file is missing, the tiny model is loaded instead and `note`
-tells the learner the fetch command. SmolLM2's weights are 4-bit (Q4_1) dequantized to floats.
+Nothing is downloaded here: when the file is missing, the tiny model is loaded and `note` gives the
+fetch command. SmolLM2's weights are 4-bit (Q4_1) dequantized to floats.
 """
 
 from __future__ import annotations
@@ -29,10 +21,8 @@ __all__ = ["LoadedModel", "load_course_model"]
 
 @dataclasses.dataclass
 class LoadedModel:
-    """name: 'smollm2-135m' or 'tiny'; chat_template: a `ChatTemplate` (None for the tiny model,
-    which is not a chat model); eos_token_id: ends a reply (None for tiny); load_seconds: wall time
-    of loading (varies run to run: print it only in cells nbval does not compare); note: one line
-    saying what was loaded."""
+    """name 'smollm2-135m' or 'tiny' (no chat template, no EOS); load_seconds varies run to run
+    (print it only in cells nbval does not compare); note: one line saying what was loaded."""
 
     name: str
     model: LlamaForCausalLM
@@ -48,8 +38,7 @@ class LoadedModel:
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
-        """The ids that end a reply: the chat template's (end-of-turn and EOS), else EOS alone,
-        else none (the tiny model)."""
+        """The chat template's stop ids, else EOS alone, else none (the tiny model)."""
         if self.chat_template is not None:
             return self.chat_template.stop_token_ids
         return frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
@@ -57,11 +46,7 @@ class LoadedModel:
 
 def load_course_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", fallback: str = "tiny") -> LoadedModel:
-    """Load the pretrained model `name` if `kvlab fetch name` has been run, else `fallback`.
-
-    Raises:
-        ValueError: `name` is not a pretrained model kvlab knows (see `kvlab.fetch.PRETRAINED`).
-    """
+    """`name` if `kvlab fetch name` was run, else `fallback`; ValueError: not in `PRETRAINED`."""
     if name not in PRETRAINED:
         raise ValueError(f"unknown pretrained model {name!r}; choose from {', '.join(PRETRAINED)}")
     start = time.perf_counter()

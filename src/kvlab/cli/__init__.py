@@ -6,13 +6,10 @@
     kvlab check 0                     # check your stage-0 exercise
     kvlab fetch smollm2-135m          # a real pretrained model (4-bit GGUF) into the user's cache
 
-`size`, `generate` and `report` take --json for machine-readable output. Bad input exits with
-status 2 and one line on stderr that names the bad value (or the file and what it should hold).
-
-One module per subcommand (`size`, `generate`, `report`, `serve`, `fetch_check`), each with a
-`register(commands)` that adds its arguments and a `run(args)` that does the work; shared
-argument types live in `arguments`. Modules import torch inside `run`, never at the top, so
-`kvlab size` and `kvlab report` start without it (tests/test_startup.py checks this).
+Bad input exits with status 2 and one line on stderr naming the bad value (or file). One module
+per subcommand, each with `register(commands)` and `run(args)`; shared argument types in
+`arguments`. torch is imported inside `run`, so `kvlab size` and `kvlab report` start without it
+(tests/test_startup.py).
 """
 
 from __future__ import annotations
@@ -30,12 +27,8 @@ __all__ = ["build_parser", "main"]
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line, `kvlab <sub>: error: ...`, exit 2.
-
-    argparse's default prints the whole usage block first, which buries the one thing the
-    user needs (which value was wrong); `--help` still prints the full usage. Subparsers
-    inherit this class because `add_subparsers` builds them with the parent's class.
-    """
+    """Usage errors as one line, `kvlab <sub>: error: ...`, exit 2, not buried under the usage
+    block (--help still prints it); subparsers inherit the class from `add_subparsers`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -51,10 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `kvlab` with `argv` (default: the process's arguments); returns the exit status.
-
-    Errors a user can cause end as one line on stderr and status 2, never a traceback.
-    """
+    """The exit status; errors a user can cause are one line and status 2, never a traceback."""
     if argv is None and hasattr(signal, "SIGPIPE"):  # `kvlab ... | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)

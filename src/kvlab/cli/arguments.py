@@ -1,10 +1,8 @@
-"""Argument types and checks shared by the subcommands: bounded numbers, dtype names, lengths
-and the tensor-parallel size.
+"""Argument types and checks shared by the subcommands.
 
-Bounds keep a typo (`--seq-len 1e20`) from printing a 25-digit size; argparse turns the
-`ArgumentTypeError` into a one-line usage error with exit status 2, like every other bad input.
-A flag is never ignored or clamped in silence: a value the model or the card cannot take, or a
-flag another one overrides, is refused with a ValueError that `kvlab` prints as one line.
+Bounds keep a typo (`--seq-len 1e20`) from printing a 25-digit size (argparse makes the
+`ArgumentTypeError` a one-line usage error, exit 2). No flag is ignored or clamped in silence: a
+value the model or card cannot take, or a flag another overrides, is a one-line ValueError.
 """
 
 from __future__ import annotations
@@ -78,16 +76,9 @@ def check_lengths(config: LlamaConfig, max_model_len: int, block_size: int) -> N
 
 def resolve_tp(tp: int | None, config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int,
                **fit) -> tuple[int, str | None]:
-    """The tensor-parallel size, and a sentence saying why when no --tp chose it.
-
-    tp given (--tp): it, if one GPU holds its share (`kvlab.tp_fit.tp_shortfall(**fit)`); no
-    sentence. tp None: the smallest size that fits. That is 1 (vLLM's default; no sentence) unless
-    the model does not fit on one card, where vLLM would refuse to start: the sentence then says
-    which size was chosen and why.
-
-    Raises:
-        ValueError: --tp too small (naming the smallest that fits), or no size fits.
-    """
+    """(tp, why): --tp if one GPU holds its share, else the smallest that fits, with a sentence
+    when that is not vLLM's default of 1. ValueError: --tp too small (naming the smallest that
+    fits), or no size fits."""
     if tp is not None:
         shortfall = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=tp, **fit)
         if shortfall is None:

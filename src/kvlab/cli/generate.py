@@ -133,12 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat_template(args: argparse.Namespace):
-    """The model's `ChatTemplate` for --chat (None without --chat).
-
-    Raises:
-        ValueError: --system without --chat; --chat with --prompt-ids; a model without a chat
-            template (the message names the model and says to drop --chat).
-    """
+    """The `ChatTemplate` for --chat, else None. ValueError: --system without --chat, --chat with
+    --prompt-ids, or a model without a template."""
     if not args.chat:
         if args.system is not None:
             raise ValueError("--system sets the system message of a chat; add --chat")
@@ -181,12 +177,8 @@ def default_threads(model, available: int) -> int:
 
 
 def _attention_backend(args: argparse.Namespace):
-    """The paged cache's attention backend from --attention and --kv-layout (None: the default).
-
-    Raises:
-        ValueError: a non-default --attention or an explicit --kv-layout without a paged cache;
-            the message names only the flags the user passed.
-    """
+    """The backend from --attention and --kv-layout (None: the default); ValueError: either
+    without a paged cache."""
     passed = []  # only what the user typed: a default they never saw would confuse the message
     if args.attention != "torch":
         passed.append(f"--attention {args.attention}")

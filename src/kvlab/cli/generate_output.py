@@ -1,17 +1,9 @@
 """What `kvlab generate` prints: completions as text (or ids, or --json), then the cache's counts.
 
-    kvlab generate --cache prefix --max-new-tokens 12 \\
-        --prompt "You answer briefly. Question: what is a list?" \\
-        --prompt "You answer briefly. Question: what is a dict?"
-
-One prompt with one completion prints the prompt and its completion (with --chat: the assistant's
-reply alone); several are labelled [p] (prompt p), [i] (completion i) or [p.i] (both).
-The paged cache then prints one line of counts (peak blocks, sharing, copy-on-write,
-preemptions); the prefix cache one line of prefix-cache statistics: hit rate (tokens hit / prompt
-tokens queried), blocks not computed, prefill tokens run, evictions.
-
---json prints one object of one shape for every cache, number of prompts and completions, chat or
-not (null where a part does not apply):
+One completion prints the prompt and its completion (with --chat the reply alone); several are
+labelled [p] (prompt p), [i] (completion i) or [p.i]. The paged cache adds a line of counts, the
+prefix cache a line of hit rate (tokens hit / prompt tokens queried), blocks not computed, prefill
+tokens run and evictions. --json prints one shape for every case (null where a part does not apply):
 
     {"prompts": [{"prompt_ids": [...], "prompt_text": str | null,
                   "completions": [{"token_ids": [...], "text": str | null}, ...]}, ...],
@@ -35,15 +27,8 @@ __all__ = ["Printed", "print_generation", "generation_json", "format_prefix_line
 
 @dataclasses.dataclass
 class Printed:
-    """What one `kvlab generate` call shows, whatever the cache.
-
-    Attributes:
-        prompt_ids: token ids of each prompt, in order.
-        prompt_texts: each prompt's text (None without a tokenizer).
-        texts: texts[p][i] is completion i of prompt p as text (None without a tokenizer).
-        chat: the completions are chat replies: printed without their prompt.
-        result: the `kvlab.generate.GenerationResult` (ids, cache, stats).
-    """
+    """What one call shows: texts[p][i] is completion i of prompt p (texts None without a
+    tokenizer); chat replies print without their prompt; result is the `GenerationResult`."""
 
     prompt_ids: list[list[int]]
     prompt_texts: list[str] | None
@@ -114,10 +99,8 @@ def paged_line(args: argparse.Namespace, result) -> str:
 
 
 def net_sharing_line(stats: dict, n: int) -> str:
-    """The net saving of n completions sharing one prompt against n separate requests, at peak.
-
-    Separate requests would hold every block-table entry in a block of its own, so their peak is
-    the most entries the tables had at once (`peak_blocks_unshared`)."""
+    """Peak blocks of n completions sharing a prompt vs n separate requests, whose peak is the most
+    block-table entries at once (`peak_blocks_unshared`)."""
     shared, unshared = stats["peak_blocks_in_use"], stats["peak_blocks_unshared"]
     saving = 1 - shared / unshared if unshared else 0.0
     return (f"-- vs {n} separate requests: peak {plural(unshared, 'block')} without sharing, "
@@ -131,10 +114,8 @@ def _attention(args: argparse.Namespace) -> str:
 
 
 def format_prefix_line(result, attention: str | None = None) -> str:
-    """One line: '-- prefix cache: block_size 16, hit rate 40.5% (96 of 237 prompt tokens), ...'.
-
-    `attention` (e.g. 'triton (token-major)'), when given, is named last: which path ran.
-    """
+    """'-- prefix cache: block_size 16, hit rate 40.5% (96 of 237 prompt tokens), ...', then
+    `attention` (e.g. 'triton (token-major)') if given."""
     prefix, paged = result.prefix_stats, result.stats
     named = f", attention {attention}" if attention else ""
     return (f"-- prefix cache: block_size {result.cache.block_size}, hit rate "

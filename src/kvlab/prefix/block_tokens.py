@@ -1,15 +1,9 @@
 """A sequence's tokens as the prefix cache reads them: block by block.
 
-The prefix-caching manager needs two things of every full block of a sequence: its *content*, the
-value the exact check compares (`PrefixCache.find`), and its *hash*, chained through the parent
-block's hash (`block_hash`). `BlockTokens` is that view. The manager keeps one per sequence and
-grows it as tokens are appended.
-
-* `TokenIds` holds real token ids (model mode, the engine, the notebooks): a block's content is its
-  block_size ids, hashed with the manager's hash function (SHA-256 by default, `hash_block`).
-* A trace replay without token ids can describe the same contents more compactly (one trace block
-  id stands for hundreds of tokens); `kvlab.serving.trace_blocks.TraceBlocks` does that for
-  stage 7's simulation mode, with contents equal exactly where the stand-in ids would be equal.
+The prefix-caching manager needs each full block's *content* (what the exact check in
+`PrefixCache.find` compares) and its chained *hash* (`block_hash`); it keeps one `BlockTokens` per
+sequence. `TokenIds` holds real ids; `kvlab.serving.trace_blocks.TraceBlocks` describes a trace's
+blocks compactly for stage 7's simulation (one trace block id for hundreds of tokens).
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ class BlockTokens(abc.ABC):
 
     @abc.abstractmethod
     def block(self, index: int, block_size: int) -> tuple:
-        """Content of full block `index` (tokens index * block_size .. + block_size - 1): equal
-        for two sequences exactly when their tokens there are equal."""
+        """Full block `index`'s content: equal exactly where two sequences' tokens are."""
 
     @abc.abstractmethod
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -46,7 +39,7 @@ class BlockTokens(abc.ABC):
 
     def block_hash(self, parent_hash: Hashable | None, content: tuple,
                    extra_keys: tuple[Hashable, ...], hash_fn: HashFunction) -> Hashable:
-        """Chained hash of a block whose content is `content` (see `block_hash.hash_block`)."""
+        """Chained hash of a block of this content (`hash_block`)."""
         return hash_block(parent_hash, content, extra_keys, hash_fn)
 
 

@@ -1,19 +1,12 @@
 """Multi-turn chats in real text, rendered with a model's own chat template.
 
-A chat service sends the whole conversation again at every turn: turn t's prompt is the chat
-template rendered over the system prompt, the earlier questions, the model's own earlier answers,
-and the new question. That is where a prefix cache earns its keep on real traffic (the Mooncake
-paper's multi-turn traces in notebook 06). `run_chats` plays such conversations turn by
-turn, interleaving the chats as concurrent users are; *how* a turn is served (an `LLMEngine` with
-or without prefix caching, a replay through the KV manager alone) is the caller's `serve_turn`.
-
-SmolLM2-Instruct's template (ChatML) starts every conversation with the same default system
-prompt, so even first turns share a block. The tiny model has no chat template: `render_chat`
-then writes a plain "User: ... / Assistant: ..." transcript, so the same code runs without the
-SmolLM2 file (its answers are not meaningful, its cache hits are real).
-
-Used by notebook 06 (SmolLM2 through `LLMEngine`, cache on and off) and
-`scripts/smollm2_prefix_hits.py` (a replay through the KV manager alone).
+A chat service re-sends the whole conversation every turn (system prompt, earlier questions, the
+model's own answers, the new question): where a prefix cache earns its keep on real traffic (the
+Mooncake paper's multi-turn traces, notebook 06). `run_chats` plays chats turn by turn, interleaved
+like concurrent users; the caller's `serve_turn` decides how a turn is served (notebook 06's
+`LLMEngine`, or `scripts/smollm2_prefix_hits.py`'s replay through the KV manager). SmolLM2's ChatML
+template starts every chat with the same system prompt, so even first turns share a block; the tiny
+model gets a plain "User: / Assistant:" transcript (meaningless answers, real cache hits).
 """
 
 from __future__ import annotations
@@ -42,18 +35,8 @@ ServeTurn = Callable[[list[list[int]]], Sequence[Sequence[int]]]
 
 @dataclasses.dataclass(frozen=True)
 class ChatTurn:
-    """One turn of one chat.
-
-    Attributes:
-        chat, turn: indices from 0.
-        question: the user's message of this turn.
-        prompt_text: the conversation so far rendered by `render_chat` (ends where the reply
-            begins).
-        prompt_ids: prompt_text as token ids (what the server prefills).
-        answer_ids: the token ids the model generated (the stop token included if it was
-            generated).
-        reply: the answer as text, stop token left out (what the next turn re-sends).
-    """
+    """One turn of one chat: prompt_text ends where the reply begins; answer_ids include a
+    generated stop token, reply (what the next turn re-sends) leaves it out."""
 
     chat: int
     turn: int
@@ -65,26 +48,16 @@ class ChatTurn:
 
 
 def question(chat: int, turn: int) -> str:
-    """The user's message of `turn` in `chat`: a first question per chat, then follow-ups that
-    rotate so that no two chats ask the same thing at the same turn."""
+    """A first question per chat, then follow-ups rotated so no two chats ask the same at a turn."""
     if turn == 0:
         return FIRST_QUESTIONS[chat % len(FIRST_QUESTIONS)]
     return FOLLOW_UPS[(turn - 1 + chat) % len(FOLLOW_UPS)]
 
 
 def render_chat(messages: Sequence[dict[str, str]], chat_template: Any | None = None) -> str:
-    """The prompt text of a conversation, ending where the assistant's next reply begins.
-
-    Args:
-        messages: [{'role': 'user' | 'assistant' | 'system', 'content': str}, ...].
-        chat_template: a `kvlab.gguf_tokenizer.ChatTemplate` (SmolLM2's adds its default system
-            prompt and ends with '<|im_start|>assistant\\n'); None for a model without one: a
-            plain transcript, one 'Role: content' line per message (content stripped of
-            surrounding whitespace), then 'Assistant:'.
-
-    Raises:
-        ValueError: a message without 'role' and 'content'.
-    """
+    """The prompt, ending where the next reply begins: the `ChatTemplate`'s, or without one a
+    'Role: content' line per message (content stripped), then 'Assistant:'. ValueError: a message
+    without 'role' and 'content'."""
     if chat_template is not None:
         return chat_template.render(messages)
     lines = []
@@ -99,28 +72,9 @@ def render_chat(messages: Sequence[dict[str, str]], chat_template: Any | None = 
 def run_chats(serve_turn: ServeTurn, tokenizer, chat_template: Any | None = None,
               num_chats: int = 3, num_turns: int = 2,
               eos_token_id: int | Collection[int] | None = None) -> list[list[ChatTurn]]:
-    """Play `num_chats` conversations of `num_turns` turns, all chats' turn t served together.
-
-    At each turn every chat's history plus its new `question` is rendered (`render_chat`) and
-    encoded; `serve_turn` gets the num_chats prompts (token ids) and returns the generated ids
-    of each; each answer is decoded (without its end-of-sequence token) and appended to its chat's
-    history as the assistant's message, which the next turn re-sends.
-
-    Args:
-        serve_turn: prompts -> answers, one per prompt, in order (e.g. an `LLMEngine` run).
-        tokenizer: a `tokenizers.Tokenizer` (`encode(text).ids`, `decode(ids)`).
-        chat_template: see `render_chat`.
-        num_chats, num_turns: at least 1 each.
-        eos_token_id: the stop token (or tokens: e.g. `ChatTemplate.stop_token_ids`) left out of
-            the decoded reply (None: nothing left out).
-
-    Returns:
-        turns[turn][chat]: a `ChatTurn` for each turn of each chat.
-
-    Raises:
-        ValueError: num_chats or num_turns < 1, or serve_turn returned a number of answers other
-            than the number of prompts.
-    """
+    """turns[turn][chat] of num_chats chats, each turn's prompts served together; each reply,
+    decoded without the eos_token_id(s), joins its chat's history. ValueError: a count < 1, or
+    serve_turn returned a different number of answers than prompts."""
     for name, value in (("num_chats", num_chats), ("num_turns", num_turns)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,19 +1,12 @@
 """The `paged+prefix` row of `kvlab report`, for workloads that carry prefix information.
 
-A Mooncake trace gives each prompt's block hashes, so a replay knows how many leading tokens of each
-request a prefix cache would already hold. `kvlab report --trace mooncake-conversation` (or
-`mooncake-synthetic`) therefore adds a row next to `paged`:
-
-* the hits come from the LRU prefix cache replayed on the trace (`trace_hit_rate.lru_hit_rate`)
-  with a pool as large as the report's KV budget (budget // (512 x KV bytes per token) blocks of
-  the trace's 512 tokens);
-* a request's hit blocks are counted once, with the request that computed them: the row's
-  reservation and use are the blocks and tokens a request *adds* to the pool. That is exact when
-  the requests sharing a prefix are in flight together, and optimistic otherwise (a prefix kept
-  only by the cache still takes memory, but memory any allocation may reclaim). So its
-  "requests held" is an estimate, marked as such; stage 7 measures it by replaying arrivals.
-
-The compute saving needs no such assumption: the hit tokens are prefill tokens not computed.
+A Mooncake trace gives each prompt's block hashes, so `kvlab report --trace mooncake-*` adds a row
+beside `paged`. Hits come from the LRU prefix cache replayed on the trace
+(`trace_hit_rate.lru_hit_rate`) with the report's KV budget as its pool (budget // (512 x KV bytes
+per token) blocks of 512 tokens). Hit blocks count once, with the request that computed them:
+exact when the sharers are in flight together, optimistic otherwise (a prefix kept only by the
+cache takes memory any allocation may reclaim), so "requests held" is marked as an estimate and
+stage 7 measures it. The compute saving is exact: hit tokens are prefill not computed.
 """
 
 from __future__ import annotations
@@ -33,11 +26,7 @@ MOONCAKE_REPORT_TRACES = tuple(f"mooncake-{name}" for name in MOONCAKE_TRACES)
 
 @dataclasses.dataclass
 class PrefixPagedStrategy(PagedStrategy):
-    """Paged allocation where a request's cached prefix blocks are counted once, by their owner.
-
-    At every step the request holds its first num_cached_tokens // block_size blocks through the
-    prefix cache (full blocks, shared) and pays for the rest as `PagedStrategy` does.
-    """
+    """`PagedStrategy` less the request's cached_tokens // block_size shared full blocks."""
 
     name: str = "paged+prefix"
 
@@ -55,22 +44,9 @@ class PrefixPagedStrategy(PagedStrategy):
 def mooncake_report_workload(trace: str, kv_budget_bytes: int, bytes_per_token: int,
                              max_model_len: int, limit: int | None = None
                              ) -> tuple[list[Request], str, TraceHitRate]:
-    """The requests of a Mooncake trace with their prefix-cache hits, for `kvlab.report.replay`.
-
-    Args:
-        trace: 'mooncake-conversation' or 'mooncake-synthetic'.
-        kv_budget_bytes, bytes_per_token: size the LRU cache (blocks of 512 tokens).
-        max_model_len: requests longer than this are kept in the list (the report rejects and
-            counts them) but not replayed through the cache (a server would never admit them).
-        limit: read at most this many requests.
-
-    Returns:
-        (requests with their `num_cached_tokens`, a workload label, the LRU replay's
-        `TraceHitRate`).
-
-    Raises:
-        ValueError: unknown trace, or a budget smaller than one 512-token block.
-    """
+    """(requests with their hits, a label, the LRU replay's `TraceHitRate`) for `report.replay`.
+    Requests over max_model_len stay listed (the report counts them) but skip the cache.
+    ValueError: unknown trace, or a budget below one 512-token block."""
     if trace not in MOONCAKE_REPORT_TRACES:
         raise ValueError(f"unknown trace {trace!r}; Mooncake traces: "
                          f"{', '.join(MOONCAKE_REPORT_TRACES)}")

@@ -1,24 +1,12 @@
 """Generated shared-prefix workloads for the tiny model, with every parameter stated.
 
-Three shapes of traffic whose prompts share prefixes, as chat services see them:
-
-* `system_prompt_workload`: every request starts with the same long system prompt, then a short
-  user message of its own. The ideal hit is the system prompt, rounded down to whole blocks.
-* `few_shot_workload`: an instruction and k worked examples ("shots") shared by every request,
-  then the request's own question.
-* `multi_turn_workload`: chats of several turns; turn t's prompt is the whole conversation so far
-  (system prompt, earlier user messages and answers) plus the new user message, so it starts with
-  turn t - 1's prompt. Chats are interleaved turn by turn, as concurrent users are.
-
-Token ids are drawn uniformly from [0, vocab_size) by `random.Random(seed)`: the same seed gives the
-same prompts on every platform. They are not text, so the model's answers to them are not
-meaningful; that does not matter to a cache, which only compares ids, and the outputs are still
-compared token for token with the cache on and off.
-
-What these do not match: real prompts are not uniform ids; in a real multi-turn chat the previous
-*answer* is the model's own output (whose blocks the engine caches during decode), here it is a
-drawn stand-in of `answer_len` tokens, so only the prompt part of each earlier turn can hit. Real
-prefix sharing is measured on the Mooncake traces (`trace_hit_rate`).
+Three shapes of shared-prefix traffic: one system prompt before each user message (the ideal hit:
+the system prompt in whole blocks); an instruction and k examples ("shots") before each question;
+multi-turn chats, interleaved like concurrent users, turn t's prompt starting with turn t - 1's.
+Ids are uniform in [0, vocab_size) from `random.Random(seed)`, the same on every platform; not
+text, so the answers mean nothing, but a cache only compares ids and outputs are still compared
+with the cache on and off. Unlike real chats, an earlier answer is a drawn stand-in of
+`answer_len` tokens, not the model's output; real sharing is measured on the Mooncake traces.
 """
 
 from __future__ import annotations
@@ -32,14 +20,7 @@ __all__ = ["PromptWorkload", "system_prompt_workload", "few_shot_workload",
 
 @dataclasses.dataclass(frozen=True)
 class PromptWorkload:
-    """Token-id prompts and the parameters that made them.
-
-    Attributes:
-        name: 'system-prompt', 'few-shot' or 'multi-turn'.
-        prompts: token ids of each request, in arrival order.
-        max_new_tokens: tokens to generate per request.
-        parameters: every argument of the generator (for printing next to a result).
-    """
+    """Prompts in arrival order, and the generator's `parameters` (printed beside a result)."""
 
     name: str
     prompts: list[list[int]]
@@ -70,12 +51,8 @@ def _tokens(rng: random.Random, count: int, vocab_size: int) -> list[int]:
 def system_prompt_workload(num_requests: int = 8, system_len: int = 64,
                            user_len: tuple[int, int] = (8, 24), max_new_tokens: int = 8,
                            vocab_size: int = 2048, seed: int = 0) -> PromptWorkload:
-    """`num_requests` prompts = one shared system prompt of `system_len` tokens + a user message of
-    a length drawn uniformly from `user_len` (inclusive).
-
-    Raises:
-        ValueError: a count < 1 or a bad range.
-    """
+    """A shared system prompt + a user message of uniform length in `user_len` (inclusive).
+    ValueError: a count < 1 or a bad range (as for every workload here)."""
     _check_positive(num_requests=num_requests, system_len=system_len,
                     max_new_tokens=max_new_tokens, vocab_size=vocab_size)
     _check_range("user_len", user_len)
@@ -92,12 +69,7 @@ def few_shot_workload(num_requests: int = 8, instruction_len: int = 16, num_shot
                       shot_len: int = 24, query_len: tuple[int, int] = (8, 16),
                       max_new_tokens: int = 8, vocab_size: int = 2048,
                       seed: int = 0) -> PromptWorkload:
-    """Prompts = an instruction (`instruction_len`) + `num_shots` examples of `shot_len` tokens,
-    all shared, + the request's own query (length uniform in `query_len`).
-
-    Raises:
-        ValueError: a count < 1 or a bad range.
-    """
+    """A shared instruction and `num_shots` examples + the request's own query."""
     _check_positive(num_requests=num_requests, instruction_len=instruction_len,
                     num_shots=num_shots, shot_len=shot_len, max_new_tokens=max_new_tokens,
                     vocab_size=vocab_size)
@@ -118,15 +90,8 @@ def multi_turn_workload(num_chats: int = 3, num_turns: int = 4, system_len: int 
                         user_len: tuple[int, int] = (8, 16), answer_len: int = 16,
                         max_new_tokens: int = 8, vocab_size: int = 2048,
                         seed: int = 0) -> PromptWorkload:
-    """`num_chats` chats of `num_turns` turns, interleaved (chat 0 turn 0, chat 1 turn 0, ...).
-
-    Each chat has its own system prompt of `system_len` tokens; turn t's prompt is the chat's
-    history (system prompt, then per earlier turn its user message and an `answer_len`-token
-    answer) followed by a new user message (length uniform in `user_len`).
-
-    Raises:
-        ValueError: a count < 1 or a bad range.
-    """
+    """Chats interleaved (chat 0 turn 0, chat 1 turn 0, ...), each with its own system prompt;
+    turn t's prompt: the history (earlier user messages, `answer_len`-token answers) + a new one."""
     _check_positive(num_chats=num_chats, num_turns=num_turns, system_len=system_len,
                     answer_len=answer_len, max_new_tokens=max_new_tokens, vocab_size=vocab_size)
     _check_range("user_len", user_len)

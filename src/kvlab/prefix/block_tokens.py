@@ -8,7 +8,7 @@ grows it as tokens are appended.
 * `TokenIds` holds real token ids (model mode, the engine, the notebooks): a block's content is its
   block_size ids, hashed with the manager's hash function (SHA-256 by default, `hash_block`).
 * A trace replay without token ids can describe the same contents more compactly (one trace block
-  id stands for hundreds of tokens); `kvlab.serving.trace_blocks.TraceBlocks` does that for
+  id stands for hundreds of tokens); `kvlab.prefix.trace_blocks.TraceBlocks` does that for
   stage 7's simulation mode, with contents equal exactly where the stand-in ids would be equal.
 """
 

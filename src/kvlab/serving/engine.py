@@ -25,6 +25,7 @@ from typing import Sequence as Seq
 
 from ..errors import RequestTooLongError
 from ..paged.backends import BackendLike
+from ..paged.budget import check_pool_fits, kv_block_bytes
 from ..paged.block_table import cdiv
 from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
@@ -109,6 +110,10 @@ class LLMEngine:
         self.model = model
         self.stop_token_ids = stop_token_ids(eos_token_id, model.config.vocab_size)
         self.max_model_len = check_model_len(model.config, max_model_len)
+        # vLLM's start-up check, with the bytes in its message, before anything is built
+        check_pool_fits(check_int("num_blocks", num_blocks, 1), check_int("block_size",
+                        block_size, 1), self.max_model_len,
+                        kv_block_bytes(model.config, block_size, model.dtype))
         self.kv = paged_manager("prefix" if enable_prefix_caching else "paged", num_blocks,
                                 block_size, self.max_model_len, hash_fn)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,

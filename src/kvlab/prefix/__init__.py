@@ -16,7 +16,7 @@ Modules, in reading order:
   prefill tokens skipped, evictions).
 * `trace_blocks`: how the manager reads a request's tokens: real ids, or simulation's stand-in
   ids described block by block (`TraceBlocks`).
-* `trace_hit_rate`: the same classes replayed on the Mooncake traces' block hashes, no tensors:
+* `trace_hit_rate`: the same manager replayed on the Mooncake traces' block hashes, no tensors:
   unbounded vs LRU hit rate against pool capacity.
 * `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
   multi-turn chats).

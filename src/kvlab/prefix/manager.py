@@ -126,8 +126,11 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         if (known is not None and known[3] is self._hashes(request)
                 and len(known[0]) == request.num_tokens):
             return known[:3]
-        tokens = as_block_tokens(trace_blocks.block_tokens(request))
-        return tokens, extra_keys_for(request.cache_salt), []
+        return self.read_tokens(request), extra_keys_for(request.cache_salt), []
+
+    def read_tokens(self, request) -> BlockTokens:
+        """The request's tokens as the cache reads them (`trace_blocks.block_tokens`)."""
+        return as_block_tokens(trace_blocks.block_tokens(request))
 
     def lookup(self, token_ids: Sequence[int] | BlockTokens,
                cache_salt: str | None = None) -> list[CachedBlock]:
@@ -206,8 +209,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                 and len(known[0]) == request.num_tokens):
             tokens, extra_keys = known[:2]
         else:  # admitted without a lookup (no computed blocks)
-            tokens = as_block_tokens(trace_blocks.block_tokens(request))
-            extra_keys = extra_keys_for(request.cache_salt)
+            tokens, extra_keys = self.read_tokens(request), extra_keys_for(request.cache_salt)
         chain = [self.prefix_cache.entry(block_id) for block_id in new_computed_blocks]
         if None in chain:
             raise ValueError(f"computed blocks {list(new_computed_blocks)} of request {rid!r} "

@@ -88,7 +88,9 @@ class LLMEngine:
             is 16,384 on large GPUs, 8,192 elsewhere, and chunks longer prompts).
 
     Attributes:
-        cache: the `PagedKVCache` (pool tensors and block tables).
+        kv: the KV cache manager the scheduler drives (`KVCacheManager`, or the prefix-caching
+            one); the cache's `manager` is this same object.
+        cache: the `PagedKVCache` (pool tensors, slot mapping and KV stores).
         scheduler: the `Scheduler`; `running` and `waiting` are its queues.
         stats: `EngineStats` so far.
 

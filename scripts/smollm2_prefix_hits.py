@@ -27,6 +27,7 @@ from kvlab.generate import generate
 from kvlab.prefix import PrefixCachingKVCacheManager
 from kvlab.prefix.chats import run_chats
 from kvlab.pretrained import load_course_model
+from kvlab.serving import Request
 
 
 def main() -> None:
@@ -49,11 +50,15 @@ def main() -> None:
         for prompt in prompts:
             answer = generate(loaded.model, prompt, args.answer_tokens, cache="contiguous",
                               eos_token_id=loaded.eos_token_id).token_ids
-            seq = ("turn", len(per_turn), len(answers))
-            manager.allocate_with_prefix(seq, prompt)
+            request = Request(("turn", len(per_turn), len(answers)), 0.0, len(prompt),
+                              len(answer), list(prompt))
+            blocks, computed = manager.get_computed_blocks(request)
+            manager.allocate_slots(request, len(prompt) - computed, computed, blocks)
             if len(answer) > 1:  # K/V exists for every fed token: all but the last generated
-                manager.append_slots(seq, len(answer) - 1, answer[:-1])
-            manager.free(seq)
+                request.output_token_ids = list(answer[:-1])
+                request.num_output_tokens = len(answer) - 1
+                manager.allocate_slots(request, len(answer) - 1)
+            manager.free(request)
             answers.append(answer)
         after = manager.prefix_stats
         per_turn.append((len(per_turn) + 1, after.num_query_tokens - before.num_query_tokens,

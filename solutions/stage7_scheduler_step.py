@@ -2,9 +2,11 @@
 
 A continuous-batching server rebuilds its batch at every step (Orca's iteration-level scheduling;
 vLLM v1's scheduler). Each step has two budgets: `max_num_batched_tokens` tokens computed in one
-forward pass, and `max_num_seqs` requests running at once. Memory is asked for through a KV manager
-(`kvlab.serving.KVManager`): `append(request, n)` and `allocate(request, token_budget)` answer
-False / None when there is no room now, and change nothing then.
+forward pass, and `max_num_seqs` requests running at once. Memory is asked for through the KV
+cache manager, with vLLM v1's verbs (`kvlab.paged.KVCacheManager`): `allocate_slots(request, n)`
+answers None when there is no room now for n more tokens, and changes nothing then;
+`get_computed_blocks(request)` gives (blocks, num_computed_tokens) already cached (prefix caching;
+else ([], 0)); `free(request)` lets its memory go.
 
 A request knows two numbers: `num_tokens` (prompt + outputs so far) and `num_computed_tokens`
 (those whose K/V are cached). A step gives each request min(num_tokens - num_computed_tokens,
@@ -13,15 +15,16 @@ tokens left in the budget) new tokens: one for a decode, a chunk for a prefill.
 You write `schedule_step`, the decision of one step, with these rules:
 
 1. Running requests first, oldest first (list order), while token budget is left. When
-   `kv.append(request, n)` fails, preempt the *newest* running request (the last of the list; it
-   may be `request` itself), by recompute: `kv.preempt(victim)`, victim.num_computed_tokens = 0,
+   `kv.allocate_slots(request, n)` fails, preempt the *newest* running request (the last of the
+   list; it may be `request` itself), by recompute: `kv.free(victim)`, victim.num_computed_tokens = 0,
    victim.num_preemptions += 1, and put it at the *front* of the waiting queue. Retry until the
    append succeeds or `request` itself was preempted (then stop: nothing newer is left).
 2. Only if nothing was preempted in this step: admit waiting requests from the front while token
-   budget is left and fewer than max_num_seqs run. `cached = kv.allocate(request, budget)`; None
-   means the head waits, and nobody overtakes it. Otherwise it leaves the queue, joins the end of
-   `running`, its num_computed_tokens becomes `cached` (a prefix-cache hit) and it computes
-   min(num_tokens - cached, budget) tokens.
+   budget is left and fewer than max_num_seqs run. `blocks, cached = kv.get_computed_blocks(request)`,
+   then `kv.allocate_slots(request, num_new, cached, blocks)` for num_new = min(num_tokens - cached,
+   budget) tokens; None means the head waits, and nobody overtakes it. Otherwise it leaves the
+   queue, joins the end of `running`, its num_computed_tokens becomes `cached` (a prefix-cache hit)
+   and it computes those num_new tokens.
 
 `kvlab check 7` runs yours and `kvlab.serving.Scheduler` on the same states and compares every
 decision and the memory left. Read `src/kvlab/serving/scheduler.py` afterwards.
@@ -40,7 +43,7 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     Args:
         running: requests holding memory, oldest first (kvlab.serving.Request objects).
         waiting: arrived requests not running, in service order (a deque).
-        kv: the KV manager (append / allocate / preempt).
+        kv: the KV cache manager (get_computed_blocks / allocate_slots / free).
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens computed in this step.
 
@@ -61,9 +64,9 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
         request = running[index]
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         preempted_itself = False
-        while not kv.append(request, num_new):
+        while kv.allocate_slots(request, num_new) is None:
             victim = running.pop()
-            kv.preempt(victim)
+            kv.free(victim)
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             waiting.appendleft(victim)
@@ -85,12 +88,12 @@ def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_se
     # hint: the rest may be a chunk
     while not preempted and waiting and budget > 0 and len(running) < max_num_seqs:
         request = waiting[0]
-        cached = kv.allocate(request, budget)
-        if cached is None:
+        blocks, cached = kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - cached, budget)
+        if kv.allocate_slots(request, num_new, cached, blocks) is None:
             break
         waiting.popleft()
         request.num_computed_tokens = cached
-        num_new = min(request.num_tokens - cached, budget)
         running.append(request)
         admitted.append(request)
         scheduled.append((request, num_new))

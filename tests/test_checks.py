@@ -11,7 +11,7 @@ from kvlab.contiguous import ContiguousKVCache
 from kvlab.errors import RequestTooLongError
 from kvlab.generate import generate
 from kvlab.paged import PagedKVCache
-from kvlab.serving import LLMEngine, generate_batch
+from kvlab.serving import LLMEngine, Request, generate_batch
 from kvlab.checks import check_index, check_int, check_model_len, check_request
 
 # ---- B. max_model_len never above max_position_embeddings ---------------------------------------
@@ -162,20 +162,25 @@ def test_contiguous_double_free_and_bad_layer_are_refused(small_config):
 
 def test_paged_cache_checks_block_ids_layers_and_batches(small_config):
     cache = PagedKVCache(small_config, num_blocks=4, block_size=4)
-    cache.allocate("a", 3)
+    a = Request("a", 0.0, 3, 1)
+    cache.manager.allocate_slots(a, 3)
     with pytest.raises(ValueError, match=r"dst block_id must be an integer in \[0, 3\], got -1"):
         cache.copy_block(0, -1)
     with pytest.raises(ValueError, match=r"layer_index must be an integer in \[0, 1\], got 2"):
         cache.gather("a", 2)
-    with pytest.raises(KeyError, match="unknown sequence 'b'"):
+    with pytest.raises(KeyError, match="unknown request 'b'"):
         cache.gather("b", 0)
     with pytest.raises(ValueError, match="at least one seq_id"):
         cache.block_tables_tensor([])
     with pytest.raises(ValueError, match="num_new_tokens must be an integer >= 0, got -10"):
-        cache.append_slots("a", -10)
-    with pytest.raises(ValueError, match=r"slot_mapping of shape \(2,\) for 1 sequences"):
-        cache.decode_store(["a"], torch.tensor([3, 4]))
-    store = cache.prefill_store("a", torch.tensor([0, 1, 2]))
+        cache.manager.allocate_slots(a, -10)
+    with pytest.raises(ValueError, match=r"query_len of sequence 'a' must be an integer in "
+                                         r"\[1, 3\], got 4"):
+        cache.batch_store(["a"], [4])
+    with pytest.raises(ValueError, match="2 query_lens for 1 sequences"):
+        cache.batch_store(["a"], [1, 2])
+    store = cache.batch_store(["a"], [3])
+    assert store.slot_mapping.tolist() == [0, 1, 2]
     kv = torch.zeros(3, 2, 8)
     with pytest.raises(ValueError, match=r"layer_index must be an integer in \[0, 1\], got -1"):
         store.attend(-1, torch.zeros(3, 4, 8), kv, kv, torch.arange(3))

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from kvlab.config import PRESETS
 from kvlab.paged.block_table import cdiv
 from kvlab.paged.fragmentation import first_fit, place
-from kvlab.serving import (CostModel, ExactBlocksManager, FirstFitSlabManager, PagedManager,
-                           Request, SimulatedExecutor, from_sizes, get_card, serve)
-from kvlab.serving.kv_managers import SlotlessKVCacheManager
+from kvlab.paged import KVCacheManager
+from kvlab.serving import (CostModel, ExactBlocksManager, FirstFitSlabManager, Request,
+                           SimulatedExecutor, from_sizes, get_card, serve)
 from kvlab.workload import Request as Sizes
 
 
@@ -47,14 +47,14 @@ def test_first_fit_places_each_run_in_the_lowest_gap_that_is_big_enough():
     kv = FirstFitSlabManager(capacity_tokens=12, max_model_len=12)
     a, b, c, d = request(0, 4), request(1, 3), request(2, 5), request(3, 2)
     for r in (a, b, c):
-        assert kv.allocate(r, token_budget=1) == 0  # reserves the whole run whatever the budget
+        assert kv.allocate_slots(r, 1) == []  # reserves the whole run whatever the count
     assert (kv.runs, kv.run_ends, kv.num_reserved_tokens) == ([0, 4, 7], [4, 7, 12], 12)
     kv.free(a)
     kv.free(c)
     assert kv.gaps() == [(0, 4), (7, 5)]
-    kv.allocate(d, 8)               # 2 slots: the first gap, at 0, although 7.. is bigger
+    kv.allocate_slots(d, 8)               # 2 slots: the first gap, at 0, although 7.. is bigger
     assert kv.runs == [0, 4] and kv.run_ends == [2, 7]
-    kv.allocate(request(4, 5), 8)   # 5 slots: the gap at 2 (2 slots) is too small; 7 .. 11
+    kv.allocate_slots(request(4, 5), 8)   # 5 slots: the gap at 2 (2 slots) is too small; 7 .. 11
     assert kv.runs == [0, 4, 7] and kv.gaps() == [(2, 2)]
     assert kv.draw(width=12) == "##..########"
     assert kv.draw(width=4) == "++##"   # 3 slots a character: slots 0-2 and 3-5 partly free
@@ -63,12 +63,12 @@ def test_first_fit_places_each_run_in_the_lowest_gap_that_is_big_enough():
 def test_a_refusal_counts_as_a_gap_refusal_only_when_the_free_slots_add_up():
     kv = FirstFitSlabManager(capacity_tokens=10, max_model_len=10)
     a, b, big = request(0, 4), request(1, 4), request(2, 6)
-    kv.allocate(a, 8)
-    kv.allocate(b, 8)
-    assert kv.allocate(big, 8) is None      # 2 slots free in all: memory is simply full
+    kv.allocate_slots(a, 8)
+    kv.allocate_slots(b, 8)
+    assert kv.allocate_slots(big, 8) is None      # 2 slots free in all: memory is simply full
     assert (kv.num_refusals, kv.num_gap_refusals, kv.worst_gap_refusal) == (1, 0, None)
     kv.free(a)                              # 6 free, as gaps of 4 (at 0) and 2 (at 8)
-    assert kv.allocate(big, 8) is None
+    assert kv.allocate_slots(big, 8) is None
     assert (kv.num_refusals, kv.num_gap_refusals, kv.free_at_gap_refusals) == (2, 1, 6)
     assert kv.gap_refused_requests == {2}
     worst = kv.worst_gap_refusal
@@ -79,16 +79,16 @@ def test_a_refusal_counts_as_a_gap_refusal_only_when_the_free_slots_add_up():
 
 def test_a_refused_allocate_changes_nothing_but_the_counters():
     kv = FirstFitSlabManager(capacity_tokens=10, max_model_len=10)
-    kv.allocate(request(0, 3), 8)
-    kv.allocate(request(1, 4), 8)
+    kv.allocate_slots(request(0, 3), 8)
+    kv.allocate_slots(request(1, 4), 8)
     kv.free(request(0, 3))
     before = (list(kv.runs), list(kv.run_ends), list(kv.run_owners), kv.num_reserved_tokens)
-    assert kv.allocate(request(2, 5), 8) is None
+    assert kv.allocate_slots(request(2, 5), 8) is None
     assert (list(kv.runs), list(kv.run_ends), list(kv.run_owners),
             kv.num_reserved_tokens) == before
-    blocks = ExactBlocksManager(SlotlessKVCacheManager(num_blocks=3, block_size=2), 6)
-    blocks.allocate(request(0, 4), 8)
-    assert blocks.allocate(request(1, 3), 8) is None   # 2 blocks wanted, 1 free
+    blocks = ExactBlocksManager(KVCacheManager(num_blocks=3, block_size=2), 6)
+    blocks.allocate_slots(request(0, 4), 8)
+    assert blocks.allocate_slots(request(1, 3), 8) is None   # 2 blocks wanted, 1 free
     assert (blocks.num_reserved_tokens, list(blocks.manager.tables)) == (4, [0])
 
 
@@ -108,7 +108,7 @@ def test_requests_that_can_never_fit_are_rejected_with_the_reason():
     with pytest.raises(ValueError, match="capacity_tokens >= 1"):
         FirstFitSlabManager(0, 10)
     # Blocks: the reservation rounds up to whole blocks, so 9 tokens need 5 blocks of 2 = 10 slots.
-    blocks = ExactBlocksManager(SlotlessKVCacheManager(num_blocks=4, block_size=2), 12)
+    blocks = ExactBlocksManager(KVCacheManager(num_blocks=4, block_size=2), 12)
     assert "reserves 10 token slots > 8" in blocks.reject_reason(request(6, 9))
 
 
@@ -124,9 +124,9 @@ def test_runs_stay_disjoint_inside_the_memory_and_first_fit_takes_the_lowest_gap
         gaps_before = kv.gaps()
         fits = [start for start, length in gaps_before if length >= size]
         r = request(request_id, size)
-        result = kv.allocate(r, 1)
+        result = kv.allocate_slots(r, 1)
         if fits:
-            assert result == 0 and kv.runs[kv.run_owners.index(request_id)] == fits[0]
+            assert result == [] and kv.runs[kv.run_owners.index(request_id)] == fits[0]
             held.append(r)
         else:
             assert result is None and kv.gaps() == gaps_before
@@ -157,7 +157,7 @@ def test_served_through_the_scheduler_slabs_wait_for_a_gap_and_blocks_do_not():
     assert (slabs.num_refusals, slabs.num_gap_refusals, slabs.gap_refused_requests) == (3, 2, {2})
     # Blocks of 2, 5 of them: r2 needs 3 blocks, refused at step 0 (1 free); at step 1 r0's 2
     # blocks are back and r2 runs. Running 2, 2, 1 over 3 steps.
-    blocks = ExactBlocksManager(SlotlessKVCacheManager(num_blocks=5, block_size=2), 10)
+    blocks = ExactBlocksManager(KVCacheManager(num_blocks=5, block_size=2), 10)
     result = serve(requests, blocks, EXECUTOR)
     assert (result.num_steps, result.series.running) == (3, [2, 2, 1])
 
@@ -175,18 +175,18 @@ def test_a_replay_frees_everything_and_blocks_are_never_refused_for_gaps():
     class Watched(ExactBlocksManager):
         """Checks every refusal: fewer free blocks than the reservation needs, never a gap."""
 
-        def allocate(self, request, token_budget):
-            result = super().allocate(request, token_budget)
-            if result is None:
+        def admit(self, request):
+            result = super().admit(request)
+            if not result:
                 needed = cdiv(request.total_len, self.block_size)
                 assert self.manager.num_free_blocks < needed
             return result
 
-    blocks = Watched(SlotlessKVCacheManager(num_blocks=16, block_size=4), 64)
+    blocks = Watched(KVCacheManager(num_blocks=16, block_size=4), 64)
     block_result = serve(requests, blocks, EXECUTOR)
     assert block_result.finished == 60 and block_result.preemptions == 0
     assert blocks.manager.num_free_blocks == 16 and not blocks.manager.tables
     # Blocks on demand (stage 4's paging) on the same memory finish everything too.
-    paged = PagedManager(SlotlessKVCacheManager(num_blocks=16, block_size=4), 64)
+    paged = KVCacheManager(num_blocks=16, block_size=4, max_model_len=64)
     assert serve(requests, paged, EXECUTOR).finished == 60
-    assert paged.manager.num_free_blocks == 16
+    assert paged.num_free_blocks == 16

@@ -55,9 +55,9 @@ def replay_through_engine(model, requests, block_size):
 
     free = manager.free
 
-    def free_and_record(seq_id):
-        seen[seq_id].append(holding(seq_id))
-        free(seq_id)
+    def free_and_record(request):  # the scheduler's free (finished): record what it held
+        seen[request.request_id].append(holding(request.request_id))
+        free(request)
 
     manager.free = free_and_record
     while engine.has_unfinished():

@@ -50,7 +50,7 @@ def naive(limit_tokens, workspace_bytes=0, max_model_len=64):
 def test_one_tensor_per_request_sized_for_prompt_plus_outputs(model):
     manager, limit = naive(10_000)
     request = burst(1)[0]
-    assert manager.allocate(request, 100) == 0
+    assert manager.allocate_slots(request, 1) == []
     tensor = manager.kv[request.request_id]
     assert tuple(tensor.shape) == (2, 2, request.total_len, 2, 8)
     assert manager.num_reserved_tokens == request.total_len
@@ -94,21 +94,21 @@ def test_out_of_memory_is_caught_reported_and_the_others_finish(model):
 def test_a_refused_allocation_changes_nothing():
     manager, limit = naive(40)
     small, big = Request(0, 0.0, 20, 10), Request(1, 0.0, 5, 20)
-    assert manager.allocate(small, 64) == 0
+    assert manager.allocate_slots(small, 1) == []
     before = (dict(manager.kv), limit.live_bytes, manager.num_reserved_tokens)
-    assert manager.allocate(big, 64) is None
+    assert manager.allocate_slots(big, 1) is None
     assert (dict(manager.kv), limit.live_bytes, manager.num_reserved_tokens) == before
     assert manager.max_running == 1 and len(manager.reports) == 1
-    assert manager.allocate(Request(2, 0.0, 1, 1), 64) is None  # the cap holds, no new report
+    assert manager.allocate_slots(Request(2, 0.0, 1, 1), 1) is None  # the cap holds, no new report
     assert len(manager.reports) == 1
     manager.free(small)
-    assert manager.allocate(big, 64) == 0  # after a finish, the waiting request gets in
+    assert manager.allocate_slots(big, 1) == []  # after a finish, the waiting request gets in
 
 
 def test_workspace_check_refuses_a_request_whose_forward_pass_would_not_fit():
     manager, limit = naive(40, workspace_bytes=10 * BYTES_PER_TOKEN)
-    assert manager.allocate(Request(0, 0.0, 10, 10), 64) == 0      # 20 + 10 workspace <= 40
-    assert manager.allocate(Request(1, 0.0, 5, 10), 64) is None    # 35 fits, + 10 does not
+    assert manager.allocate_slots(Request(0, 0.0, 10, 10), 1) == []      # 20 + 10 workspace <= 40
+    assert manager.allocate_slots(Request(1, 0.0, 5, 10), 1) is None    # 35 fits, + 10 does not
     report = manager.reports[-1]
     assert report.what == "forward-pass workspace after its KV cache"
     assert report.requested_bytes == 10 * BYTES_PER_TOKEN
@@ -130,7 +130,7 @@ def test_out_of_memory_with_nothing_running_is_an_error_not_a_hang():
     manager, limit = naive(40)
     limit.live_bytes = 35 * BYTES_PER_TOKEN  # something else took the memory
     with pytest.raises(KVCacheOutOfMemory, match="cannot run at this limit"):
-        manager.allocate(Request(0, 0.0, 5, 5), 64)
+        manager.allocate_slots(Request(0, 0.0, 5, 5), 1)
     assert manager.kv == {} and manager.max_running is None
 
 

@@ -95,7 +95,7 @@ def test_forced_first_tokens_and_eos_through_every_strategy(model, strategy):
     reasons = {r.finish_reason for r in result.served_requests}
     assert reasons == {"stop", "length"}
     if strategy != "contiguous":
-        assert kv.manager.num_cow_copies > 0  # siblings diverged inside a shared block
+        assert kv.num_cow_copies > 0  # siblings diverged inside a shared block
 
 
 def test_contiguous_fork_takes_a_slab_of_its_own_and_copies_the_prompt(model):
@@ -106,7 +106,7 @@ def test_contiguous_fork_takes_a_slab_of_its_own_and_copies_the_prompt(model):
     assert kv.num_held == 0 and not any(executor.cache.in_use)
     # A family needs n slabs at once: with 2 slabs it waits forever, so it is refused up front.
     kv, executor = model_strategy("contiguous", model, 2 * 32 * BYTES_PER_TOKEN, 32)
-    assert kv.allocate(families(prompts(1), 4, 0.0)[0], 100) is None
+    assert kv.allocate_slots(families(prompts(1), 4, 0.0)[0], 100) is None
 
 
 def test_a_rejected_request_takes_its_forks_with_it_and_the_others_run(model):

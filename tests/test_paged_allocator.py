@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,6 +94,17 @@ def test_pool_allocates_from_the_head_and_frees_to_the_tail():
 
 # ---- the KV cache manager, driven by random operation sequences -------------------------------
 
+def seq(request_id):
+    """The least a request must have for the plain manager's verbs."""
+    return SimpleNamespace(request_id=request_id)
+
+
+def new_slots(manager, request_id, num_new):
+    """Slots of the newest `num_new` tokens of a request, from its block table."""
+    table = manager.tables[request_id]
+    return [table.slot(p) for p in range(table.num_tokens - num_new, table.num_tokens)]
+
+
 def snapshot(manager: KVCacheManager):
     tables = sorted((repr(s), tuple(t.block_ids), t.num_tokens) for s, t in manager.tables.items())
     refs = tuple(b.ref_count for b in manager.pool.blocks)
@@ -119,7 +131,7 @@ def check_invariants(manager: KVCacheManager) -> None:
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """allocate / append / fork / free / preempt on a pool of 8 blocks of 3 tokens."""
+    """admit / append / fork / free (finish or preempt) on a pool of 8 blocks of 3 tokens."""
 
     def __init__(self):
         super().__init__()
@@ -136,12 +148,16 @@ class ManagerMachine(RuleBasedStateMachine):
         seq_id, before = self._new_id(), snapshot(self.manager)
         free = self.manager.num_free_blocks
         try:
-            slots = self.manager.allocate(seq_id, num_tokens)
-        except (NoFreeBlocksError, RequestTooLongError):
+            blocks = self.manager.allocate_slots(seq(seq_id), num_tokens)
+        except RequestTooLongError:
+            blocks = None
+        if blocks is None:
             assert snapshot(self.manager) == before, "a failed allocation changed state"
             assert cdiv(num_tokens, 3) > free
             return
+        slots = new_slots(self.manager, seq_id, num_tokens)
         assert len(set(slots)) == len(slots) == num_tokens
+        assert blocks == self.manager.block_ids(seq_id)
         assert self.manager.num_free_blocks == free - cdiv(num_tokens, 3)
         self.tokens[seq_id] = num_tokens
 
@@ -149,21 +165,31 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), num_new=st.integers(1, 7))
     def append(self, data, num_new):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        before, needed = snapshot(self.manager), self.manager.blocks_needed(seq_id, num_new)
+        before = snapshot(self.manager)
+        old_table = self.manager.tables[seq_id]
+        old_last = old_table.block_ids[-1]
+        copy = self.tokens[seq_id] % 3 != 0 and self.manager.pool.ref_count(old_last) > 1
+        needed = cdiv(self.tokens[seq_id] + num_new, 3) - len(old_table.block_ids) + copy
         free = self.manager.num_free_blocks
         try:
-            reservation = self.manager.append_slots(seq_id, num_new)
-        except (NoFreeBlocksError, RequestTooLongError):
+            blocks = self.manager.allocate_slots(seq(seq_id), num_new)
+        except RequestTooLongError:
+            blocks = None
+            assert cdiv(self.tokens[seq_id] + num_new, 3) > 8
+        if blocks is None:
             assert snapshot(self.manager) == before, "a failed append changed state"
             assert needed > free or cdiv(self.tokens[seq_id] + num_new, 3) > 8
             return
+        assert len(blocks) == needed
         assert self.manager.num_free_blocks == free - needed
         table = self.manager.tables[seq_id]
         # Copy-on-write: every slot written now is in a block no other sequence holds.
-        for slot in reservation.slots:
+        for slot in new_slots(self.manager, seq_id, num_new):
             assert self.manager.pool.ref_count(slot // 3) == 1
             assert slot // 3 in table.block_ids
-        for src, dst in reservation.copies:  # the old last block was replaced by its copy
+        copies = self.manager.take_copies()
+        assert len(copies) == copy
+        for src, dst in copies:  # the old last block was replaced by its copy
             assert table.block_ids[(self.tokens[seq_id] - 1) // 3] == dst
             assert src not in table.block_ids
         self.tokens[seq_id] += num_new
@@ -173,7 +199,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child, free = self._new_id(), self.manager.num_free_blocks
-        self.manager.fork(parent, child)
+        self.manager.fork(seq(parent), seq(child))
         assert self.manager.num_free_blocks == free  # sharing costs no block
         assert self.manager.block_ids(child) == self.manager.block_ids(parent)
         self.tokens[child] = self.tokens[parent]
@@ -182,14 +208,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.manager.free(seq_id)
+        self.manager.free(seq(seq_id))  # finished, or preempted: vLLM v1 preempts by free
         del self.tokens[seq_id]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def preempt(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        assert self.manager.preempt(seq_id) == self.tokens.pop(seq_id)
         assert seq_id not in self.manager.tables
 
     # ---- invalid calls: each is refused with the value named, and changes nothing ----------
@@ -207,27 +227,33 @@ class ManagerMachine(RuleBasedStateMachine):
     def append_a_bad_count(self, data, bad):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens) or [99]))
         if seq_id in self.tokens:
-            self._refused(lambda: self.manager.append_slots(seq_id, bad), re.escape(repr(bad)))
-        else:
-            self._refused(lambda: self.manager.append_slots(seq_id, 1), "unknown sequence 99")
+            self._refused(lambda: self.manager.allocate_slots(seq(seq_id), bad),
+                          re.escape(repr(bad)))
+        else:  # a request without a table is being admitted: a bad count is refused as well
+            self._refused(lambda: self.manager.allocate_slots(seq(99), bad),
+                          re.escape(repr(bad)))
 
-    @rule(bad=st.integers(-30, 0) | st.sampled_from([2.0, False, "3"]))
+    @rule(bad=st.integers(-30, -1) | st.sampled_from([2.0, False, "3"]))
     def allocate_a_bad_count(self, bad):
-        self._refused(lambda: self.manager.allocate(self.next_id + 1000, bad),
-                      "num_tokens must be an integer >= 1")
+        self._refused(lambda: self.manager.allocate_slots(seq(self.next_id + 1000), bad),
+                      "num_new_tokens must be an integer >= 0")
+        self._refused(lambda: self.manager.allocate_slots(seq(self.next_id + 1000), 0),
+                      "admitted with no token")
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def allocate_or_fork_onto_a_live_id(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self._refused(lambda: self.manager.allocate(seq_id, 1), "already has a block table")
-        self._refused(lambda: self.manager.fork(seq_id, seq_id), "already has a block table")
+        self._refused(lambda: self.manager.allocate_slots(seq(seq_id), 0, 3, [0]),
+                      "already has a block table")
+        self._refused(lambda: self.manager.fork(seq(seq_id), seq(seq_id)),
+                      "already has a block table")
 
     @rule(seq_id=st.integers(1000, 1010))
-    def free_fork_or_preempt_an_unknown_id(self, seq_id):
-        for call in (self.manager.free, self.manager.preempt, self.manager.num_tokens,
-                     lambda s: self.manager.fork(s, s + 100)):
-            self._refused(lambda: call(seq_id), f"unknown sequence {seq_id}")
+    def free_or_fork_an_unknown_id(self, seq_id):
+        for call in (lambda s: self.manager.free(seq(s)), self.manager.num_tokens,
+                     lambda s: self.manager.fork(seq(s), seq(s + 100))):
+            self._refused(lambda: call(seq_id), f"unknown request {seq_id}")
 
     @rule(block_id=st.integers(-10, -1) | st.integers(8, 20))
     def pool_calls_with_a_block_id_out_of_range(self, block_id):
@@ -256,7 +282,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for seq_id in list(self.tokens):
-            self.manager.free(seq_id)
+            self.manager.free(seq(seq_id))
         assert self.manager.num_free_blocks == 8
         assert all(block.ref_count == 0 for block in self.manager.pool.blocks)
 
@@ -266,56 +292,75 @@ TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30,
 
 
 def test_blocks_are_taken_only_at_block_boundaries():
-    manager = KVCacheManager(num_blocks=4, block_size=4)
-    assert manager.allocate("a", 4) == [0, 1, 2, 3]
+    manager, a = KVCacheManager(num_blocks=4, block_size=4), seq("a")
+    assert manager.allocate_slots(a, 4) == [0]
+    assert new_slots(manager, "a", 4) == [0, 1, 2, 3]
     assert manager.num_used_blocks == 1
-    assert manager.append_slots("a").slots == [4]  # position 4 crosses into a new block (1)
+    assert manager.allocate_slots(a, 1) == [1]  # position 4 crosses into a new block (1)
+    assert new_slots(manager, "a", 1) == [4]
     for position in range(5, 8):
-        assert manager.append_slots("a").slots == [4 + position - 4]
+        assert manager.allocate_slots(a, 1) == []
+        assert new_slots(manager, "a", 1) == [4 + position - 4]
         assert manager.num_used_blocks == 2
-    assert manager.append_slots("a", 2).slots == [8, 9]
+    assert manager.allocate_slots(a, 2) == [2]
+    assert new_slots(manager, "a", 2) == [8, 9]
     assert manager.block_ids("a") == [0, 1, 2]
 
 
 def test_slot_mapping_through_a_non_contiguous_block_table():
     manager = KVCacheManager(num_blocks=6, block_size=2)
-    manager.allocate("x", 2)              # block 0
-    manager.allocate("y", 3)              # blocks 1, 2
-    manager.free("x")                     # free queue: 3 4 5 0
-    manager.append_slots("y", 3)          # y grows into 3 (position 4, 5)
+    x, y = seq("x"), seq("y")
+    manager.allocate_slots(x, 2)              # block 0
+    manager.allocate_slots(y, 3)              # blocks 1, 2
+    manager.free(x)                           # free queue: 3 4 5 0
+    manager.allocate_slots(y, 3)              # y grows into 3 (position 4, 5)
     assert manager.block_ids("y") == [1, 2, 3]
-    assert manager.append_slots("y", 2).slots == [4 * 2 + 0, 4 * 2 + 1]  # block 4
+    assert manager.allocate_slots(y, 2) == [4]
+    assert new_slots(manager, "y", 2) == [4 * 2 + 0, 4 * 2 + 1]  # block 4
     assert manager.tables["y"].slot(3) == 2 * 2 + 1
 
 
 def test_errors_name_the_numbers_and_change_nothing():
     manager = KVCacheManager(num_blocks=4, block_size=4)
     with pytest.raises(RequestTooLongError, match=r"17 tokens = 5 blocks of 4.*pool of 4 blocks"):
-        manager.allocate("long", 17)
-    manager.allocate("a", 10)
-    manager.allocate("b", 1)
+        manager.allocate_slots(seq("long"), 17)
+    manager.allocate_slots(seq("a"), 10)
+    manager.allocate_slots(seq("b"), 1)
     before = snapshot(manager)
-    with pytest.raises(NoFreeBlocksError, match="needs 2 blocks.*0 of 4 are free"):
-        manager.allocate("c", 5)
-    with pytest.raises(NoFreeBlocksError, match="needs 1 blocks for 3 more tokens"):
-        manager.append_slots("a", 3)
+    assert manager.allocate_slots(seq("c"), 5) is None      # no room now
+    assert manager.allocate_slots(seq("a"), 3) is None
     assert snapshot(manager) == before and "c" not in manager.tables
     with pytest.raises(ValueError, match="already"):
-        manager.allocate("a", 1)
+        manager.allocate_slots(seq("a"), 1, 4, [3])
     with pytest.raises(ValueError, match="already"):
-        manager.fork("a", "a")
+        manager.fork(seq("a"), seq("a"))
+    with pytest.raises(ValueError, match="num_new_computed_tokens=3, but the 1 computed blocks"):
+        manager.allocate_slots(seq("d"), 1, 3, [0])
+
+
+def test_reject_reason_names_the_numbers():
+    manager = KVCacheManager(num_blocks=4, block_size=4, max_model_len=12)
+    request = SimpleNamespace(request_id=0, prompt_len=10, max_output_tokens=3, total_len=13)
+    assert manager.reject_reason(request) == ("10 prompt + 3 output = 13 tokens > "
+                                              "max_model_len=12")
+    assert manager.reject_reason(SimpleNamespace(request_id=1, prompt_len=9, max_output_tokens=3,
+                                                 total_len=12)) is None
+    with pytest.raises(KVCacheOutOfMemory, match="max_model_len=17 request needs 5 blocks"):
+        KVCacheManager(num_blocks=4, block_size=4, max_model_len=17)
 
 
 def test_format_block_tables_shows_sharing_and_the_free_queue():
     manager = KVCacheManager(num_blocks=6, block_size=4)
-    manager.allocate("a", 6)
-    manager.fork("a", "b")
+    manager.allocate_slots(seq("a"), 6)
+    manager.fork(seq("a"), seq("b"))
     text = manager.format_block_tables()
     assert "6 blocks: 2 used, 4 free, 2 shared" in text
     assert "[0* 1*]" in text and "last block 2/4 full" in text
     assert "free queue (head first): 2 3 4 5" in text
-    manager.append_slots("b")  # copy-on-write: b gets block 2
+    assert manager.allocate_slots(seq("b"), 1) == [2]  # copy-on-write: b gets block 2
+    assert manager.take_copies() == [(1, 2)] and manager.take_copies() == []
     assert "'b'    7 tokens  [0* 2]" in manager.format_block_tables()
+    assert manager.usage() == 3 / 6 and manager.num_reserved_tokens == 12
 
 
 # ---- copy-on-write moves the bytes; siblings never see each other's tokens ---------------------
@@ -331,6 +376,14 @@ def fill(cache: PagedKVCache, slots: torch.Tensor, generator: torch.Generator) -
     return written
 
 
+def grow(cache, seq_id, num_new):
+    """Reserve `num_new` more slots (copy-on-write copied, as the model runner does); their slots."""
+    cache.manager.allocate_slots(seq(seq_id), num_new)
+    for src, dst in cache.manager.take_copies():
+        cache.copy_block(src, dst)
+    return cache.slot_mapping([seq_id], [num_new])
+
+
 def gather_all(cache, seq_id):
     return [cache.gather(seq_id, layer) for layer in range(TINY.num_hidden_layers)]
 
@@ -343,13 +396,13 @@ def assert_same(left, right):
 def test_copy_on_write_keeps_siblings_bytes_apart():
     generator = torch.Generator().manual_seed(0)
     cache = PagedKVCache(TINY, num_blocks=8, block_size=4)
-    fill(cache, cache.allocate("parent", 6), generator)  # blocks 0 (full) and 1 (2 of 4)
+    fill(cache, grow(cache, "parent", 6), generator)  # blocks 0 (full) and 1 (2 of 4)
     parent_kv = gather_all(cache, "parent")
-    cache.fork("parent", "child")
+    cache.manager.fork(seq("parent"), seq("child"))
     assert cache.manager.num_used_blocks == 2            # the prompt is stored once
     assert_same(gather_all(cache, "child"), parent_kv)
 
-    child_slot = cache.append_slots("child")             # lands in shared block 1: copy first
+    child_slot = grow(cache, "child", 1)                 # lands in shared block 1: copy first
     assert cache.manager.num_cow_copies == 1
     assert cache.manager.block_ids("child")[0] == 0      # the full block stays shared
     assert cache.manager.block_ids("child")[1] != 1
@@ -360,22 +413,22 @@ def test_copy_on_write_keeps_siblings_bytes_apart():
         assert torch.equal(k, torch.cat([pk, nk])) and torch.equal(v, torch.cat([pv, nv]))
 
     child_kv = gather_all(cache, "child")
-    parent_slot = cache.append_slots("parent")           # ref count 1 now: write in place
+    parent_slot = grow(cache, "parent", 1)               # ref count 1 now: write in place
     assert cache.manager.num_cow_copies == 1
     assert int(parent_slot) == 1 * 4 + 2
     fill(cache, parent_slot, generator)
     assert_same(gather_all(cache, "child"), child_kv)    # child's bytes untouched
 
-    cache.free("parent")
-    cache.free("child")
+    cache.manager.free(seq("parent"))
+    cache.manager.free(seq("child"))
     assert cache.manager.num_free_blocks == 8
 
 
 def test_fork_at_a_full_block_needs_no_copy():
     cache = PagedKVCache(TINY, num_blocks=4, block_size=4)
-    cache.allocate("a", 4)
-    cache.fork("a", "b")
-    cache.append_slots("b")
+    grow(cache, "a", 4)
+    cache.manager.fork(seq("a"), seq("b"))
+    grow(cache, "b", 1)
     assert cache.manager.num_cow_copies == 0
     assert cache.manager.block_ids("b") == [0, 1]
 
@@ -389,12 +442,12 @@ def test_pool_bytes_reserved_used_and_waste_are_exact():
     assert cache.block_bytes == kv_block_bytes(TINY, 4) == 4 * per_token
     assert cache.pool_bytes == 10 * cache.block_bytes
     assert cache.reserved_bytes == cache.used_bytes == 0 and cache.waste == 0.0
-    cache.allocate("a", 5)
-    cache.allocate("b", 8)
+    grow(cache, "a", 5)
+    grow(cache, "b", 8)
     assert cache.reserved_bytes == 4 * cache.block_bytes
     assert cache.used_bytes == 13 * per_token
     assert cache.waste == pytest.approx(1 - 13 / 16)
-    cache.fork("a", "c")  # shared: stored once, counted once
+    cache.manager.fork(seq("a"), seq("c"))  # shared: stored once, counted once
     assert cache.reserved_bytes == 4 * cache.block_bytes and cache.used_bytes == 13 * per_token
 
 

@@ -10,7 +10,7 @@ from kvlab.config import LlamaConfig
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.paged import KVCacheOutOfMemory, PagedKVCache, RequestTooLongError
-from kvlab.serving import LLMEngine, generate_batch
+from kvlab.serving import LLMEngine, Request, generate_batch
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -160,23 +160,28 @@ def test_start_up_refuses_a_pool_smaller_than_one_max_model_len_request(model):
 def test_step_by_step_api_drives_the_model(model):
     """The notebook flow: allocate, prefill, append, decode a batch, fork, free."""
     cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4)
+    manager = cache.manager
     prompts = make_prompts([5, 3])
+    requests = [Request(seq_id, 0.0, len(p), 4, p) for seq_id, p in enumerate(prompts)]
     last = []
-    for seq_id, prompt in enumerate(prompts):
-        slots = cache.allocate(seq_id, len(prompt))
+    for request, prompt in zip(requests, prompts):
+        manager.allocate_slots(request, len(prompt))
         logits = model(torch.tensor(prompt), torch.arange(len(prompt)),
-                       cache.prefill_store(seq_id, slots))
+                       cache.batch_store([request.request_id], [len(prompt)]))
         last.append(int(logits[-1].argmax()))
-    slots = torch.cat([cache.append_slots(seq_id) for seq_id in (0, 1)])
-    store = cache.decode_store([0, 1], slots)
+    for request in requests:
+        manager.allocate_slots(request, 1)
+    store = cache.batch_store([0, 1], [1, 1])
+    assert store.slot_mapping.tolist() == [1 * 4 + 1, 2 * 4 + 3]  # positions 5 and 3
     logits = model(torch.tensor(last), torch.tensor([5, 3]), store)
     for seq_id, prompt in enumerate(prompts):
         expected = model(torch.tensor(prompt + [last[seq_id]]))[-1]
         torch.testing.assert_close(logits[seq_id], expected, rtol=1e-4, atol=1e-5)
-    cache.fork(0, "copy")
+    copy = Request("copy", 0.0, 5, 4)
+    manager.fork(requests[0], copy)
     assert "'copy'" in cache.format_block_tables()
-    for seq_id in (0, 1, "copy"):
-        cache.free(seq_id)
+    for request in (*requests, copy):
+        manager.free(request)
     assert cache.manager.num_free_blocks == 8
 
 

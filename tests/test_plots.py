@@ -1,5 +1,7 @@
 """kvlab.plots.draw_block_tables draws what the cache holds: entries, owners, positions, ref counts."""
 
+from types import SimpleNamespace
+
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.patches import Rectangle
@@ -18,9 +20,10 @@ def texts(fig):
 
 def test_block_tables_and_pool_are_drawn_from_the_cache():
     pool = PagedKVCache(TOY, num_blocks=6, block_size=4)
-    pool.allocate("A", 6)    # blocks 0, 1 (1 holds positions 4, 5)
-    pool.fork("A", "A2")     # shares both: ref count 2
-    pool.allocate("C", 3)    # block 2
+    a, a2, c = (SimpleNamespace(request_id=name) for name in ("A", "A2", "C"))
+    pool.manager.allocate_slots(a, 6)    # blocks 0, 1 (1 holds positions 4, 5)
+    pool.manager.fork(a, a2)             # shares both: ref count 2
+    pool.manager.allocate_slots(c, 3)    # block 2
     open_before = plt.get_fignums()
     fig = draw_block_tables(pool, "toy")
     labels = texts(fig)

@@ -11,9 +11,10 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab.paged import KVCacheManager, NoFreeBlocksError, PagedKVCache, RequestTooLongError
+from kvlab.paged import KVCacheManager, PagedKVCache, RequestTooLongError
 from kvlab.prefix import (ROOT_HASH, PrefixCachingKVCacheManager, extra_keys_for, hash_block,
                           hash_full_blocks)
+from kvlab.serving import Request
 
 
 def constant_hash(data: bytes) -> bytes:
@@ -23,6 +24,35 @@ def constant_hash(data: bytes) -> bytes:
 
 def free_order(manager) -> list[int]:
     return [block.block_id for block in manager.pool.free_queue]
+
+
+def req(request_id, tokens, salt=None) -> Request:
+    """A request whose prompt is `tokens` (real ids, as in model mode)."""
+    return Request(request_id, 0.0, len(tokens), 64, list(tokens), cache_salt=salt)
+
+
+def admit(manager, request, token_budget=None):
+    """The scheduler's admission (get_computed_blocks, then allocate_slots): the tokens found
+    cached, or None when refused (nothing changed)."""
+    blocks, computed = manager.get_computed_blocks(request)
+    num_new = request.num_tokens - computed
+    if token_budget is not None:
+        num_new = min(num_new, token_budget)
+    return None if manager.allocate_slots(request, num_new, computed, blocks) is None else computed
+
+
+def decode(manager, request, *tokens):
+    """The request sampled `tokens`; reserve their slots (None: no room, nothing changed)."""
+    request.output_token_ids += tokens
+    request.num_output_tokens += len(tokens)
+    new_blocks = None
+    try:
+        new_blocks = manager.allocate_slots(request, len(tokens))
+    finally:
+        if new_blocks is None:  # refused (or raised): the request did not grow
+            del request.output_token_ids[-len(tokens):]
+            request.num_output_tokens -= len(tokens)
+    return new_blocks
 
 
 # ---- hashing ----------------------------------------------------------------------------------
@@ -51,13 +81,14 @@ def test_hash_chain_covers_the_whole_prefix_and_only_full_blocks():
 def test_hit_shares_the_prefix_blocks_and_prefill_starts_after_them():
     manager = PrefixCachingKVCacheManager(num_blocks=10, block_size=4)
     prompt = list(range(10))                           # 2 full blocks + 2 tokens
-    first = manager.allocate_with_prefix("a", prompt)
-    assert first.num_cached_tokens == 0 and len(first.slots) == 10
-    second = manager.allocate_with_prefix("b", prompt[:8] + [50, 51, 52])
-    assert second.num_cached_tokens == 8 and second.hit_block_ids == manager.block_ids("a")[:2]
-    assert [manager.pool.ref_count(b) for b in second.hit_block_ids] == [2, 2]
-    block = manager.block_ids("b")[2]
-    assert second.slots == [block * 4, block * 4 + 1, block * 4 + 2]  # positions 8, 9, 10
+    assert admit(manager, req("a", prompt)) == 0
+    assert manager.num_tokens("a") == 10
+    b = req("b", prompt[:8] + [50, 51, 52])
+    blocks, computed = manager.get_computed_blocks(b)
+    assert computed == 8 and blocks == manager.block_ids("a")[:2]
+    assert manager.allocate_slots(b, 3, computed, blocks) == [manager.block_ids("b")[2]]
+    assert manager.block_ids("b")[:2] == blocks
+    assert [manager.pool.ref_count(b) for b in blocks] == [2, 2]
     stats = manager.prefix_stats
     assert (stats.num_query_tokens, stats.num_hit_tokens, stats.num_hit_blocks) == (21, 8, 2)
     assert stats.hit_rate == pytest.approx(8 / 21) and stats.prefill_tokens_skipped == 8
@@ -65,43 +96,48 @@ def test_hit_shares_the_prefix_blocks_and_prefill_starts_after_them():
 
 def test_hit_cap_leaves_at_least_one_prompt_token_to_compute():
     manager = PrefixCachingKVCacheManager(num_blocks=12, block_size=4)
-    manager.allocate_with_prefix("a", list(range(13)))
-    manager.free("a")
+    admit(manager, a := req("a", list(range(13))))
+    manager.free(a)
     for length, expected in ((12, 8), (13, 12), (9, 8), (8, 4), (4, 0), (1, 0)):
         hits = manager.lookup(list(range(length)))
         assert len(hits) * 4 == expected, f"prompt of {length}"
-    whole = manager.allocate_with_prefix("b", list(range(12)))  # cached entirely: redo block 2
-    assert whole.num_cached_tokens == 8 and len(whole.slots) == 4
+        assert manager.get_computed_blocks(req(length, list(range(length))))[1] == expected
+    assert admit(manager, req("b", list(range(12)))) == 8  # cached entirely: redo block 2
+    assert manager.num_tokens("b") == 12
 
 
 def test_a_free_cached_block_is_taken_back_out_of_the_free_queue():
     manager = PrefixCachingKVCacheManager(num_blocks=6, block_size=2)
-    manager.allocate_with_prefix("a", [1, 2, 3, 4, 5])
-    manager.free("a")
+    admit(manager, a := req("a", [1, 2, 3, 4, 5]))
+    manager.free(a)
     assert manager.block_counts() == {"free": 4, "cached": 2, "in_use": 0}
-    hit = manager.allocate_with_prefix("b", [1, 2, 3, 4, 9])
-    assert hit.hit_block_ids == [0, 1]
+    assert admit(manager, req("b", [1, 2, 3, 4, 9])) == 4
+    assert manager.block_ids("b")[:2] == [0, 1]
     assert 0 not in free_order(manager) and 1 not in free_order(manager)
     assert manager.block_counts() == {"free": 3, "cached": 0, "in_use": 3}
 
 
 def test_failed_admission_changes_nothing():
     manager = PrefixCachingKVCacheManager(num_blocks=4, block_size=2)
-    manager.allocate_with_prefix("a", [1, 2, 3, 4])
-    manager.free("a")                                  # blocks 0, 1 cached and free
-    manager.allocate_with_prefix("held", [7, 8, 9])    # takes 2 uncached blocks
+    admit(manager, a := req("a", [1, 2, 3, 4]))
+    manager.free(a)                                    # blocks 0, 1 cached and free
+    admit(manager, held := req("held", [7, 8, 9]))     # takes 2 uncached blocks
     before = (free_order(manager), dict(manager.tables), manager.prefix_stats,
               len(manager.prefix_cache))
     # 1 hit (block 0, free) + 2 new = 3 free blocks needed, 2 are free.
-    with pytest.raises(NoFreeBlocksError, match=r"needs 3 free blocks \(2 new \+ 1 cached"):
-        manager.allocate_with_prefix("b", [1, 2, 5, 6, 7])
+    b = req("b", [1, 2, 5, 6, 7])
+    blocks, computed = manager.get_computed_blocks(b)
+    assert (blocks, computed) == ([0], 2)
+    assert manager.allocate_slots(b, 3, computed, blocks) is None
     assert before == (free_order(manager), dict(manager.tables), manager.prefix_stats,
                       len(manager.prefix_cache))
-    assert manager.blocks_to_admit([1, 2, 5, 6, 7]) == 3 and not manager.can_admit([1, 2, 5, 6, 7])
     with pytest.raises(RequestTooLongError, match="9 tokens = 5 blocks of 2"):
-        manager.allocate_with_prefix("c", list(range(9)))
-    with pytest.raises(ValueError, match="needs the 1 new token ids"):
-        manager.append_slots("held", 1)
+        admit(manager, req("c", list(range(9))))
+    with pytest.raises(ValueError, match="not all cached"):
+        manager.allocate_slots(req("d", [1, 2, 3]), 1, 2, [3])
+    assert before == (free_order(manager), dict(manager.tables), manager.prefix_stats,
+                      len(manager.prefix_cache))
+    assert held.kv_block_hashes == hash_full_blocks([7, 8], 2)
 
 
 def test_a_retried_admission_computes_no_hash():
@@ -112,28 +148,36 @@ def test_a_retried_admission_computes_no_hash():
         return hashlib.sha256(data).digest()
 
     manager = PrefixCachingKVCacheManager(num_blocks=9, block_size=2, hash_fn=counting_sha256)
-    manager.allocate_with_prefix("a", [1, 2, 3, 4, 5, 6, 7])   # 4 blocks, 3 full ones hashed
-    manager.allocate_with_prefix("held", [20, 21, 22])         # 2 more: 3 blocks left free
-    prompt = list(range(1, 16))                                # 7 full blocks + 1 token
-    hashes: list[bytes] = []
+    admit(manager, req("a", [1, 2, 3, 4, 5, 6, 7]))    # 4 blocks, 3 full ones hashed
+    admit(manager, held := req("held", [20, 21, 22]))  # 2 more: 3 blocks left free
+    prompt = list(range(1, 16))                        # 7 full blocks + 1 token
+    b = req("b", prompt)
     calls.clear()
-    with pytest.raises(NoFreeBlocksError):                    # 3 hits + 5 new > 3 free
-        manager.allocate_with_prefix("b", prompt, block_hashes=hashes)
-    assert len(calls) == 4 and len(hashes) == 4               # blocks 0-2 hit, block 3 missed
-    for _ in range(3):                                         # the queue retries its head
-        with pytest.raises(NoFreeBlocksError):
-            manager.allocate_with_prefix("b", prompt, block_hashes=hashes)
-    assert len(calls) == 4                                     # no hash computed again
-    manager.free("held")
-    allocation = manager.allocate_with_prefix("b", prompt, block_hashes=hashes)
-    assert allocation.num_cached_tokens == 6
-    assert len(calls) == 7                                     # blocks 4-6, each once
-    manager.append_slots("b", 1, [16])                         # fills block 7
+    assert admit(manager, b) is None                   # 3 hits + 5 new > 3 free
+    assert len(calls) == 4 and len(b.kv_block_hashes) == 4  # blocks 0-2 hit, block 3 missed
+    for _ in range(3):                                 # the queue retries its head
+        assert admit(manager, b) is None
+    assert len(calls) == 4                             # no hash computed again
+    manager.free(held)
+    assert admit(manager, b) == 6
+    assert len(calls) == 7                             # blocks 4-6, each once
+    decode(manager, b, 16)                             # fills block 7
     assert len(calls) == 8
-    # The same chain as hashing from scratch; the cache keeps the hashes the list holds.
-    assert hashes == hash_full_blocks(prompt + [16], 2)
-    assert [manager.prefix_cache.entry(b).block_hash for b in manager.tables["b"].block_ids] \
-        == hashes
+    # The same chain as hashing from scratch, kept on the request; the cache holds the same.
+    assert b.kv_block_hashes == hash_full_blocks(prompt + [16], 2)
+    assert [manager.prefix_cache.entry(x).block_hash for x in manager.tables["b"].block_ids] \
+        == b.kv_block_hashes
+
+
+def test_a_chunked_prefill_caches_each_block_as_its_chunk_fills_it():
+    manager = PrefixCachingKVCacheManager(num_blocks=8, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5, 6, 7])
+    assert admit(manager, a, token_budget=3) == 0      # the first chunk: 3 of 7 tokens
+    assert manager.num_tokens("a") == 3 and len(manager.prefix_cache) == 1
+    assert manager.allocate_slots(a, 3) == [2]         # the next chunk needs no token ids
+    assert manager.num_tokens("a") == 6 and len(manager.prefix_cache) == 3
+    assert [e.token_ids for e in manager.lookup([1, 2, 3, 4, 5, 6, 0])] == [(1, 2), (3, 4),
+                                                                         (5, 6)]
 
 
 # ---- eviction order ---------------------------------------------------------------------------
@@ -141,36 +185,36 @@ def test_a_retried_admission_computes_no_hash():
 def test_a_finished_sequence_frees_its_tail_first():
     """Pins the stage-4 free order: releasing head first instead turns this red."""
     manager = KVCacheManager(num_blocks=5, block_size=2)
-    manager.allocate("a", 6)                          # blocks 0 1 2
-    manager.free("a")
+    manager.allocate_slots(a := req("a", range(6)), 6)  # blocks 0 1 2
+    manager.free(a)
     assert free_order(manager) == [3, 4, 2, 1, 0]     # 2 (the tail) is evicted first
 
 
 def test_eviction_takes_the_tail_before_the_prefix_and_lru_across_requests():
     manager = PrefixCachingKVCacheManager(num_blocks=6, block_size=2)
-    manager.allocate_with_prefix("a", [1, 2, 3, 4, 5, 6])   # blocks 0 1 2
-    manager.allocate_with_prefix("b", [9, 9, 8, 8, 7])      # blocks 3 4 5
-    manager.free("a")
-    manager.free("b")
+    admit(manager, a := req("a", [1, 2, 3, 4, 5, 6]))   # blocks 0 1 2
+    admit(manager, b := req("b", [9, 9, 8, 8, 7]))      # blocks 3 4 5
+    manager.free(a)
+    manager.free(b)
     assert free_order(manager) == [2, 1, 0, 5, 4, 3]
-    manager.allocate_with_prefix("x", [40, 41])             # evicts a's tail block 2
+    admit(manager, req("x", [40, 41]))                  # evicts a's tail block 2
     assert manager.prefix_stats.num_evictions == 1
     assert len(manager.lookup([1, 2, 3, 4, 5, 6, 0])) == 2  # a's prefix survives
     # A hit makes blocks recently used: b's prefix now outlives a's.
-    manager.allocate_with_prefix("c", [9, 9, 8, 8, 0])      # hits 3 4, takes 1 (a's)
-    manager.free("c")
+    admit(manager, c := req("c", [9, 9, 8, 8, 0]))      # hits 3 4, takes 1 (a's)
+    manager.free(c)
     assert free_order(manager) == [0, 5, 1, 4, 3]
-    manager.allocate_with_prefix("y", [60] * 5)             # takes 0 5 1
+    admit(manager, req("y", [60] * 5))                  # takes 0 5 1
     assert len(manager.lookup([1, 2, 3, 4, 5])) == 0
     assert len(manager.lookup([9, 9, 8, 8, 0])) == 2
 
 
 def test_a_recycled_block_never_gives_a_false_hit():
     manager = PrefixCachingKVCacheManager(num_blocks=3, block_size=2)
-    manager.allocate_with_prefix("a", [1, 2, 3, 4, 5])
-    manager.free("a")
-    manager.allocate_with_prefix("b", [7, 8, 9, 10, 11])   # reuses all three blocks
-    manager.free("b")
+    admit(manager, a := req("a", [1, 2, 3, 4, 5]))
+    manager.free(a)
+    admit(manager, b := req("b", [7, 8, 9, 10, 11]))   # reuses all three blocks
+    manager.free(b)
     assert manager.prefix_stats.num_evictions == 2
     assert manager.lookup([1, 2, 3, 4, 5]) == []
     hits = manager.lookup([7, 8, 9, 10, 0])
@@ -182,55 +226,57 @@ def test_a_recycled_block_never_gives_a_false_hit():
 
 def test_a_forced_collision_is_caught_by_the_token_check():
     checked = PrefixCachingKVCacheManager(num_blocks=8, block_size=2, hash_fn=constant_hash)
-    checked.allocate_with_prefix("a", [1, 2, 3, 4, 5])
-    assert checked.allocate_with_prefix("c", [6, 7, 8]).num_cached_tokens == 0
+    admit(checked, req("a", [1, 2, 3, 4, 5]))
+    assert admit(checked, req("c", [6, 7, 8])) == 0
     assert checked.prefix_stats.num_collisions == 1
     # Block 0 [6, 7] is cached now; a's block 1 holds [3, 4] too, but after [1, 2]: the parent
     # check refuses it, though its hash and its own tokens match.
     assert [e.token_ids for e in checked.lookup([6, 7, 3, 4, 0])] == [(6, 7)]
     trusting = PrefixCachingKVCacheManager(num_blocks=8, block_size=2, hash_fn=constant_hash,
                                            verify=False)
-    trusting.allocate_with_prefix("a", [1, 2, 3, 4, 5])
+    admit(trusting, req("a", [1, 2, 3, 4, 5]))
     # vLLM's rule would hand c the K/V of a's tokens [1, 2], and then [3, 4] after them.
-    assert trusting.allocate_with_prefix("c", [6, 7, 8]).num_cached_tokens == 2
+    assert admit(trusting, req("c", [6, 7, 8])) == 2
     assert len(trusting.lookup([6, 7, 3, 4, 0])) == 2
 
 
 def test_cache_salt_isolates_tenants():
     manager = PrefixCachingKVCacheManager(num_blocks=12, block_size=2)
     prompt = [1, 2, 3, 4, 5]
-    manager.allocate_with_prefix("a", prompt, cache_salt="tenant-a")
-    assert manager.allocate_with_prefix("b", prompt, cache_salt="tenant-b").num_cached_tokens == 0
-    assert manager.allocate_with_prefix("c", prompt).num_cached_tokens == 0
-    assert manager.allocate_with_prefix("d", prompt, cache_salt="tenant-a").num_cached_tokens == 4
+    admit(manager, req("a", prompt, "tenant-a"))
+    assert admit(manager, req("b", prompt, "tenant-b")) == 0
+    assert admit(manager, req("c", prompt)) == 0
+    assert admit(manager, req("d", prompt, "tenant-a")) == 4
 
 
 # ---- forks and preemption ---------------------------------------------------------------------
 
 def test_fork_and_copy_on_write_keep_the_cache_exact():
     manager = PrefixCachingKVCacheManager(num_blocks=10, block_size=2)
-    manager.allocate_with_prefix("p", [1, 2, 3])
-    manager.fork("p", "c")
-    parent = manager.append_slots("p", 1, [4])       # copy-on-write of the shared last block
-    child = manager.append_slots("c", 1, [9])
-    assert len(parent.copies) == 1 and child.copies == []
+    admit(manager, p := req("p", [1, 2, 3]))
+    c = req("c", [1, 2, 3])
+    manager.fork(p, c)
+    assert c.kv_block_hashes == p.kv_block_hashes and c.kv_block_hashes is not p.kv_block_hashes
+    assert len(decode(manager, p, 4)) == 1           # copy-on-write of the shared last block
+    assert len(manager.take_copies()) == 1
+    assert decode(manager, c, 9) == [] and manager.take_copies() == []
     assert [e.token_ids for e in manager.lookup([1, 2, 3, 4, 0])] == [(1, 2), (3, 4)]
     assert [e.token_ids for e in manager.lookup([1, 2, 3, 9, 0])] == [(1, 2), (3, 9)]
-    manager.free("p")
-    manager.free("c")
+    manager.free(p)
+    manager.free(c)
     assert manager.block_counts() == {"free": 7, "cached": 3, "in_use": 0}
 
 
 def test_a_preempted_sequence_hits_its_own_freed_blocks():
     manager = PrefixCachingKVCacheManager(num_blocks=8, block_size=2)
-    tokens = [5, 6, 7]
-    manager.allocate_with_prefix("s", tokens)
+    s = req("s", [5, 6, 7])
+    admit(manager, s)
     for token in (8, 9, 10):                          # decode fills block 1 and part of block 2
-        manager.append_slots("s", 1, [token])
-        tokens.append(token)
-    assert manager.preempt("s") == 6
-    again = manager.allocate_with_prefix("s", tokens)  # recompute prompt + output
-    assert again.num_cached_tokens == 4 and len(again.slots) == 2
+        decode(manager, s, token)
+    assert manager.num_tokens("s") == 6
+    manager.free(s)                                   # preempted: vLLM v1 frees it
+    assert admit(manager, s) == 4                     # recompute prompt + output
+    assert manager.num_tokens("s") == 6
 
 
 # ---- bookkeeping under random operations (hypothesis) -----------------------------------------
@@ -246,28 +292,33 @@ class PrefixManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.manager = PrefixCachingKVCacheManager(num_blocks=8, block_size=BLOCK)
         self.tokens: dict[int, list[int]] = {}
+        self.requests: dict[int, Request] = {}
         self.next_id = 0
 
     @rule(prompt=st.sampled_from(PROMPTS), salt=st.sampled_from([None, "s"]),
           tail=st.lists(st.integers(0, 3), max_size=3))
     def admit(self, prompt, salt, tail):
         tokens, before = prompt + tail, self.manager.block_counts()
-        try:
-            result = self.manager.allocate_with_prefix(self.next_id, tokens, salt)
-        except NoFreeBlocksError:
+        request = req(self.next_id, tokens, salt)
+        cached = admit(self.manager, request)
+        if cached is None:
             assert self.manager.block_counts() == before
             return
-        assert result.num_cached_tokens <= len(tokens) - 1
-        self.tokens[self.next_id] = tokens
+        assert cached <= len(tokens) - 1
+        self.tokens[self.next_id], self.requests[self.next_id] = tokens, request
         self.next_id += 1
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
     def append(self, data, new):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self.manager.block_counts()
         try:
-            self.manager.append_slots(seq_id, len(new), new)
-        except (NoFreeBlocksError, RequestTooLongError):
+            new_blocks = decode(self.manager, self.requests[seq_id], *new)
+        except RequestTooLongError:
+            new_blocks = None
+        if new_blocks is None:
+            assert self.manager.block_counts() == before
             return
         self.tokens[seq_id] += new
 
@@ -275,16 +326,23 @@ class PrefixManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.manager.fork(parent, self.next_id)
-        self.tokens[self.next_id] = list(self.tokens[parent])
+        tokens = self.tokens[parent]
+        child = req(self.next_id, tokens[:self.requests[parent].prompt_len])
+        child.output_token_ids = list(self.requests[parent].output_token_ids)
+        child.num_output_tokens = len(child.output_token_ids)
+        self.manager.fork(self.requests[parent], child)
+        self.tokens[self.next_id], self.requests[self.next_id] = list(tokens), child
         self.next_id += 1
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), preempt=st.booleans())
-    def finish(self, data, preempt):
+    @rule(data=st.data(), readmit=st.booleans())
+    def finish(self, data, readmit):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        (self.manager.preempt if preempt else self.manager.free)(seq_id)
-        del self.tokens[seq_id]
+        request = self.requests.pop(seq_id)
+        self.manager.free(request)  # finished, or preempted (then admitted again, maybe)
+        tokens = self.tokens.pop(seq_id)
+        if readmit and admit(self.manager, request) is not None:
+            self.tokens[seq_id], self.requests[seq_id] = tokens, request
 
     @invariant()
     def blocks_add_up_and_the_cache_is_exact(self):
@@ -318,27 +376,26 @@ def model(small_llama):  # tests/conftest.py's random GQA model (4 query / 2 KV 
 
 
 @torch.no_grad()
-def prefill(cache: PagedKVCache, model, seq_id, prompt, salt=None):
-    """Admit with prefix caching, run the prompt from the hit on; -> (cached tokens, logits)."""
-    admitted = cache.manager.allocate_with_prefix(seq_id, prompt, salt)
-    start = admitted.num_cached_tokens
-    store = cache.prefill_store(seq_id, torch.tensor(admitted.slots))
-    logits = model(torch.tensor(prompt[start:]), torch.arange(start, len(prompt)), store)[-1]
+def prefill(cache: PagedKVCache, model, request):
+    """Admit with prefix caching, run the tokens from the hit on; -> (cached tokens, logits)."""
+    start = admit(cache.manager, request)
+    tokens = request.token_ids(0, request.num_tokens)
+    store = cache.batch_store([request.request_id], [len(tokens) - start])
+    logits = model(torch.tensor(tokens[start:]), torch.arange(start, len(tokens)), store)[-1]
     return start, logits
 
 
 @torch.no_grad()
-def greedy(cache: PagedKVCache, model, seq_id, prompt, new, salt=None):
+def greedy(cache: PagedKVCache, model, request, new):
     """Admit with prefix caching, prefill from the hit on, decode `new` tokens greedily."""
-    manager = cache.manager
-    start, logits = prefill(cache, model, seq_id, prompt, salt)
+    start, logits = prefill(cache, model, request)
     out = [int(logits.argmax())]
     while len(out) < new:
-        reservation = manager.append_slots(seq_id, 1, [out[-1]])
-        for src, dst in reservation.copies:
+        decode(cache.manager, request, out[-1])
+        for src, dst in cache.manager.take_copies():
             cache.copy_block(src, dst)
-        store = cache.decode_store([seq_id], torch.tensor(reservation.slots))
-        position = torch.tensor([len(prompt) + len(out) - 1])
+        store = cache.batch_store([request.request_id], [1])
+        position = torch.tensor([request.num_tokens - 1])
         out.append(int(model(torch.tensor([out[-1]]), position, store)[0].argmax()))
     return start, out
 
@@ -352,9 +409,8 @@ def no_cache(model, prompt, new):
 
 
 def prefix_cache(model, num_blocks=24, **manager_options):
-    cache = PagedKVCache.for_model(model, num_blocks, block_size=4)
-    cache.manager = PrefixCachingKVCacheManager(num_blocks, 4, **manager_options)
-    return cache
+    manager = PrefixCachingKVCacheManager(num_blocks, 4, **manager_options)
+    return PagedKVCache.for_model(model, num_blocks, block_size=4, manager=manager)
 
 
 def test_hits_give_the_same_greedy_tokens_as_no_cache(model):
@@ -365,7 +421,7 @@ def test_hits_give_the_same_greedy_tokens_as_no_cache(model):
     cache = prefix_cache(model)
     hits = []
     for seq_id, prompt in enumerate(prompts):
-        cached, tokens = greedy(cache, model, seq_id, prompt, new=6)
+        cached, tokens = greedy(cache, model, req(seq_id, prompt), new=6)
         assert tokens == no_cache(model, prompt, 6), f"prompt {seq_id}"
         hits.append(cached)
     # The last prompt (8 tokens) is cached whole, so only block 0 is hit (the n - 1 cap).
@@ -375,10 +431,10 @@ def test_hits_give_the_same_greedy_tokens_as_no_cache(model):
 def test_hit_on_decode_blocks_after_preemption_gives_the_same_tokens(model):
     prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(4)).tolist()
     cache = prefix_cache(model)
-    _, first = greedy(cache, model, "s", prompt, new=7)   # 13 tokens: blocks 0-2 full
-    cache.manager.preempt("s")
+    _, first = greedy(cache, model, s := req("s", prompt), new=7)  # 13 tokens: blocks 0-2 full
+    cache.manager.free(s)                                  # preempted
     resumed = prompt + first[:-1]                          # what the engine would recompute
-    cached, rest = greedy(cache, model, "s", resumed, new=3)
+    cached, rest = greedy(cache, model, req("s", resumed), new=3)
     assert cached == 8                                     # 12 tokens, capped at 2 blocks
     assert [first[-1]] + rest[1:] == no_cache(model, prompt, 9)[6:9]
     assert rest == no_cache(model, resumed, 3)
@@ -390,8 +446,8 @@ def test_a_trusted_collision_returns_wrong_kv_and_the_check_prevents_it(model):
         expected = model(torch.tensor(prompts[1]))[-1]
     for verify in (True, False):
         cache = prefix_cache(model, hash_fn=constant_hash, verify=verify)
-        prefill(cache, model, "a", prompts[0])
-        cached, logits = prefill(cache, model, "b", prompts[1])
+        prefill(cache, model, req("a", prompts[0]))
+        cached, logits = prefill(cache, model, req("b", prompts[1]))
         assert cached == (0 if verify else 4)
         # Trusting the hash, b attends over a's K/V for positions 0-3: its logits are wrong.
         assert torch.allclose(logits, expected, rtol=1e-4, atol=1e-5) == verify
@@ -417,5 +473,5 @@ def test_generated_workloads_share_what_their_parameters_say():
     # Through the cache: every request after the first hits the system prompt's full blocks.
     manager = PrefixCachingKVCacheManager(num_blocks=64, block_size=16)
     for seq_id, prompt in enumerate(system.prompts):
-        manager.allocate_with_prefix(seq_id, prompt)
+        admit(manager, req(seq_id, prompt))
     assert manager.prefix_stats.num_hit_tokens == 4 * 32  # 40 // 16 = 2 blocks, 4 requests

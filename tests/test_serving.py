@@ -17,7 +17,8 @@ from kvlab.config import LlamaConfig, load_config
 from kvlab.errors import KVCacheOutOfMemory
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
-from kvlab.serving import (CostModel, PagedManager, Request, RequestState, SamplingParams,
+from kvlab.prefix import PrefixCachingKVCacheManager
+from kvlab.serving import (CostModel, Request, RequestState, SamplingParams,
                            Scheduler, SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
                            percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
                            speed_up)
@@ -81,8 +82,8 @@ def test_budgets_held_every_step_and_memory_all_free_at_the_end(strategy):
         assert steps < 10_000
     assert kv.num_reserved_tokens == 0
     if strategy != "contiguous":
-        assert kv.manager.num_free_blocks == kv.manager.pool.num_blocks
-        assert kv.manager.tables == {}
+        assert kv.num_free_blocks == kv.pool.num_blocks
+        assert kv.tables == {}
     else:
         assert kv.holders == {} and kv.num_held == 0
     assert all(r.num_output_tokens == r.max_output_tokens for r in requests)
@@ -260,36 +261,39 @@ def test_percentile_matches_numpy():
 
 
 def test_prefix_strategy_retries_the_queue_head_without_rehashing():
-    from kvlab.serving.prefix_manager import PrefixManager
-    from kvlab.serving.runner import SlotlessPrefixCachingManager
-
     calls = []
 
     def counting_sha256(data: bytes) -> bytes:
         calls.append(data)
         return hashlib.sha256(data).digest()
 
-    kv = PrefixManager(SlotlessPrefixCachingManager(7, 16, hash_fn=counting_sha256), 112)
+    kv = PrefixCachingKVCacheManager(7, 16, 112, hash_fn=counting_sha256)
+
+    def admit(request):  # the scheduler's admission; -> tokens found cached, or None
+        blocks, cached = kv.get_computed_blocks(request)
+        new = kv.allocate_slots(request, request.num_tokens - cached, cached, blocks)
+        return None if new is None else cached
+
     shared = list(range(64))                         # 4 blocks of real ids in common (model mode)
     first = Request(0, 0.0, 80, 4, prompt_token_ids=shared + [100] * 16)
     head = Request(1, 0.0, 100, 4, prompt_token_ids=shared + [200] * 36)
-    assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
+    assert admit(first) == 0                         # 5 blocks, 5 hashed
     hashed_first = len(calls)
-    assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free
+    assert admit(head) is None                       # 4 hits + 3 new > 2 free
     hashed_once = len(calls) - hashed_first
     assert hashed_once == 5                          # blocks 0-3 hit, block 4 missed
     for _ in range(5):
-        assert kv.allocate(head, 1024) is None       # every step's retry: no hashing
+        assert admit(head) is None                   # every step's retry: no hashing
     assert len(calls) - hashed_first == hashed_once
     kv.free(first)
-    assert kv.allocate(head, 1024) == 64             # the shared 64 tokens hit; 96 // 16 = 6 full
+    assert admit(head) == 64                         # the shared 64 tokens hit; 96 // 16 = 6 full
     assert len(calls) - hashed_first == 6            # blocks, block 5 the only new hash
 
 
 # ---- traces and the command ----------------------------------------------------------------------
 
 def test_simulation_stand_in_ids_share_exactly_the_blocks_the_trace_shares():
-    from kvlab.serving.prefix_manager import token_ids
+    from kvlab.prefix.trace_blocks import token_ids
 
     a = Request(0, 0.0, 1100, 5, trace_block_ids=(7, 8, 9), trace_block_size=512)
     b = Request(1, 0.0, 1030, 5, trace_block_ids=(7, 8, 4), trace_block_size=512)

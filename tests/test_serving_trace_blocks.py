@@ -1,4 +1,4 @@
-"""Simulation's compact stand-in blocks (`kvlab.serving.trace_blocks.TraceBlocks`) against the
+"""Simulation's compact stand-in blocks (`kvlab.prefix.trace_blocks.TraceBlocks`) against the
 per-token stand-in ids they replace: the same block contents block by block, and the same serving
 decisions (hits, admissions, preemptions, first-token and finish times) on real Mooncake slices."""
 
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from kvlab.config import load_config
 from kvlab.serving import (CostModel, Request, SchedulerConfig, SimulatedExecutor, get_card,
                            serve, simulated_manager, speed_up)
-from kvlab.serving import prefix_manager
+from kvlab.prefix import PrefixCachingKVCacheManager, trace_blocks
+from kvlab.prefix.trace_blocks import TraceBlocks
 from kvlab.serving.request import from_sizes, shrink
-from kvlab.serving.trace_blocks import TraceBlocks
 from kvlab.serving.traces import load_trace
 from kvlab.sizing import kv_bytes_per_token
 
@@ -45,8 +45,8 @@ def simulated_requests(draw, request_id: int) -> Request:
 @given(a=simulated_requests(0), b=simulated_requests(1), block_size=st.integers(1, 12))
 def test_block_contents_are_equal_exactly_when_stand_in_ids_are(a, b, block_size):
     blocks_a, blocks_b = TraceBlocks(a), TraceBlocks(b)
-    ids_a = prefix_manager.token_ids(a, 0, a.num_tokens)
-    ids_b = prefix_manager.token_ids(b, 0, b.num_tokens)
+    ids_a = trace_blocks.token_ids(a, 0, a.num_tokens)
+    ids_b = trace_blocks.token_ids(b, 0, b.num_tokens)
     for index in range(min(a.num_tokens, b.num_tokens) // block_size):
         window = slice(index * block_size, (index + 1) * block_size)
         content_a, content_b = blocks_a.block(index, block_size), blocks_b.block(index, block_size)
@@ -81,8 +81,8 @@ def test_a_simulated_request_grows_only_by_its_own_output_ids():
 
 def test_model_mode_requests_keep_their_real_ids():
     request = Request(0, 0.0, 5, 2, prompt_token_ids=[9, 8, 7, 6, 5])
-    assert prefix_manager.block_tokens(request) == [9, 8, 7, 6, 5]
-    assert isinstance(prefix_manager.block_tokens(Request(1, 0.0, 5, 2)), TraceBlocks)
+    assert trace_blocks.block_tokens(request) == [9, 8, 7, 6, 5]
+    assert isinstance(trace_blocks.block_tokens(Request(1, 0.0, 5, 2)), TraceBlocks)
 
 
 def decisions(result):
@@ -111,12 +111,12 @@ def test_replay_makes_the_decisions_of_per_token_stand_in_ids(monkeypatch, shrin
                                block_size)
         result = serve(requests, kv, SimulatedExecutor(cost), scheduler, per_token,
                        progress=False)
-        return result, kv.manager.prefix_stats
+        return result, kv.prefix_stats
 
     fast, fast_stats = replay()
     # the reference: the stand-in ids built token by token and hashed with SHA-256
-    monkeypatch.setattr(prefix_manager, "block_tokens",
-                        lambda request: prefix_manager.token_ids(request, 0, request.num_tokens))
+    monkeypatch.setattr(trace_blocks, "block_tokens",
+                        lambda request: trace_blocks.token_ids(request, 0, request.num_tokens))
     reference, reference_stats = replay()
 
     assert decisions(fast) == decisions(reference)
@@ -131,8 +131,6 @@ def test_replay_makes_the_decisions_of_per_token_stand_in_ids(monkeypatch, shrin
 
 
 def test_simulation_retries_the_queue_head_without_rehashing(monkeypatch):
-    from kvlab.serving.runner import SlotlessPrefixCachingManager
-
     calls = []
     hash_block = TraceBlocks.block_hash
 
@@ -141,17 +139,23 @@ def test_simulation_retries_the_queue_head_without_rehashing(monkeypatch):
         return hash_block(self, *args)
 
     monkeypatch.setattr(TraceBlocks, "block_hash", counting)
-    kv = prefix_manager.PrefixManager(SlotlessPrefixCachingManager(7, 16), 112)
+    kv = PrefixCachingKVCacheManager(7, 16, 112)
+
+    def admit(request):  # the scheduler's admission; -> tokens found cached, or None
+        blocks, cached = kv.get_computed_blocks(request)
+        new = kv.allocate_slots(request, request.num_tokens - cached, cached, blocks)
+        return None if new is None else cached
+
     first = Request(0, 0.0, 80, 4, trace_block_ids=(3, 4), trace_block_size=32)
     head = Request(1, 0.0, 100, 4, trace_block_ids=(3, 4), trace_block_size=32)
-    assert kv.allocate(first, 1024) == 0             # 5 blocks, 5 hashed
-    assert kv.allocate(head, 1024) is None           # 4 hits + 3 new > 2 free
+    assert admit(first) == 0                         # 5 blocks, 5 hashed
+    assert admit(head) is None                       # 4 hits + 3 new > 2 free
     assert len(calls) == 10                          # blocks 0-3 hit, block 4 missed
     for _ in range(5):
-        assert kv.allocate(head, 1024) is None       # every retry: no hashing
+        assert admit(head) is None                   # every retry: no hashing
     assert len(calls) == 10
     kv.free(first)
-    assert kv.allocate(head, 1024) == 64             # 64 shared tokens hit; block 5 new
+    assert admit(head) == 64                         # 64 shared tokens hit; block 5 new
     assert len(calls) == 11
 
 
@@ -171,8 +175,8 @@ def test_simulated_forks_take_per_token_stand_ins_and_decide_alike(monkeypatch):
                      SimulatedExecutor(cost), SchedulerConfig(8, 64), 100, progress=False)
 
     fast = replay()
-    monkeypatch.setattr(prefix_manager, "block_tokens",
-                        lambda request: prefix_manager.token_ids(request, 0, request.num_tokens))
+    monkeypatch.setattr(trace_blocks, "block_tokens",
+                        lambda request: trace_blocks.token_ids(request, 0, request.num_tokens))
     reference = replay()
     assert decisions(fast) == decisions(reference)
     assert fast.row()["finished"] == 12 and fast.preemptions == reference.preemptions
@@ -181,8 +185,6 @@ def test_simulated_forks_take_per_token_stand_ins_and_decide_alike(monkeypatch):
 def test_a_refused_admission_retry_finds_what_a_fresh_lookup_finds(monkeypatch):
     """The manager keeps a refused admission's hits and on the retry only checks they are still
     cached; replaying with that shortcut disabled must decide exactly alike."""
-    from kvlab.serving.runner import SlotlessPrefixCachingManager
-
     config = load_config("llama-3.1-70b")
     cost = CostModel(config, get_card("H100-80GB"), tp=4, dtype="bf16")
     per_token = kv_bytes_per_token(config, "bf16", 4)
@@ -192,21 +194,21 @@ def test_a_refused_admission_retry_finds_what_a_fresh_lookup_finds(monkeypatch):
     def replay():
         kv = simulated_manager("prefix", 2600 * per_token, per_token, 2048, 16)
         return (serve(requests, kv, SimulatedExecutor(cost), scheduler, per_token,
-                      progress=False), kv.manager.prefix_stats)
+                      progress=False), kv.prefix_stats)
 
-    remembered = SlotlessPrefixCachingManager._hits_of_refusal
+    remembered = PrefixCachingKVCacheManager._last_lookup
     reused = []
 
-    def counting(self, seq_id, block_hashes):
-        hits = remembered(self, seq_id, block_hashes)
-        reused.append(len(hits))
-        return hits
+    def counting(self, request):
+        known = remembered(self, request)
+        reused.append(len(known[2]))
+        return known
 
-    monkeypatch.setattr(SlotlessPrefixCachingManager, "_hits_of_refusal", counting)
+    monkeypatch.setattr(PrefixCachingKVCacheManager, "_last_lookup", counting)
     shortcut, shortcut_stats = replay()
     assert sum(reused) > 0  # retries did start from remembered hits
-    monkeypatch.setattr(SlotlessPrefixCachingManager, "_hits_of_refusal",
-                        lambda self, seq_id, block_hashes: [])
+    monkeypatch.setattr(PrefixCachingKVCacheManager, "_last_lookup",
+                        lambda self, request: remembered(self, request)[:2] + ([],))
     full, full_stats = replay()
     assert decisions(shortcut) == decisions(full)
     assert shortcut.series.reserved_tokens == full.series.reserved_tokens

@@ -4,6 +4,7 @@ from the CLI, `kvlab.generate` and the engine, in both pool layouts (CPU: Triton
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,8 +99,9 @@ def test_write_then_gather_reads_back_the_keys_in_both_layouts(tiny, name):
     for layout in (TOKEN_MAJOR, HEAD_MAJOR):
         cache = PagedKVCache.for_model(model, num_blocks=6, block_size=3,
                                        attention_backend=resolve_backend(name, layout))
-        cache.allocate("warm-up", 4)          # so the sequence below gets blocks 2, 3, 4
-        slots = cache.allocate("s", 7)
+        cache.manager.allocate_slots(SimpleNamespace(request_id="warm-up"), 4)  # blocks 0, 1
+        cache.manager.allocate_slots(SimpleNamespace(request_id="s"), 7)  # so "s" gets 2, 3, 4
+        slots = cache.slot_mapping(["s"], [7])
         cache.backend.write_kv(cache.k_caches[0], cache.v_caches[0], keys, -keys, slots)
         gathered[layout] = cache.gather("s", 0)
     for layout, (k, v) in gathered.items():

@@ -13,6 +13,7 @@ import pytest
 from kvlab.grading import assert_equal, expect_raises
 from kvlab.prefix import (ROOT_HASH, PrefixCachingKVCacheManager, extra_keys_for, hash_block,
                           hash_full_blocks)
+from kvlab.serving import Request
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,9 @@ def test_lookup_by_hand(ex, prompt, expected):
 def test_lookup_matches_kvlab_manager(ex):
     manager = PrefixCachingKVCacheManager(num_blocks=32, block_size=4)
     for index, prompt in enumerate(CACHED):
-        manager.allocate_with_prefix(index, prompt)
+        request = Request(index, 0.0, len(prompt), 1, list(prompt))
+        blocks, computed = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, len(prompt) - computed, computed, blocks)
     for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 20, 21, 22, 23, 0], [1, 2, 3, 4]):
         assert_equal(ex.lookup(prompt, 4, cache_of(CACHED, 4)), 4 * len(manager.lookup(prompt)),
                      f"lookup({prompt}, block_size=4) [as kvlab's manager.lookup, in tokens]")

@@ -31,12 +31,13 @@ def build(strategy, num_blocks, running_sizes, waiting_sizes, block_size=4):
     running, waiting = [], collections.deque()
     for index, (prompt, outputs) in enumerate(running_sizes):
         request = Request(index, 0.0, prompt, 16 - prompt)
-        assert kv.allocate(request, prompt) == 0
+        assert kv.get_computed_blocks(request) == ([], 0)
+        assert kv.allocate_slots(request, prompt) is not None
         request.num_computed_tokens = prompt
         for _ in range(outputs):  # decoded earlier: the cache holds prompt + outputs - 1 tokens
             request.num_output_tokens += 1
             if request.num_output_tokens > 1:
-                assert kv.append(request, 1)
+                assert kv.allocate_slots(request, 1) is not None
                 request.num_computed_tokens += 1
         running.append(request)
     for index, prompt in enumerate(waiting_sizes, start=len(running_sizes)):

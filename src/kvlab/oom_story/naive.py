@@ -129,16 +129,19 @@ class NaiveManager(KVManager):
                       f"running")
         return reason
 
-    def allocate(self, request: Request, token_budget: int) -> int | None:
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.kv
+
+    def admit(self, request: Request) -> bool:
         if self.max_running is not None and len(self.kv) >= self.max_running:
-            return None  # waits for a running request to finish
+            return False  # waits for a running request to finish
         shape = (self.config.num_hidden_layers, 2, request.total_len,
                  self.config.num_key_value_heads, self.config.head_dim)
         try:
             tensor = self.new_tensor(shape, self.dtype)
         except torch.OutOfMemoryError:
             self._out_of_memory(request, "KV cache", self.request_bytes(request))
-            return None
+            return False
         if self.workspace_bytes:
             try:  # can the next forward pass still get its activations? (module docstring)
                 self.drop_tensor(self.new_tensor((self.workspace_bytes,), torch.uint8))
@@ -147,10 +150,10 @@ class NaiveManager(KVManager):
                 del tensor
                 self._out_of_memory(request, "forward-pass workspace after its KV cache",
                                     self.workspace_bytes)
-                return None
+                return False
         self.kv[request.request_id] = tensor
         self.peak_running = max(self.peak_running, len(self.kv))
-        return 0
+        return True
 
     def _out_of_memory(self, request: Request, what: str, num_bytes: int) -> None:
         """Record the refusal and lower the concurrency cap; the request keeps waiting.
@@ -175,15 +178,8 @@ class NaiveManager(KVManager):
         if running == 0:
             raise KVCacheOutOfMemory(report.message())
 
-    def append(self, request: Request, num_new_tokens: int) -> bool:
-        return True  # the tensor was sized for prompt + max_output_tokens at admission
-
     def free(self, request: Request) -> None:
         self.drop_tensor(self.kv.pop(request.request_id))
-
-    def preempt(self, request: Request) -> int:
-        self.free(request)
-        return request.num_computed_tokens
 
     @property
     def num_reserved_tokens(self) -> int:

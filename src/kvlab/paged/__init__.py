@@ -10,13 +10,15 @@ One module per idea, in reading order:
 * `free_queue`: `Block`, `FreeBlockQueue` (doubly linked, O(1) pop / append / remove).
 * `block_pool`: `BlockPool` (free queue + ref counts; no tensors).
 * `block_table`: `BlockTable` (logical -> physical blocks, slot = block_id * block_size + offset).
-* `kv_cache_manager`: `KVCacheManager` (allocate, append_slots, fork with copy-on-write, free,
-  preempt; every failed call changes nothing).
+* `kv_cache_manager`: `KVCacheManager`, keyed by the request (vLLM v1's verbs:
+  `get_computed_blocks`, `allocate_slots`, `free`, `fork` with copy-on-write; a refused call
+  changes nothing).
 * `torch_attention`: write K/V by slot mapping; gather + attend for prefill and decode (the
   plain-PyTorch teaching implementation).
 * `backends`: `AttentionBackend`, `TorchBackend`, `BACKENDS` (the seam where stage 5's kernel
   plugs in).
-* `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
+* `paged_cache`: `PagedKVCache` (the pool tensors, the slot mapping and KV stores a model runs
+  on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
 * `fragmentation`: `first_fit` / `place`, a memory drawn as a string to show external
   fragmentation (measured on real traffic by `kvlab.serving.exact_reservation`).
@@ -31,14 +33,14 @@ from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
 from .free_queue import Block, FreeBlockQueue
-from .kv_cache_manager import KVCacheManager, SlotReservation
+from .kv_cache_manager import KVCacheManager
 from .paged_cache import PagedBatchStore, PagedKVCache
 from .torch_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
                               write_kv)
 
 __all__ = [
     "Block", "FreeBlockQueue", "BlockPool", "BlockTable", "cdiv", "KVCacheManager",
-    "SlotReservation", "PagedKVCache", "PagedBatchStore", "write_kv", "gather_kv",
+    "PagedKVCache", "PagedBatchStore", "write_kv", "gather_kv",
     "paged_prefill_attention", "paged_decode_attention", "kv_block_bytes", "num_blocks_for_budget",
     "check_pool_fits", "KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError",
     "AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend",

@@ -91,6 +91,19 @@ class BlockPool:
             raise ValueError(f"block {block_id} is free; only a held block can be shared")
         block.ref_count += 1
 
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """A request takes these blocks as computed ones (stage 6's cache hits): ref count + 1; a
+        free one leaves the free block queue (from wherever it sits, O(1))."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def num_free_to_touch(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks are free now, i.e. leave the free queue when touched."""
+        return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
+
     def release(self, block_ids: Iterable[int]) -> None:
         """One block table lets go of each block: ref count - 1; at 0 the block joins the free queue.
 

@@ -1,208 +1,202 @@
-"""The KV cache manager: block tables of all sequences on top of one block pool.
+"""The KV cache manager: the block tables of all requests over one block pool.
 
-Everything a scheduler asks of the cache goes through here, and none of it touches a tensor:
+vLLM v1 splits a server into a scheduler that decides, this manager that allocates, and a model
+runner that executes. The scheduler calls the manager directly, with the request itself, and none
+of it touches a tensor:
 
-* `allocate`: a new sequence reserves slots for its prompt (prefill),
-* `append_slots`: a running sequence reserves the slot of its next token (decode); a block is
-  taken from the pool only when the sequence crosses a block boundary,
-* `fork`: a child sequence shares all of its parent's blocks (parallel sampling, n > 1),
-* `free` / `preempt`: a sequence lets go of its blocks (finished, or evicted to recompute later).
+* `get_computed_blocks(request)`: blocks that already hold the request's leading tokens (none
+  here; stage 6's prefix cache finds some) and how many tokens they cover;
+* `allocate_slots(request, num_new_tokens, ...)`: room for the tokens a step computes, at
+  admission (after those computed blocks) or later (the next chunk, or one decode token). A block
+  is taken from the pool only when the request crosses a block boundary. It returns the new
+  block ids, possibly none, or None when the pool has no room now, having changed nothing;
+* `free(request)`: it finished, or is preempted: vLLM v1 preempts by `free` and the scheduler
+  sets its num_computed_tokens back to 0 (recompute, Kwon et al., SOSP 2023, section 4.5);
+* `fork(parent, child)`: a child (parallel sampling, n > 1) shares all its parent's blocks.
 
-Copy-on-write (vLLM paper, Kwon et al., SOSP 2023, section 4.4): after a fork, parent and child
-hold the same blocks with ref count 2. Full blocks are never written again, so sharing them is safe
-forever. The last block is the exception: when it is partly filled and shared, the next token of
-either sequence would land in the other's block. So before that write the writer gets a fresh block,
-the data of the shared block is copied into it, and the shared block's ref count drops by one. The
-manager only decides the copy: it returns (src, dst) block pairs and `PagedKVCache` copies the K/V
-bytes in every layer (vLLM v0 returned the same `blocks_to_copy` to its workers).
+Copy-on-write (section 4.4): after a fork, parent and child hold the same blocks with ref count
+2. Full blocks are never written again, so sharing them is safe forever. A partly filled shared
+last block is not: the next token of either would land in the other's block. So before that write
+`allocate_slots` gives the writer a fresh block and records (src, dst); `take_copies()` hands the
+pairs to the model runner, which copies the K/V bytes in every layer before the forward pass
+(vLLM v0's `blocks_to_copy`).
 
-Every method checks its arguments and capacity first and mutates after, so a failed call changes
-no state: a negative or non-integer count, an unknown sequence, a block the pool does not have are
-refused with the value in the message.
+Slots are not built here: the block table is all the forward pass needs, and it computes its slot
+mapping (slot = block_id * block_size + offset) once, from the table (`PagedKVCache.batch_store`).
+A request is anything with `request_id` (any hashable), `prompt_len`, `max_output_tokens`,
+`total_len` and `forks`: `kvlab.serving.Request`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Hashable
+from typing import Hashable, Sequence
 
+from ..errors import RequestTooLongError
+from ..checks import check_int
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
-from ..errors import NoFreeBlocksError, RequestTooLongError
-from ..checks import check_int
+from .budget import check_pool_fits
 
-__all__ = ["KVCacheManager", "SlotReservation"]
+__all__ = ["KVCacheManager", "too_long_reason"]
 
 
-@dataclasses.dataclass
-class SlotReservation:
-    """What `append_slots` reserved.
-
-    Attributes:
-        slots: one slot (block_id * block_size + offset) per new token, in position order.
-        copies: (src_block_id, dst_block_id) pairs to copy before writing (copy-on-write).
-    """
-
-    slots: list[int]
-    copies: list[tuple[int, int]]
+def too_long_reason(request, max_model_len: int) -> str | None:
+    """Why a request is longer than max_model_len (numbers in the text), or None."""
+    if request.total_len > max_model_len:
+        return (f"{request.prompt_len} prompt + {request.max_output_tokens} output = "
+                f"{request.total_len} tokens > max_model_len={max_model_len}")
+    return None
 
 
 class KVCacheManager:
-    """Block tables per sequence, allocated from one `BlockPool`.
+    """Block tables per request, allocated from one `BlockPool`.
 
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block (vLLM's default is 16; section 7.2 of the paper weighs it).
-
-    Sequence ids are any hashable (ints, strings, tuples).
+        max_model_len: longest request accepted (default: the whole pool); the pool must hold one.
 
     Raises:
-        ValueError: num_blocks or block_size not a positive integer.
+        ValueError: num_blocks, block_size or max_model_len not a positive integer.
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (vLLM's start-up check).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    name = "paged"
+    has_prefix_cache = False
+    supports_forks = True
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None):
         self.block_size = check_int("block_size", block_size, 1)
         self.pool = BlockPool(num_blocks)
-        self.tables: dict[Hashable, BlockTable] = {}
+        self.capacity_tokens = num_blocks * block_size
+        if max_model_len is None:
+            max_model_len = self.capacity_tokens
+        self.max_model_len = check_int("max_model_len", max_model_len, 1)
+        check_pool_fits(num_blocks, block_size, max_model_len)
+        self.tables: dict[Hashable, BlockTable] = {}  # request_id -> its block table
         self.num_cow_copies = 0  # blocks copied by copy-on-write since start-up
+        self._copies: list[tuple[int, int]] = []  # since the last take_copies
 
-    # ---- the four operations -----------------------------------------------------------------
+    # ---- the scheduler's verbs ---------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Start a sequence holding `num_tokens` tokens (a prompt); returns their slots.
+    def reject_reason(self, request) -> str | None:
+        """Why this request can never be served (checked once, on arrival), or None."""
+        reason = too_long_reason(request, self.max_model_len)
+        blocks = cdiv(request.total_len, self.block_size)
+        if reason is None and blocks > self.pool.num_blocks:
+            reason = (f"{request.total_len} tokens = {blocks} blocks of {self.block_size} > the "
+                      f"whole pool of {self.pool.num_blocks} blocks")
+        return reason
 
-        Takes cdiv(num_tokens, block_size) blocks.
+    def get_computed_blocks(self, request) -> tuple[list[int], int]:
+        """Blocks already holding the request's leading tokens, and their token count: none."""
+        return [], 0
 
-        Raises:
-            ValueError: seq_id is already allocated, or num_tokens is not an integer >= 1.
-            RequestTooLongError: more tokens than the whole pool holds (can never fit).
-            NoFreeBlocksError: not enough free blocks now (nothing changed).
-        """
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id!r} already has a block table")
-        num_tokens = check_int("num_tokens", num_tokens, 1)
-        table = BlockTable(self.block_size)
-        self._check_fits(seq_id, table, num_tokens)
-        table.block_ids = self.pool.allocate(table.num_blocks_after(num_tokens))
-        self.tables[seq_id] = table  # only now, after the allocation succeeded
-        return self._reserve(table, num_tokens)
-
-    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> SlotReservation:
-        """Reserve slots for `num_new_tokens` more tokens of a running sequence.
-
-        Takes a new block only when the tokens cross a block boundary. If the last block is partly
-        filled and shared (ref count > 1), it is first replaced by a private copy (copy-on-write);
-        the returned `copies` say which block data to copy.
-
-        Raises:
-            KeyError: unknown seq_id.
-            ValueError: num_new_tokens is not an integer >= 0.
-            RequestTooLongError: the sequence would outgrow the whole pool.
-            NoFreeBlocksError: not enough free blocks now (nothing changed; preempt and retry).
-        """
-        table = self._table(seq_id)
-        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
-        self._check_fits(seq_id, table, num_new_tokens)
-        copies = []
-        if num_new_tokens > 0 and self._must_copy_last_block(table):
-            [new_block] = self.pool.allocate(1)
-            old_block = table.block_ids[-1]
-            table.block_ids[-1] = new_block
-            self.pool.release([old_block])  # the siblings keep it; this sequence now has its own
-            copies.append((old_block, new_block))
-            self.num_cow_copies += 1
-        table.block_ids += self.pool.allocate(table.num_blocks_after(num_new_tokens))
-        return SlotReservation(self._reserve(table, num_new_tokens), copies)
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start `child_id` as a copy of `parent_id` that shares every block (ref count + 1 each).
-
-        Costs no blocks and copies no data: that is the saving of parallel sampling (section 4.4).
-
-        Raises:
-            KeyError: unknown parent_id.
-            ValueError: child_id already has a block table.
-        """
-        parent = self._table(parent_id)
-        if child_id in self.tables:
-            raise ValueError(f"sequence {child_id!r} already has a block table")
-        for block_id in parent.block_ids:
-            self.pool.share(block_id)
-        self.tables[child_id] = BlockTable(self.block_size, list(parent.block_ids),
-                                           parent.num_tokens)
-
-    def free(self, seq_id: Hashable) -> None:
-        """A sequence lets go of its blocks; each returns to the free queue when no one else holds it.
-
-        Blocks are released last block first, as vLLM v1 does: the tail of a sequence is the part
-        least likely to be shared by a later request, so it should be reused first (stage 6).
-
-        Raises:
-            KeyError: unknown seq_id.
-        """
-        table = self._table(seq_id)
-        self.pool.release(reversed(table.block_ids))
-        del self.tables[seq_id]
-
-    def preempt(self, seq_id: Hashable) -> int:
-        """Evict a sequence by recompute (section 4.5): free its blocks now, rebuild them later.
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Room for `num_new_tokens` more tokens, after the ones the request holds and (at
+        admission) after `new_computed_blocks`, holding `num_new_computed_tokens` tokens.
 
         Returns:
-            tokens whose K/V are dropped, which a later prefill must compute again.
+            the block ids taken from the pool (a copy-on-write copy first), possibly none; None
+            if there are not enough free blocks now (nothing changed).
 
         Raises:
-            KeyError: unknown seq_id.
+            ValueError: a count that is not an integer >= 0, computed blocks that do not hold
+                exactly num_new_computed_tokens, or given to a request that already has a table.
+            RequestTooLongError: the request would outgrow the whole pool.
         """
-        num_tokens = self._table(seq_id).num_tokens
-        self.free(seq_id)
-        return num_tokens
+        table = self.tables.get(request.request_id)
+        if table is not None and not new_computed_blocks:
+            # Most decode tokens land in a free slot of an unshared last block: no block to take.
+            if (type(num_new_tokens) is int
+                    and len(table.block_ids) * self.block_size - table.num_tokens
+                    >= num_new_tokens >= 0
+                    and self.pool.blocks[table.block_ids[-1]].ref_count == 1):
+                table.num_tokens += num_new_tokens
+                return []
+        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
+        admitting = table is None
+        if admitting:
+            computed = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
+            if computed != len(new_computed_blocks) * self.block_size:
+                raise ValueError(f"num_new_computed_tokens={computed}, but the "
+                                 f"{len(new_computed_blocks)} computed blocks of "
+                                 f"{self.block_size} hold "
+                                 f"{len(new_computed_blocks) * self.block_size}")
+            if computed + num_new_tokens < 1:
+                raise ValueError(f"request {request.request_id!r} is admitted with no token")
+            table = BlockTable(self.block_size, list(new_computed_blocks), computed)
+        elif new_computed_blocks or num_new_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} already has a block table: "
+                             f"computed blocks are given at admission only")
+        self._check_fits(request, table, num_new_tokens)
+        copy = num_new_tokens > 0 and self._must_copy_last_block(table)
+        num_blocks = table.num_blocks_after(num_new_tokens)
+        pool = self.pool
+        if num_blocks + copy + pool.num_free_to_touch(new_computed_blocks) > pool.num_free_blocks:
+            return None
+        pool.touch(new_computed_blocks)  # first: allocation below must not reuse them
+        new_blocks = []
+        if copy:
+            [new_block] = pool.allocate(1)
+            old_block, table.block_ids[-1] = table.block_ids[-1], new_block
+            pool.release([old_block])  # the siblings keep it; this request now has its own
+            self._copies.append((old_block, new_block))
+            self.num_cow_copies += 1
+            new_blocks.append(new_block)
+        new_blocks += pool.allocate(num_blocks)
+        table.block_ids += new_blocks[copy:]
+        table.num_tokens += num_new_tokens
+        if admitting:
+            self.tables[request.request_id] = table  # only now, after the allocation succeeded
+        return new_blocks
 
-    # ---- capacity checks ---------------------------------------------------------------------
+    def free(self, request) -> None:
+        """Release the request's blocks, last block first, as vLLM v1 does: the tail is the part
+        least likely shared by a later request, so it should be reused first (stage 6).
+        Raises KeyError for a request without a table."""
+        table = self._table(request.request_id)
+        self.pool.release(reversed(table.block_ids))
+        del self.tables[request.request_id]
 
-    def blocks_needed(self, seq_id: Hashable, num_new_tokens: int = 1) -> int:
-        """Free blocks `append_slots(seq_id, num_new_tokens)` would take (copy-on-write included).
+    def fork(self, parent, child) -> None:
+        """`child` shares every block of `parent` (ref count + 1 each): no block taken, no data
+        copied (section 4.4). Raises KeyError (unknown parent), ValueError (child has a table)."""
+        table = self._table(parent.request_id)
+        if child.request_id in self.tables:
+            raise ValueError(f"request {child.request_id!r} already has a block table")
+        for block_id in table.block_ids:
+            self.pool.share(block_id)
+        self.tables[child.request_id] = BlockTable(self.block_size, list(table.block_ids),
+                                                   table.num_tokens)
 
-        Raises:
-            KeyError: unknown seq_id. ValueError: num_new_tokens is not an integer >= 0.
-        """
-        table = self._table(seq_id)
-        return self._blocks_needed(table, check_int("num_new_tokens", num_new_tokens, 0))
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) blocks to copy before the next forward pass (copy-on-write), then forgotten."""
+        copies, self._copies = self._copies, []
+        return copies
 
-    def _table(self, seq_id: Hashable) -> BlockTable:
-        """The block table of a sequence; KeyError naming the id when there is none."""
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _table(self, request_id: Hashable) -> BlockTable:
         try:
-            return self.tables[seq_id]
+            return self.tables[request_id]
         except KeyError:
-            raise KeyError(f"unknown sequence {seq_id!r}: it has no block table (never "
+            raise KeyError(f"unknown request {request_id!r}: it has no block table (never "
                            f"allocated, or already freed)") from None
 
-    def _blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
-        copy = num_new_tokens > 0 and self._must_copy_last_block(table)
-        return table.num_blocks_after(num_new_tokens) + int(copy)
-
     def _must_copy_last_block(self, table: BlockTable) -> bool:
-        """The next token lands in a partly filled block that another sequence also holds."""
+        """The next token lands in a partly filled block that another request also holds."""
         return (table.num_tokens % self.block_size != 0
                 and self.pool.ref_count(table.block_ids[-1]) > 1)
 
-    def _check_fits(self, seq_id: Hashable, table: BlockTable, num_new_tokens: int) -> None:
+    def _check_fits(self, request, table: BlockTable, num_new_tokens: int) -> None:
         total = table.num_tokens + num_new_tokens
         if cdiv(total, self.block_size) > self.pool.num_blocks:
             raise RequestTooLongError(
-                f"sequence {seq_id!r} would hold {total} tokens = {cdiv(total, self.block_size)} "
-                f"blocks of {self.block_size}, more than the whole pool of "
-                f"{self.pool.num_blocks} blocks ({self.pool.num_blocks * self.block_size} tokens)")
-        needed = self._blocks_needed(table, num_new_tokens)
-        if needed > self.pool.num_free_blocks:
-            raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {needed} blocks for {num_new_tokens} more tokens, "
-                f"{self.pool.num_free_blocks} of {self.pool.num_blocks} are free")
-
-    def _reserve(self, table: BlockTable, num_new_tokens: int) -> list[int]:
-        """Slots of the next `num_new_tokens` positions (their blocks already exist)."""
-        first = table.num_tokens
-        table.num_tokens += num_new_tokens
-        return [table.slot(position) for position in range(first, table.num_tokens)]
+                f"request {request.request_id!r} would hold {total} tokens = "
+                f"{cdiv(total, self.block_size)} blocks of {self.block_size}, more than the whole "
+                f"pool of {self.pool.num_blocks} blocks ({self.capacity_tokens} tokens)")
 
     # ---- inspection --------------------------------------------------------------------------
 
@@ -216,32 +210,39 @@ class KVCacheManager:
         return self.pool.num_used_blocks
 
     @property
+    def num_reserved_tokens(self) -> int:
+        """Slots of the blocks requests hold (cached blocks nobody holds are free memory)."""
+        return self.pool.num_used_blocks * self.block_size
+
+    def usage(self) -> float:
+        """Share of the pool held now, 0 .. 1 (vLLM's `kv_cache_usage`)."""
+        return self.num_reserved_tokens / self.capacity_tokens
+
+    @property
     def num_logical_blocks(self) -> int:
-        """Block table entries over all sequences: the blocks needed if nothing were shared."""
+        """Block table entries over all requests: the blocks needed if nothing were shared."""
         return sum(len(table.block_ids) for table in self.tables.values())
 
     @property
     def num_stored_tokens(self) -> int:
-        """Distinct token slots holding data: a block shared by a fork counts once.
-
-        Shared blocks are never written before a copy, so every holder sees the same fill level.
-        """
+        """Distinct token slots holding data: a block shared by a fork counts once (shared blocks
+        are never written before a copy, so every holder sees the same fill level)."""
         filled: dict[int, int] = {}
         for table in self.tables.values():
             for index, block_id in enumerate(table.block_ids):
                 filled[block_id] = max(filled.get(block_id, 0), table.tokens_in_block(index))
         return sum(filled.values())
 
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens whose slots the sequence holds. Raises KeyError for an unknown seq_id."""
-        return self._table(seq_id).num_tokens
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Tokens whose slots the request holds. KeyError if it has no table."""
+        return self._table(request_id).num_tokens
 
-    def block_ids(self, seq_id: Hashable) -> list[int]:
-        """A copy of the sequence's block table (block ids in logical order). KeyError if unknown."""
-        return list(self._table(seq_id).block_ids)
+    def block_ids(self, request_id: Hashable) -> list[int]:
+        """A copy of the request's block table (block ids in logical order). KeyError if none."""
+        return list(self._table(request_id).block_ids)
 
     def format_block_tables(self) -> str:
-        """A printable picture: each sequence's block table, ref counts > 1 marked, the free queue.
+        """A printable picture: each request's block table, ref counts > 1 marked, the free queue.
 
         Example:
             block_size=4, 8 blocks: 3 used, 5 free, 1 shared
@@ -254,10 +255,10 @@ class KVCacheManager:
         shared = {b.block_id: b.ref_count for b in pool.blocks if b.ref_count > 1}
         lines = [f"block_size={self.block_size}, {pool.num_blocks} blocks: "
                  f"{pool.num_used_blocks} used, {pool.num_free_blocks} free, {len(shared)} shared"]
-        for seq_id, table in self.tables.items():
+        for request_id, table in self.tables.items():
             ids = " ".join(f"{b}{'*' if b in shared else ''}" for b in table.block_ids)
             last = table.tokens_in_block(len(table.block_ids) - 1) if table.block_ids else 0
-            lines.append(f"  seq {seq_id!r:>5} {table.num_tokens:4d} tokens  [{ids}]   "
+            lines.append(f"  seq {request_id!r:>5} {table.num_tokens:4d} tokens  [{ids}]   "
                          f"last block {last}/{self.block_size} full")
         if shared:
             lines.append("shared (block: ref count): "

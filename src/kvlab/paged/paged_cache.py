@@ -4,12 +4,12 @@ Per layer, one K tensor and one V tensor of shape [num_blocks, block_size, num_k
 head_dim] are allocated once, at start-up, and never resized (vLLM paper, Kwon et al., SOSP 2023,
 section 4.2). A block id names the same rows in every layer, so one block table serves all layers.
 
-`PagedKVCache` is the object a notebook drives step by step (allocate, append, fork, free, preempt,
-print the block tables). For a forward pass it hands out a KV store (see `kvlab.model.KVStore`),
-`PagedBatchStore`: the new tokens of several sequences laid out flat, any mix of prefill chunks
-(many tokens of one sequence) and decode rows (one new token of a sequence), as vLLM v1 runs a
-step. `prefill_store` (one sequence) and `decode_store` (one token per sequence) are its two
-simplest cases.
+`PagedKVCache` holds the tensors and the one `KVCacheManager` that names their blocks (the
+scheduler's; it is given one, or makes a plain one). For a forward pass it hands out a KV store
+(see `kvlab.model.KVStore`), `PagedBatchStore`: the new tokens of several sequences laid out flat,
+any mix of prefill chunks (many tokens of one sequence) and decode rows (one new token of a
+sequence), as vLLM v1 runs a step. Its slot mapping is computed here, once per pass, from the
+block tables.
 
 In every layer the store first writes the K/V of every token of the pass into its slot (the slot
 mapping), and only then attends: the decode rows together through the backend's batched `decode`,
@@ -60,12 +60,14 @@ class PagedKVCache:
             block_size, num_key_value_heads, head_dim] or "head-major" [num_blocks,
             num_key_value_heads, block_size, head_dim] (`kvlab.kernels.pool_layout`, stage 5).
             None: the backend object's own layout, token-major for a name.
+        manager: the `KVCacheManager` naming the blocks (default: a plain one of these sizes).
 
     Attributes:
         k_caches, v_caches: one tensor per layer, [num_blocks, block_size, num_key_value_heads,
             head_dim] (or head-major, see `layout`), zero-filled.
         layout: the pool's layout.
-        manager: the `KVCacheManager` (block tables, ref counts, free block queue).
+        manager: the `KVCacheManager` (block tables, ref counts, free block queue): the one
+            given (built once, e.g. by `kvlab.serving.runner.paged_manager`), else a plain one.
         block_bytes: bytes of one block id over all layers, K and V.
         allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
             was allocated (compare with pool_bytes); None on CPU.
@@ -83,8 +85,16 @@ class PagedKVCache:
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
                  dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
                  max_model_len: int | None = None, attention_backend: BackendLike = None,
-                 layout: str | None = None):
-        self.manager = KVCacheManager(num_blocks, block_size)  # validates the two sizes
+                 layout: str | None = None, manager: KVCacheManager | None = None):
+        check_int("num_blocks", num_blocks, 1)
+        check_int("block_size", block_size, 1)
+        if manager is None:
+            manager = KVCacheManager(num_blocks, block_size)
+        elif (manager.pool.num_blocks, manager.block_size) != (num_blocks, block_size):
+            raise ValueError(f"a manager of {manager.pool.num_blocks} blocks of "
+                             f"{manager.block_size} for a pool of {num_blocks} blocks of "
+                             f"{block_size}")
+        self.manager = manager
         self.backend = resolve_backend(attention_backend, layout)
         self.layout = getattr(self.backend, "layout", TOKEN_MAJOR)
         self.scale = config.head_dim ** -0.5
@@ -122,8 +132,8 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16,
                   max_model_len: int | None = None,
-                  attention_backend: BackendLike = None,
-                  layout: str | None = None) -> "PagedKVCache":
+                  attention_backend: BackendLike = None, layout: str | None = None,
+                  manager: KVCacheManager | None = None) -> "PagedKVCache":
         """A pool with the model's shape, dtype and device (other arguments: see the class).
 
         Raises:
@@ -134,43 +144,7 @@ class PagedKVCache:
             max_model_len = check_model_len(model.config, max_model_len)
         return cls(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
                    max_model_len=max_model_len, attention_backend=attention_backend,
-                   layout=layout)
-
-    # ---- the step-by-step API (block ids from the manager, bytes moved here) -----------------
-
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> torch.Tensor:
-        """Start a sequence of `num_tokens` tokens; returns their slot mapping [num_tokens] int64.
-
-        Raises:
-            ValueError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.allocate`.
-        """
-        return self._tensor(self.manager.allocate(seq_id, num_tokens))
-
-    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> torch.Tensor:
-        """Reserve the next `num_new_tokens` slots of a sequence; returns them, [num_new_tokens] int64.
-
-        If the sequence's last block is shared and partly filled, its data is copied to a fresh
-        block first (copy-on-write), in every layer.
-
-        Raises:
-            KeyError, RequestTooLongError, NoFreeBlocksError: see `KVCacheManager.append_slots`.
-        """
-        reservation = self.manager.append_slots(seq_id, num_new_tokens)
-        for src, dst in reservation.copies:
-            self.copy_block(src, dst)
-        return self._tensor(reservation.slots)
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """`child_id` shares all of `parent_id`'s blocks (no data copied). See `KVCacheManager.fork`."""
-        self.manager.fork(parent_id, child_id)
-
-    def free(self, seq_id: Hashable) -> None:
-        """Release a finished sequence's blocks. See `KVCacheManager.free`."""
-        self.manager.free(seq_id)
-
-    def preempt(self, seq_id: Hashable) -> int:
-        """Free a sequence's blocks to recompute it later; returns the tokens dropped."""
-        return self.manager.preempt(seq_id)
+                   layout=layout, manager=manager)
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
@@ -197,45 +171,38 @@ class PagedKVCache:
 
     def batch_store(self, seq_ids: Sequence[Hashable],
                     query_lens: Sequence[int]) -> "PagedBatchStore":
-        """The KV store for one forward pass over the newest tokens of several sequences.
-
-        The pass's tokens are flat: the last query_lens[i] reserved tokens of seq_ids[i] (their
-        slots reserved, their K/V not yet written), after those of seq_ids[i - 1]. Their slot
-        mapping is read here, once, from the block tables.
+        """The KV store for one forward pass over the newest tokens of several sequences: the last
+        query_lens[i] tokens whose slots seq_ids[i] holds (K/V not yet written), flat in order.
 
         Raises:
-            ValueError: no seq_ids, a query_len < 1 or above the tokens reserved, or a different
+            ValueError: no seq_ids, a query_len < 1 or above the tokens held, or a different
                 number of query_lens. KeyError: an unknown seq_id.
         """
+        block_tables, seq_lens = self.block_tables_tensor(seq_ids)
+        slot_mapping = self._slot_mapping(block_tables, seq_lens, seq_ids, query_lens)
+        return PagedBatchStore(self, slot_mapping, block_tables, seq_lens, query_lens)
+
+    def slot_mapping(self, seq_ids: Sequence[Hashable], query_lens: Sequence[int]) -> torch.Tensor:
+        """Slots of the newest query_lens[i] tokens of each seq_ids[i], flat [sum(query_lens)]
+        int64: block_id * block_size + offset, read from the block tables (errors: batch_store)."""
+        block_tables, seq_lens = self.block_tables_tensor(seq_ids)
+        return self._slot_mapping(block_tables, seq_lens, seq_ids, query_lens)
+
+    def _slot_mapping(self, block_tables, seq_lens, seq_ids, query_lens) -> torch.Tensor:
+        """The slot mapping, computed once per pass, vectorised: position p of sequence i lives
+        at block_tables[i, p // block_size] * block_size + p % block_size."""
         if len(query_lens) != len(seq_ids):
             raise ValueError(f"{len(query_lens)} query_lens for {len(seq_ids)} sequences")
-        slots = []
-        for seq_id, query_len in zip(seq_ids, query_lens):
-            table = self.manager.tables[seq_id]
-            check_int(f"query_len of sequence {seq_id!r}", query_len, 1, table.num_tokens)
-            slots += (table.slot(p) for p in range(table.num_tokens - query_len, table.num_tokens))
-        return self._batch_store(seq_ids, query_lens, self._tensor(slots))
-
-    def prefill_store(self, seq_id: Hashable, slot_mapping: torch.Tensor) -> "PagedBatchStore":
-        """The KV store for a forward pass over the last len(slot_mapping) reserved tokens of one
-        sequence, slot_mapping [num_tokens] int64 their slots."""
-        return self._batch_store([seq_id], [slot_mapping.numel()], slot_mapping)
-
-    def decode_store(self, seq_ids: Sequence[Hashable],
-                     slot_mapping: torch.Tensor) -> "PagedBatchStore":
-        """The KV store for one token per sequence, `slot_mapping[i]` the slot of seq_ids[i]'s token.
-
-        Raises:
-            ValueError: slot_mapping does not hold one slot per sequence. KeyError: unknown seq_id.
-        """
-        if slot_mapping.shape != (len(seq_ids),):
-            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} for "
-                             f"{len(seq_ids)} sequences: give one slot per sequence")
-        return self._batch_store(seq_ids, [1] * len(seq_ids), slot_mapping)
-
-    def _batch_store(self, seq_ids, query_lens, slot_mapping) -> "PagedBatchStore":
-        block_tables, seq_lens = self.block_tables_tensor(seq_ids)
-        return PagedBatchStore(self, slot_mapping, block_tables, seq_lens, query_lens)
+        for seq_id, query_len, seq_len in zip(seq_ids, query_lens, seq_lens.tolist()):
+            check_int(f"query_len of sequence {seq_id!r}", query_len, 1, seq_len)
+        lens = self._tensor(list(query_lens))
+        rows = torch.repeat_interleave(torch.arange(len(seq_ids), device=self.device), lens)
+        # position of each new token: its sequence's start (seq_len - query_len) + its rank
+        starts = torch.cumsum(lens, 0) - lens
+        positions = (seq_lens - lens)[rows] + torch.arange(int(lens.sum()),
+                                                           device=self.device) - starts[rows]
+        size = self.block_size
+        return block_tables[rows, positions // size] * size + positions % size
 
     # The padding convention: a short block table is padded with this block id. It is a real block
     # (held by some other sequence, or free and full of whatever its last user left, NaN
@@ -300,7 +267,7 @@ class PagedKVCache:
     def used_bytes(self) -> int:
         """Bytes holding token states: distinct tokens stored x KV bytes per token.
 
-        A slot counts from when it is reserved (`allocate`, `append_slots`); the forward pass
+        A slot counts from when it is reserved (`allocate_slots`); the forward pass
         that follows writes it. A block shared by a fork counts once.
         """
         return self.manager.num_stored_tokens * self.bytes_per_token

@@ -11,9 +11,12 @@ Modules, in reading order:
 
 * `block_hash`: `hash_block`, `hash_full_blocks`, `extra_keys_for` (cache_salt), SHA-256.
 * `prefix_cache`: `PrefixCache` (hash -> block, exact check), `CachingBlockPool` (LRU eviction).
-* `manager`: `PrefixCachingKVCacheManager` (`lookup`, `allocate_with_prefix`, the n - 1 cap,
-  statistics: hit rate, blocks saved, prefill tokens skipped, evictions).
-* `trace_hit_rate`: the same classes replayed on the Mooncake traces' block hashes, no tensors:
+* `manager`: `PrefixCachingKVCacheManager(KVCacheManager)`: `get_computed_blocks` (the lookup, the
+  n - 1 cap), `allocate_slots` caching the blocks it fills, statistics (hit rate, blocks saved,
+  prefill tokens skipped, evictions).
+* `trace_blocks`: how the manager reads a request's tokens: real ids, or simulation's stand-in
+  ids described block by block (`TraceBlocks`).
+* `trace_hit_rate`: the same manager replayed on the Mooncake traces' block hashes, no tensors:
   unbounded vs LRU hit rate against pool capacity.
 * `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
   multi-turn chats).
@@ -21,22 +24,20 @@ Modules, in reading order:
   turn re-sending the conversation with the model's own answers.
 * `report_row` (the `paged+prefix` row of `kvlab report` on a Mooncake trace).
 
-The scheduler of `kvlab.serving` admits through this manager (`kvlab.serving.PrefixManager`):
+The scheduler of `kvlab.serving` calls this manager directly, as it calls stage 4's:
 `LLMEngine(..., enable_prefix_caching=True)` runs a batch, prefill starting after the hit (vLLM's
 num_computed_tokens); `kvlab.generate.generate(..., cache="prefix")` (and so `kvlab generate
---cache prefix`) runs several prompts through it. The manager's interface is small:
-`can_admit` / `blocks_to_admit`, `allocate_with_prefix` (returns num_cached_tokens and the slots
-to prefill), `append_slots(seq_id, n, token_ids)`, `fork`, `free`, `preempt`, `prefix_stats`.
-A preempted sequence is admitted again like any other, so it may hit the blocks it held itself
-(if nothing reused them in between): recompute preemption becomes much cheaper.
+--cache prefix`) runs several prompts through it. A preempted request is admitted again like any
+other, so it may hit the blocks it held itself (if nothing reused them in between): recompute
+preemption becomes much cheaper.
 """
 
 from .block_hash import (ROOT_HASH, extra_keys_for, hash_block, hash_full_blocks, sha256, short)
-from .manager import PrefixAllocation, PrefixCacheStats, PrefixCachingKVCacheManager
+from .manager import PrefixCacheStats, PrefixCachingKVCacheManager
 from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
 
 __all__ = [
     "ROOT_HASH", "sha256", "extra_keys_for", "hash_block", "hash_full_blocks", "short",
-    "CachedBlock", "PrefixCache", "CachingBlockPool", "PrefixCacheStats", "PrefixAllocation",
+    "CachedBlock", "PrefixCache", "CachingBlockPool", "PrefixCacheStats",
     "PrefixCachingKVCacheManager",
 ]

@@ -2,7 +2,7 @@
 
 The prefix-caching manager needs each full block's *content* (what the exact check in
 `PrefixCache.find` compares) and its chained *hash* (`block_hash`); it keeps one `BlockTokens` per
-sequence. `TokenIds` holds real ids; `kvlab.serving.trace_blocks.TraceBlocks` describes a trace's
+sequence. `TokenIds` holds real ids; `kvlab.prefix.trace_blocks.TraceBlocks` describes a trace's
 blocks compactly for stage 7's simulation (one trace block id for hundreds of tokens).
 """
 

@@ -164,22 +164,16 @@ class CachingBlockPool(BlockPool):
             self.num_evictions += 1
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """A cache hit takes these blocks: ref count + 1; a free one leaves the free queue.
+        """A cache hit takes these blocks (see `BlockPool.touch`).
 
         Raises:
             ValueError: a block that is not cached (only cached blocks can be hit).
         """
+        block_ids = list(block_ids)
         for block_id in block_ids:
             if block_id not in self.cache:
                 raise ValueError(f"block {block_id} is not cached; only a cached block can be hit")
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                self.free_queue.remove(block)
-            block.ref_count += 1
-
-    def num_free_to_touch(self, block_ids: Iterable[int]) -> int:
-        """How many of these blocks are free now, i.e. leave the free queue when hit."""
-        return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
+        super().touch(block_ids)
 
     @property
     def num_cached_free_blocks(self) -> int:

@@ -2,9 +2,9 @@
 
 A Mooncake trace gives every prompt as a list of block keys that already identify the whole prefix
 (see `kvlab.traces.mooncake`). That is all a prefix cache looks at, so the very classes of the
-engine, `PrefixCache` and `CachingBlockPool`, can replay a trace of 12,000 requests in seconds:
-the key stands in for the block hash, and the key itself for the block's token ids in the exact
-check.
+engine, its `PrefixCachingKVCacheManager` over `CachingBlockPool`, can replay a trace of 12,000
+requests in seconds: the key stands in for the block hash, and the key itself for the block's
+token ids in the exact check.
 
 Two figures per trace:
 
@@ -12,7 +12,7 @@ Two figures per trace:
   seen before (capped at n - 1 tokens, as the engine caps it); every full block it brings is
   remembered. No real cache can beat this ceiling.
 * `lru_hit_rate`: the pool holds `capacity_blocks` blocks and evicts least recently used first,
-  tail blocks before prefix blocks, exactly as `PrefixCachingKVCacheManager` does.
+  tail blocks before prefix blocks: `PrefixCachingKVCacheManager` itself, one request at a time.
 
 What this replay assumes, and stage 7 does not: requests are served one at a time in arrival order,
 and a request holds its blocks only during its own prefill, so the whole pool is available as
@@ -34,7 +34,8 @@ from ..paged.budget import num_blocks_for_budget
 from ..sizing import GPU_MEMORY_GIB, kv_bytes_per_token, weights_bytes
 from ..traces.mooncake import TRACE_BLOCK_SIZE, block_keys
 from ..workload import Request
-from .prefix_cache import CachingBlockPool, PrefixCache
+from .block_tokens import BlockTokens
+from .manager import PrefixCachingKVCacheManager
 
 __all__ = ["TraceHitRate", "unbounded_hit_rate", "lru_hit_rate", "hit_rate_curve",
            "pool_blocks_for"]
@@ -98,44 +99,74 @@ def unbounded_hit_rate(requests: Iterable[Request],
     return result
 
 
+class _TraceKeys(BlockTokens):
+    """A trace prompt as the manager reads it: block i's content, and its hash, is its key."""
+
+    __slots__ = ("keys", "length")
+
+    def __init__(self, keys: list[int], length: int):
+        self.keys, self.length = keys, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def block(self, index: int, block_size: int) -> tuple[int]:
+        return (self.keys[index],)
+
+    def block_hash(self, parent_hash, content, extra_keys, hash_fn) -> int:
+        return content[0]  # the key already names the whole prefix
+
+    def extend(self, token_ids) -> None:
+        raise ValueError("a trace prompt has no outputs here")
+
+    def copy(self) -> "_TraceKeys":
+        return self
+
+
+class _TraceRequest:
+    """What the manager reads of a request: its id, size, salt, hash chain and tokens."""
+
+    __slots__ = ("request_id", "num_tokens", "cache_salt", "kv_block_hashes", "tokens")
+
+    def __init__(self, request_id: int, tokens: _TraceKeys, block_size: int):
+        self.request_id, self.num_tokens, self.cache_salt = request_id, len(tokens), None
+        self.kv_block_hashes = tokens.keys[:len(tokens) // block_size]  # computed already
+        self.tokens = tokens
+
+
+class _TraceManager(PrefixCachingKVCacheManager):
+    def read_tokens(self, request: _TraceRequest) -> BlockTokens:
+        return request.tokens
+
+
 def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int,
                  block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
     """Hit rate of the prefix cache on a pool of `capacity_blocks` blocks, LRU eviction.
 
-    Each request: look up its leading blocks (exact check, n - 1 cap), take the hits, allocate the
-    rest (evicting from the head of the free queue), cache its full blocks, release them tail first.
+    Each request goes through the engine's manager alone: `get_computed_blocks` (exact check,
+    n - 1 cap), `allocate_slots` for the rest (evicting from the head of the free queue, caching
+    its full blocks), `free` (tail first).
 
     Raises:
         ValueError: capacity_blocks < 1, or block_size does not divide 512.
     """
-    cache = PrefixCache()
-    pool = CachingBlockPool(capacity_blocks, cache)
+    manager = _TraceManager(capacity_blocks, block_size)
     result = TraceHitRate(capacity_blocks, block_size)
-    for request in requests:
-        keys = block_keys(request, block_size)
+    for index, trace_request in enumerate(requests):
+        keys = block_keys(trace_request, block_size)
         if len(keys) > capacity_blocks:
             result.num_too_big += 1
             result.hit_tokens.append(0)
             continue
-        chain = []
-        parent = None
-        for key in keys[:(request.prompt_len - 1) // block_size]:
-            parent = cache.find(key, (key,), (), parent)
-            if parent is None:
-                break
-            chain.append(parent)
-        block_ids = [entry.block_id for entry in chain]
-        pool.touch(block_ids)
-        block_ids += pool.allocate(len(keys) - len(chain))
-        parent = chain[-1] if chain else None
-        for index in range(len(chain), request.prompt_len // block_size):
-            parent = cache.insert(block_ids[index], keys[index], (keys[index],), (), parent)
-        pool.release(reversed(block_ids))  # tail first, as KVCacheManager.free does
+        request = _TraceRequest(index, _TraceKeys(keys, trace_request.input_length), block_size)
+        blocks, hit = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, request.num_tokens - hit, hit, blocks)  # fits: all free
+        manager.free(request)
         result.num_requests += 1
-        result.num_query_tokens += request.prompt_len
-        result.num_hit_tokens += len(chain) * block_size
-        result.hit_tokens.append(len(chain) * block_size)
-    result.num_evictions = pool.num_evictions
+        result.num_query_tokens += request.num_tokens
+        result.num_hit_tokens += hit
+        result.hit_tokens.append(hit)
+    result.num_evictions = manager.pool.num_evictions
     return result
 
 

@@ -4,7 +4,9 @@ One scheduler for every KV-cache strategy, in the split of vLLM v1 (a scheduler 
 cache manager that allocates, a runner that executes), one module per idea, in reading order:
 
 * `request`: `Request` (sizes, arrival, progress), arrival processes (Poisson, speed-up).
-* `kv_managers`: the `KVManager` interface and its strategies (contiguous reservation, paged).
+* `kv_managers`: reserve-at-admission managers with the scheduler's verbs (`ContiguousManager`,
+  stage 2's slabs); the paged ones are `kvlab.paged.KVCacheManager` and
+  `kvlab.prefix.PrefixCachingKVCacheManager`, called directly.
 * `exact_reservation`: exact-size reservations known in advance, placed first fit in one address
   space (`FirstFitSlabManager`, external fragmentation counted) or in blocks
   (`ExactBlocksManager`): stage 4's fragmentation measurement.
@@ -25,22 +27,20 @@ from .batch import BatchResult, default_pool_size, generate_batch
 from .cost_model import CARDS, Card, CostModel, get_card
 from .engine import EngineStats, LLMEngine
 from .exact_reservation import ExactBlocksManager, FirstFitSlabManager, GapRefusal
-from .kv_managers import ContiguousManager, KVManager, PagedManager
+from .kv_managers import ContiguousManager, KVManager
 from .metrics import ROW_KEYS, ServeResult, StepSeries, format_rows, percentile, plot_memory
 from .model_runner import ModelExecutor
-from .prefix_manager import PrefixManager
 from .request import (Request, RequestState, SamplingParams, from_sizes, poisson_arrivals,
                       shrink, speed_up, synthetic_prompt_ids)
 from .runner import (STRATEGIES, SimulatedExecutor, StepResult, engine_step, model_strategy,
-                     serve, simulated_manager)
+                     paged_manager, serve, simulated_manager)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = [
     "Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",
-    "shrink", "synthetic_prompt_ids", "KVManager", "ContiguousManager", "PagedManager",
-    "PrefixManager", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Card", "CARDS",
+    "shrink", "synthetic_prompt_ids", "KVManager", "ContiguousManager", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Card", "CARDS",
     "get_card", "CostModel", "ModelExecutor", "SimulatedExecutor", "StepResult", "engine_step",
-    "serve", "simulated_manager", "model_strategy", "STRATEGIES", "ServeResult", "StepSeries",
+    "serve", "paged_manager", "simulated_manager", "model_strategy", "STRATEGIES", "ServeResult", "StepSeries",
     "ROW_KEYS", "format_rows", "percentile", "plot_memory", "LLMEngine", "EngineStats",
     "BatchResult", "generate_batch", "default_pool_size",
     "FirstFitSlabManager", "ExactBlocksManager", "GapRefusal",

@@ -1,8 +1,8 @@
 """Offline generation on the one serving design: `LLMEngine`, a batch of prompts given up front.
 
 vLLM runs offline batches (`LLM.generate`) and online traffic (the API server) on the same engine
-core. So does the course: `LLMEngine` is stage 7's `Scheduler` (admit, run, preempt), a KV
-manager (`PagedManager`, or `PrefixManager` with `enable_prefix_caching=True`) and a
+core. So does the course: `LLMEngine` is stage 7's `Scheduler` (admit, run, preempt), a KV cache
+manager (`KVCacheManager`, or `PrefixCachingKVCacheManager` with `enable_prefix_caching=True`) and a
 `ModelExecutor` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
 trace arriving over time. What this module adds is what a caller of `generate` needs:
 
@@ -25,17 +25,16 @@ from typing import Sequence as Seq
 
 from ..errors import RequestTooLongError
 from ..paged.backends import BackendLike
+from ..paged.budget import check_pool_fits, kv_block_bytes
 from ..paged.block_table import cdiv
 from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
-from ..prefix.manager import PrefixCacheStats, PrefixCachingKVCacheManager
+from ..prefix.manager import PrefixCacheStats
 from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
-from .kv_managers import PagedManager
 from .model_runner import ModelExecutor
-from .prefix_manager import PrefixManager
 from .request import Request, SamplingParams, stop_token_ids
-from .runner import engine_step
+from .runner import engine_step, paged_manager
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["EngineStats", "LLMEngine"]
@@ -89,7 +88,9 @@ class LLMEngine:
             is 16,384 on large GPUs, 8,192 elsewhere, and chunks longer prompts).
 
     Attributes:
-        cache: the `PagedKVCache` (pool tensors and block tables).
+        kv: the KV cache manager the scheduler drives (`KVCacheManager`, or the prefix-caching
+            one); the cache's `manager` is this same object.
+        cache: the `PagedKVCache` (pool tensors, slot mapping and KV stores).
         scheduler: the `Scheduler`; `running` and `waiting` are its queues.
         stats: `EngineStats` so far.
 
@@ -111,15 +112,14 @@ class LLMEngine:
         self.model = model
         self.stop_token_ids = stop_token_ids(eos_token_id, model.config.vocab_size)
         self.max_model_len = check_model_len(model.config, max_model_len)
+        # vLLM's start-up check, with the bytes in its message, before anything is built
+        check_pool_fits(check_int("num_blocks", num_blocks, 1), check_int("block_size",
+                        block_size, 1), self.max_model_len,
+                        kv_block_bytes(model.config, block_size, model.dtype))
+        self.kv = paged_manager("prefix" if enable_prefix_caching else "paged", num_blocks,
+                                block_size, self.max_model_len, hash_fn)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
-                                            attention_backend)
-        if enable_prefix_caching:
-            # The pool tensors do not care which manager names their blocks: swap in the caching
-            # one before any block is handed out.
-            self.cache.manager = PrefixCachingKVCacheManager(num_blocks, block_size, hash_fn)
-            self.kv = PrefixManager(self.cache.manager, self.max_model_len)
-        else:
-            self.kv = PagedManager(self.cache.manager, self.max_model_len)
+                                            attention_backend, manager=self.kv)
         if max_num_batched_tokens is None:
             # Whole prompts in one step unless the caller asks for chunks (see the docstring).
             max_num_batched_tokens = max(self.max_model_len, 2048)
@@ -221,8 +221,7 @@ class LLMEngine:
     @property
     def prefix_stats(self) -> PrefixCacheStats | None:
         """Hit rate, blocks saved, prefill tokens skipped, evictions (prefix caching only)."""
-        manager = self.cache.manager
-        return manager.prefix_stats if isinstance(manager, PrefixCachingKVCacheManager) else None
+        return self.kv.prefix_stats if self.kv.has_prefix_cache else None
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -249,10 +248,10 @@ class LLMEngine:
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_recomputed_tokens = scheduler.num_recomputed_tokens
         stats.num_prefill_tokens = self.executor.num_prefill_tokens
-        stats.num_cow_copies = self.cache.manager.num_cow_copies
+        stats.num_cow_copies = self.kv.num_cow_copies
 
     def _record_memory(self, output: SchedulerOutput | None = None) -> None:
-        manager, stats = self.cache.manager, self.stats
+        manager, stats = self.kv, self.stats
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, manager.num_used_blocks)
         stats.peak_blocks_unshared = max(stats.peak_blocks_unshared, manager.num_logical_blocks)
         saved = manager.num_logical_blocks - manager.num_used_blocks

@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 from typing import Callable, NamedTuple
 
-from ..errors import NoFreeBlocksError
 from ..paged.block_table import cdiv
 from ..paged.kv_cache_manager import KVCacheManager
 from .kv_managers import KVManager
@@ -105,14 +104,6 @@ class _ExactReservation(KVManager):
                       f"{self.capacity_tokens:,} in the whole memory")
         return reason
 
-    def append(self, request: Request, num_new_tokens: int) -> bool:
-        return True  # the whole reservation was taken at admission
-
-    def preempt(self, request: Request) -> int:
-        # The scheduler preempts only when `append` fails, which it never does here; kept for the
-        # interface (and correct: the reservation goes back, every computed token is lost).
-        self.free(request)
-        return request.num_computed_tokens
 
 
 class FirstFitSlabManager(_ExactReservation):
@@ -153,6 +144,7 @@ class FirstFitSlabManager(_ExactReservation):
         self.runs: list[int] = []
         self.run_ends: list[int] = []
         self.run_owners: list[int] = []
+        self.holding: set[int] = set()  # run_owners as a set (`holds` is asked every step)
         self.num_reserved = 0
         self.num_refusals = self.num_gap_refusals = self.free_at_gap_refusals = 0
         self.gap_refused_requests: set[int] = set()
@@ -181,7 +173,10 @@ class FirstFitSlabManager(_ExactReservation):
                 return start
         return None
 
-    def allocate(self, request: Request, token_budget: int) -> int | None:
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.holding
+
+    def admit(self, request: Request) -> bool:
         size = self.reservation(request)
         start = self.first_fit(size)
         if start is None:  # count why, and change nothing else
@@ -195,15 +190,17 @@ class FirstFitSlabManager(_ExactReservation):
                     self.worst_gap_refusal = GapRefusal(request.request_id, size,
                                                         self.num_free_tokens, self.gaps(),
                                                         self.draw())
-            return None
+            return False
         index = bisect.bisect(self.runs, start)
         self.runs.insert(index, start)
         self.run_ends.insert(index, start + size)
         self.run_owners.insert(index, request.request_id)
         self.num_reserved += size
-        return 0  # no prefix cache: nothing found cached
+        self.holding.add(request.request_id)
+        return True
 
     def free(self, request: Request) -> None:
+        self.holding.remove(request.request_id)
         index = self.run_owners.index(request.request_id)
         self.num_reserved -= self.run_ends[index] - self.runs[index]
         del self.runs[index], self.run_ends[index], self.run_owners[index]
@@ -230,12 +227,11 @@ class ExactBlocksManager(_ExactReservation):
     block pool at admission: any free blocks will do, wherever they are.
 
     Args:
-        manager: the block bookkeeping (`kvlab.paged.KVCacheManager`, e.g. the slotless one of
-            simulation mode, `kvlab.serving.kv_managers.SlotlessKVCacheManager`), empty.
+        manager: the block bookkeeping (`kvlab.paged.KVCacheManager`), empty.
         max_model_len: longest request accepted.
         reserve: token slots per request before rounding (default `exact_size`).
 
-    It differs from `PagedManager` (stage 4's paging) only in *when* blocks are taken: all of a
+    It differs from the paged `KVCacheManager` (stage 4's paging) only in *when* blocks are taken: all of a
     request's blocks at admission, not one at a time as it grows, so that a comparison with the
     first-fit slabs changes the placement alone.
 
@@ -253,15 +249,15 @@ class ExactBlocksManager(_ExactReservation):
     def reservation(self, request: Request) -> int:
         return cdiv(super().reservation(request), self.block_size) * self.block_size
 
-    def allocate(self, request: Request, token_budget: int) -> int | None:
-        try:  # the manager checks for enough free blocks before it changes anything
-            self.manager.allocate(request.request_id, self.reservation(request))
-        except NoFreeBlocksError:
-            return None
-        return 0
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.manager.tables
+
+    def admit(self, request: Request) -> bool:
+        # the manager checks for enough free blocks before it changes anything
+        return self.manager.allocate_slots(request, self.reservation(request)) is not None
 
     def free(self, request: Request) -> None:
-        self.manager.free(request.request_id)
+        self.manager.free(request)
 
     @property
     def num_reserved_tokens(self) -> int:

@@ -24,8 +24,8 @@ then prefill as this runner once ran, let a token read a block before the other 
 `GPUModelRunner` and attention backends).
 
 The caches are stage 2's `ContiguousKVCache` (one slab per request, a fork copies the slab) and
-stage 4's `PagedKVCache` (slot mapping through the block tables the scheduler's `PagedManager`
-fills; its attention backend, torch or the stage-5 Triton kernel, does the reading).
+stage 4's `PagedKVCache` (slot mapping computed once a pass from the block tables of the manager
+the scheduler drives; its attention backend, torch or the stage-5 Triton kernel, does the reading).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ModelExecutor:
     Args:
         model: the decoder.
         cache: a `ContiguousKVCache` (slabs handed out per request here) or a `PagedKVCache` whose
-            `manager` is the one the scheduler's `PagedManager` drives.
+            `manager` is the one the scheduler drives.
         cost_model: if given, its step time is the clock (repeatable); else the wall clock.
 
     Attributes:
@@ -158,7 +158,8 @@ class ModelExecutor:
         of seq_lens[i] tokens."""
         if self.paged:
             # The scheduler's manager reserved exactly these slots this step: each table holds
-            # seq_lens[i] tokens, the last query_lens[i] of them new.
+            # seq_lens[i] tokens, the last query_lens[i] of them new; the slot mapping is
+            # computed from the tables there, once for the pass.
             return self.cache.batch_store([request.request_id for request in batch], query_lens)
         for request in batch:
             if request.request_id not in self.slab_of:

@@ -162,6 +162,9 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None  # "length" (max_output_tokens) or "stop" (a stop token)
     reject_reason: str | None = None
+    # the prefix cache's chained hash of each full block (vLLM's request.block_hashes), kept by
+    # `kvlab.prefix.PrefixCachingKVCacheManager` from the first lookup on
+    kv_block_hashes: list = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_output_tokens < 1:

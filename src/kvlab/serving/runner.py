@@ -26,18 +26,19 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from ..contiguous import ContiguousKVCache
+from ..paged.kv_cache_manager import KVCacheManager
 from ..paged.paged_cache import PagedKVCache
-from .cost_model import CostModel
+from ..prefix.block_hash import HashFunction, sha256
 from ..prefix.manager import PrefixCachingKVCacheManager
-from .kv_managers import ContiguousManager, KVManager, PagedManager, SlotlessKVCacheManager
+from .cost_model import CostModel
+from .kv_managers import ContiguousManager, KVManager
 from .metrics import ServeResult, StepSeries, summarize
 from .model_runner import ModelExecutor
-from .prefix_manager import PrefixManager
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["Executor", "SimulatedExecutor", "ModelExecutor", "StepResult", "engine_step", "serve",
-           "STRATEGIES", "simulated_manager", "model_strategy"]
+           "STRATEGIES", "paged_manager", "simulated_manager", "model_strategy"]
 
 STRATEGIES = ("contiguous", "paged", "prefix")
 
@@ -114,7 +115,7 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
     return StepResult(output, finished, seconds, running, reserved, used)
 
 
-def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
+def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor: Executor,
           config: SchedulerConfig = SchedulerConfig(), bytes_per_token: int = 0,
           progress: bool | None = None) -> ServeResult:
     """Replay `requests` (by arrival time) through one strategy; returns its figures.
@@ -176,9 +177,24 @@ def serve(requests: Sequence[Request], kv: KVManager, executor: Executor,
                      kv.capacity_tokens, bytes_per_token, time.perf_counter() - started, events)
 
 
+def paged_manager(strategy: str, num_blocks: int, block_size: int, max_model_len: int,
+                  hash_fn: HashFunction = sha256) -> KVCacheManager:
+    """The one place a paged strategy's manager is built: "paged" (stage 4) or "prefix" (stage 6).
+    A `PagedKVCache` is then given it; in simulation it runs with no tensors behind it.
+
+    Raises:
+        ValueError: unknown strategy. KVCacheOutOfMemory: the pool cannot hold max_model_len.
+    """
+    if strategy == "paged":
+        return KVCacheManager(num_blocks, block_size, max_model_len)
+    if strategy == "prefix":
+        return PrefixCachingKVCacheManager(num_blocks, block_size, max_model_len, hash_fn)
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
 def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
-                      max_model_len: int, block_size: int = 16) -> KVManager:
-    """A strategy's KV manager for a budget, with no tensors (simulation mode).
+                      max_model_len: int, block_size: int = 16) -> KVCacheManager | KVManager:
+    """A strategy's KV manager for a budget (simulation mode, or handed to a cache).
 
     Raises:
         ValueError: unknown strategy, or the budget cannot hold one max_model_len request.
@@ -186,27 +202,20 @@ def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
     if strategy == "contiguous":
         return ContiguousManager(kv_budget_bytes // (max_model_len * bytes_per_token),
                                  max_model_len)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     num_blocks = kv_budget_bytes // (block_size * bytes_per_token)
     if num_blocks < 1:
         raise ValueError(f"the KV budget of {kv_budget_bytes:,} B holds no block of "
                          f"{block_size} tokens x {bytes_per_token:,} B")
-    if strategy == "paged":
-        return PagedManager(SlotlessKVCacheManager(num_blocks, block_size), max_model_len)
-    if strategy == "prefix":
-        return PrefixManager(SlotlessPrefixCachingManager(num_blocks, block_size), max_model_len)
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-
-
-class SlotlessPrefixCachingManager(PrefixCachingKVCacheManager):
-    """`PrefixCachingKVCacheManager` for simulation: same blocks and hits, no slot lists built."""
-
-    _reserve = SlotlessKVCacheManager._reserve
+    return paged_manager(strategy, num_blocks, block_size, max_model_len)
 
 
 def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: int,
                    block_size: int = 16, cost_model: CostModel | None = None
-                   ) -> tuple[KVManager, ModelExecutor]:
-    """A strategy's KV manager and a `ModelExecutor` over real cache tensors of `kv_budget_bytes`.
+                   ) -> tuple[KVCacheManager | KVManager, ModelExecutor]:
+    """A strategy's KV manager and a `ModelExecutor` over real cache tensors of `kv_budget_bytes`
+    (a paged cache is given the manager the scheduler drives).
 
     Raises:
         ValueError: unknown strategy, or the budget cannot hold one max_model_len request.
@@ -220,13 +229,8 @@ def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: in
         cache = ContiguousKVCache(config, manager.num_slabs, max_model_len, dtype=model.dtype,
                                   device=model.device)
     else:
-        cache = PagedKVCache(config, manager.manager.pool.num_blocks, block_size,
-                             dtype=model.dtype, device=model.device)
-        if strategy == "paged":
-            manager = PagedManager(cache.manager, max_model_len)
-        else:  # the same pool tensors, bookkept by the prefix-caching manager
-            cache.manager = PrefixCachingKVCacheManager(cache.num_blocks, block_size)
-            manager = PrefixManager(cache.manager, max_model_len)
+        cache = PagedKVCache(config, manager.pool.num_blocks, block_size, dtype=model.dtype,
+                             device=model.device, manager=manager)
     executor = ModelExecutor(model, cache, cost_model)
     executor.bytes_per_token = bytes_per_token
     return manager, executor

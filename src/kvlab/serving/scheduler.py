@@ -29,8 +29,11 @@ finishes and frees its memory. A request for n completions is admitted with its 
 (all n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV,
 and run as requests of their own from their first token on (Kwon et al., section 4.4).
 
-The scheduler talks to memory only through `KVManager`: the same code runs the contiguous
-reservation, the paged pool and the paged pool with a prefix cache, in model mode and simulation.
+The scheduler talks to the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
+`allocate_slots`, `free`, `fork`; `kvlab.paged.KVCacheManager`): the same code runs the paged
+pool, the paged pool with a prefix cache (`kvlab.prefix.PrefixCachingKVCacheManager`) and the
+reservations that answer the same verbs (`kv_managers.ContiguousManager`, ...), in model mode and
+simulation.
 Requests that can never fit are rejected on arrival, with the reason, and never enter the queue.
 """
 
@@ -39,7 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from .kv_managers import KVManager
+from ..paged.kv_cache_manager import KVCacheManager
 from .request import Request, RequestState
 
 __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
@@ -90,7 +93,7 @@ class Scheduler:
     """Continuous batching under a KV manager and the step budgets.
 
     Args:
-        kv: the strategy's `KVManager`.
+        kv: the strategy's KV cache manager (`KVCacheManager`, or one with its verbs).
         config: `SchedulerConfig`.
 
     Attributes:
@@ -100,7 +103,7 @@ class Scheduler:
         num_preemptions: preemptions so far.
     """
 
-    def __init__(self, kv: KVManager, config: SchedulerConfig = SchedulerConfig()):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig = SchedulerConfig()):
         self.kv, self.config = kv, config
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -144,14 +147,14 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
-        running, append = self.running, self.kv.append
+        running, allocate_slots = self.running, self.kv.allocate_slots
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             # num_tokens - num_computed_tokens, written out: this loop runs for every token served.
             num_new = min(request.prompt_len + request.num_output_tokens
                           - request.num_computed_tokens, budget)
-            while not append(request, num_new):
+            while allocate_slots(request, num_new) is None:
                 victim = running.pop()   # the newest; may be `request` itself
                 self._preempt(victim)
                 preempted.append(victim)
@@ -169,11 +172,12 @@ class Scheduler:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
-            cached = self.kv.allocate(request, budget)
-            if cached is None:
+            # vLLM v1's admission: the blocks already computed (prefix cache), then room for the
+            # rest, as much of it as the token budget allows (>= 1: a hit never covers the last).
+            blocks, cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - cached, budget)
+            if self.kv.allocate_slots(request, num_new, cached, blocks) is None:
                 break  # the head waits for memory; no overtaking
-            num_new = request.num_tokens - cached  # >= 1: a hit never covers the last token
-            num_new = min(num_new, budget)
             self.waiting.popleft()
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += cached
@@ -188,8 +192,9 @@ class Scheduler:
                                self.config.max_num_batched_tokens - budget, self.kv.take_copies())
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop its KV, queue it first; it will recompute every token."""
-        self.num_recomputed_tokens += self.kv.preempt(request)
+        """Recompute preemption (vLLM v1): free its KV, reset its progress, queue it first."""
+        self.kv.free(request)
+        self.num_recomputed_tokens += request.num_computed_tokens
         self.num_unforked -= len(request.forks)  # they wait with it
         self.num_preemptions += 1
         request.num_preemptions += 1

@@ -1,7 +1,7 @@
 """Simulation's stand-in tokens, read by the prefix cache block by block without building them.
 
 A trace gives no token ids, only (for the Mooncake traces) the id of each 512-token prompt block.
-Stage 7's simulation gives every token a stand-in id (`kvlab.serving.prefix_manager.token_ids`):
+Stage 7's simulation gives every token a stand-in id (`token_ids` below):
 token p of a prompt whose trace block p // 512 has id h gets h x 512 + p % 512; prompt tokens
 past the named blocks and every output token get the request's own id, -1 - request_id. Two
 blocks of the cache then hold equal ids exactly where the trace says the prompts share them.
@@ -26,18 +26,23 @@ cache the same blocks at a few ints each:
   decision). Do not use it with verify=False, which trusts the hash alone.
 
 Outputs are described by count only (they all carry the own id), so a request whose forks will
-inherit its record keeps per-token stand-ins (`prefix_manager.block_tokens`).
+inherit its record keeps per-token stand-ins (`block_tokens`).
+
+`block_tokens(request)` is how the prefix-caching manager reads any request: its real ids where
+it has them (model mode), else these stand-ins.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
-from ..prefix.block_tokens import BlockTokens
-from .request import Request
+from .block_tokens import BlockTokens
 
-__all__ = ["TraceBlocks"]
+if TYPE_CHECKING:
+    from ..serving.request import Request
+
+__all__ = ["TraceBlocks", "block_tokens", "token_ids"]
 
 
 class TraceBlocks(BlockTokens):
@@ -114,3 +119,43 @@ class TraceBlocks(BlockTokens):
 
     def copy(self) -> "TraceBlocks":
         return copy.copy(self)
+
+
+def block_tokens(request: "Request") -> list[int] | BlockTokens:
+    """All tokens of a request as the prefix cache reads them at admission: its ids (model mode,
+    or a prompt given with ids), else its stand-in ids described block by block (`TraceBlocks`).
+    A request with forks still to make gets its stand-in ids one by one: each fork inherits the
+    record and appends outputs under its own id, which `TraceBlocks` does not describe."""
+    if request.prompt_token_ids is not None or request.forks:
+        return token_ids(request, 0, request.num_tokens)
+    return TraceBlocks(request)
+
+
+def token_ids(request: "Request", start: int, end: int) -> list[int]:
+    """Ids of tokens start .. end - 1 of a request: its real ids where it has them (model mode, or
+    a prompt given with ids), else the stand-ins described in the module docstring."""
+    known = request.prompt_token_ids
+    if known is not None:
+        known = known + request.output_token_ids  # outputs are known in model mode only
+        if end <= len(known):
+            return known[start:end]
+    own = -1 - request.request_id
+    if known is None and start >= request.prompt_len:
+        return [own] * (end - start)  # simulated outputs (most calls: one decode token)
+    if known is not None:
+        return known[start:end] + [own] * (end - max(start, len(known)))
+    size, hashes = request.trace_block_size, request.trace_block_ids
+    ids: list[int] = []
+    position = start
+    prompt_end = min(end, request.prompt_len)
+    while position < prompt_end:
+        block = position // size if hashes else len(hashes)
+        if block < len(hashes):  # a block the trace names: ids shared with every prompt that has it
+            block_end = min(prompt_end, (block + 1) * size)
+            base = hashes[block] * size
+            ids += range(base + position % size, base + position % size + block_end - position)
+        else:
+            block_end = prompt_end
+            ids += [own] * (block_end - position)
+        position = block_end
+    return ids + [own] * (end - max(start, request.prompt_len))

@@ -158,7 +158,7 @@ def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int,
             result.num_too_big += 1
             result.hit_tokens.append(0)
             continue
-        request = _TraceRequest(index, _TraceKeys(keys, trace_request.input_length), block_size)
+        request = _TraceRequest(index, _TraceKeys(keys, trace_request.prompt_len), block_size)
         blocks, hit = manager.get_computed_blocks(request)
         manager.allocate_slots(request, request.num_tokens - hit, hit, blocks)  # fits: all free
         manager.free(request)

@@ -122,6 +122,7 @@ def test_cli_serve_says_which_clock_and_its_error_band_under_the_table(capsys, c
     code, out, err = run(capsys, *SIMULATE, *flags)
     assert code == 0, err
     table, note = out.split("\n\n")[1].splitlines()[:3], out.split("\n\n")[1].splitlines()[3]
+    assert "states/reserved" in table[0] and "reserved/pool mean" in table[0]
     assert note == cal.clock_note(clock or "calibrated")
     assert note.startswith(f"clock: {clock or 'calibrated'}") and "published measurements" in note
 
@@ -136,3 +137,9 @@ def test_cli_serve_calibrated_clock_is_slower_than_the_roofline(capsys):
         "tpot_p50_s"]
     assert not math.isnan(rows["calibrated"]["rows"][0]["ttft_p50_s"])
 
+
+def test_power_of_two_reservation():
+    from kvlab.serving.token_states import power_of_two
+
+    assert [power_of_two(Request(0, 0.0, p, o)) for p, o in ((1, 1), (3, 1), (4, 1), (600, 424),
+                                                             (600, 425))] == [2, 4, 8, 1024, 2048]

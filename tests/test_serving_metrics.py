@@ -109,3 +109,29 @@ def test_kv_usage_is_what_is_reserved_not_what_holds_tokens(strategy, expected):
     assert result.kv_usage_peak == pytest.approx(expected)
     assert result.kv_usage_mean == pytest.approx(expected)  # the request holds it every step
     assert result.series.used_tokens == [5] and result.series.reserved_tokens == [128 * expected]
+
+
+@pytest.mark.parametrize("strategy, expected", [("contiguous", 5 / 64), ("paged", 5 / 8)])
+def test_token_states_share_is_states_over_what_is_reserved(strategy, expected):
+    # The vLLM paper's measure: the 5 prompt tokens' K/V in the one slab (64) or 2 blocks (8).
+    kv = simulated_manager(strategy, 128 * 100, 100, max_model_len=64, block_size=4)
+    assert serve([Request(0, 0.0, 5, 1)], kv, UnitClock()).kv_states_share == pytest.approx(expected)
+
+
+def test_token_states_share_time_weights_the_steps():
+    # Request 0 of `one_at_a_time` holds 1 block (4 slots) for its 4-token prefill, then 2 blocks
+    # for its 2 decode steps, with 4, 5, 6 token states: (4 + 5 + 6) x 1 s over (4 + 8 + 8) x 1 s,
+    # and request 1 the same minus its last step: (4 + 5) over (4 + 8).
+    assert one_at_a_time().kv_states_share == pytest.approx((15 + 9) / (20 + 12))
+
+
+def test_figure_2_reservations_order_as_in_the_paper():
+    from kvlab.serving.token_states import RESERVATIONS, token_state_shares
+
+    config = load_config("llama-3.1-8b")
+    cost = CostModel(config, get_card("H100-80GB"))
+    requests = [Request(i, 0.05 * i, 50 + 37 * i % 400, 1 + 13 * i % 90) for i in range(60)]
+    results = token_state_shares(requests, cost, 4096 * 20 * cost.kv_bytes_per_token, 1024)
+    shares = [results[name].kv_states_share for name in RESERVATIONS]
+    assert list(results) == list(RESERVATIONS) and all(r.finished == 60 for r in results.values())
+    assert shares == sorted(shares) and shares[0] < 0.5 < shares[-1] <= 1.0

@@ -297,7 +297,7 @@ def clock_note(clock: str) -> str:
     """The line under a simulated table: which clock, and its measured error band (stored)."""
     fitted = _data()["fitted"]
     if clock == "roofline":
-        return (f"clock: roofline, a lower bound (its errors against published measurements: "
+        return (f"clock: roofline, a lower bound (errors "
                 f"{error_band(list(fitted['roofline_errors'].values()))})")
     return f"clock: calibrated (fit residuals {error_band(list(fitted['errors'].values()))})"
 

@@ -253,7 +253,7 @@ def _simulate(args, requests, strategies):
                          SimulatedExecutor(cost), scheduler, per_token) for name in strategies]
     finally:
         gc.enable()
-    description = (f"simulated: {cost.describe()}\n"
+    description = (f"simulated: {cost.describe()}\n{cost.describe_clock()}\n"
                    + (f"{tp_chosen}\n" if tp_chosen else "")
                    + f"KV budget {format_bytes(budget)} per GPU = "
                    f"{budget // per_token:,} tokens of {format_bytes(per_token)}")

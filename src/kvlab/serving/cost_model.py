@@ -117,8 +117,9 @@ class CostModel:
         self.step_overhead_s, self.clock = step_overhead_s, clock
         self.bandwidth = card.bandwidth_bytes_per_s * bandwidth_efficiency
         self.flops = card.flops_per_s * compute_efficiency
-        # Per token computed: 2 all-reduces a layer, each GPU sends 2 (tp - 1) / tp of the
-        # activations (hidden_size values) in a ring.
+        # 2 all-reduces a layer: a fixed latency each per step, and per token computed each GPU
+        # sends 2 (tp - 1) / tp of its activations (hidden_size values) in a ring.
+        self.allreduce_latency_s = allreduce_latency_s
         self.allreduce_s = 0.0 if tp == 1 else 2 * config.num_hidden_layers * allreduce_latency_s
         self.allreduce_s_per_token = 0.0 if tp == 1 or not link_bytes_per_s else (
             2 * config.num_hidden_layers * 2 * (tp - 1) / tp * config.hidden_size
@@ -137,6 +138,18 @@ class CostModel:
                 f"{card.flops_per_s / 1e12:g} dense TFLOP/s each), {self.config.name} {self.dtype}: "
                 f"weights {self.weights_bytes / 1e9:.1f} GB per GPU, so a step takes >= "
                 f"{self.weights_bytes / card.bandwidth_bytes_per_s * 1e3:.2f} ms")
+
+    def describe_clock(self) -> str:
+        """One line: the clock's name and, off the roofline, its derating factors."""
+        if self.clock == "roofline":
+            return "clock: roofline (100 % of peak bandwidth and FLOP/s, no overheads)"
+        line = (f"clock: {self.clock}: {100 * self.flops / self.card.flops_per_s:.1f} % of peak "
+                f"FLOP/s, {100 * self.bandwidth / self.card.bandwidth_bytes_per_s:.1f} % of peak "
+                f"bandwidth, +{self.step_overhead_s * 1e3:.2f} ms a step")
+        if self.tp > 1:
+            line += (f", +{self.allreduce_latency_s * 1e6:.1f} \N{MICRO SIGN}s for each of "
+                     f"{2 * self.config.num_hidden_layers} all-reduces a step")
+        return line
 
     def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int) -> float:
         """Seconds for one forward pass.

@@ -98,6 +98,7 @@ def test_serve_simulate_tiny_keeps_within_the_models_limit_and_says_so(capsys):
     (("--gpu", "L4"), "--gpu L4: model mode runs the model on --device"),
     (("--gpu-memory-utilization", "0.5"), "--gpu-memory-utilization 0.5: model mode"),
     (("--tp", "2"), "--tp 2: model mode runs the model on one device"),
+    (("--clock", "roofline"), "--clock roofline: model mode times each step with the wall clock"),
 ])
 def test_serve_model_mode_refuses_the_simulation_flags(capsys, flags, named):
     assert named in refused(capsys, *SERVE, "--model", "tiny", "--kv-budget", "0.004", *flags)

@@ -5,8 +5,11 @@
     kvlab serve --trace AzureLLMInferenceTrace_conv.csv --model tiny --kv-budget 0.004 \\
         --num-requests 200 --shrink 8 --speedup 100
 
-Simulation mode (`--simulate`) times each step with the roofline cost model of the named card;
-model mode runs the real model on the CPU (or `--device cuda`) with real cache tensors.
+Simulation mode (`--simulate`) times each step with a cost model of the named card: the
+`calibrated` clock (default; the roofline derated to published measurements of real engines,
+`kvlab.serving.calibration`) or the `roofline` (a lower bound); every table says which, with its
+measured error band. Model mode runs the real model on the CPU (or `--device cuda`) with real cache
+tensors.
 
 The step budgets default to what vLLM v1's API server picks for the card (`scheduler_defaults`).
 Without --tp a simulation uses the smallest tensor-parallel size that fits the model on the card
@@ -75,10 +78,15 @@ def register(commands) -> None:
                    help="one strategy, or all (default); prefix and paged+prefix are the same "
                         "(the tables call it paged+prefix: kvlab.report.SERVING_STRATEGY)")
     p.add_argument("--simulate", action="store_true",
-                   help="no tensors: step times from the card's roofline (default: run the model)")
+                   help="no tensors: step times from a cost model of the card (--clock; default: "
+                        "run the model)")
     p.add_argument("--model", default=None,
                    help="preset or HF config/checkpoint folder (default: llama-3.1-70b with "
                         "--simulate, else tiny)")
+    p.add_argument("--clock", choices=("roofline", "calibrated"), default=None,
+                   help="--simulate only: step times from the card's roofline (a lower bound) or "
+                        "calibrated to published measurements of vLLM, TensorRT-LLM and SGLang "
+                        "(default; kvlab.serving.calibration)")
     p.add_argument("--gpu", default=None, help="--simulate only: the card for the cost model and "
                                                "the default budget (default H100-80GB)")
     p.add_argument("--tp", type=positive_int, default=None,
@@ -145,6 +153,9 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--seed {args.seed}: a simulation without --rate draws nothing at "
                              f"random (the seed draws --rate's Poisson arrivals)")
         return
+    if args.clock is not None:
+        raise ValueError(f"--clock {args.clock}: model mode times each step with the wall clock "
+                         f"of the model it runs; --clock needs --simulate")
     for flag, value in (("--gpu", args.gpu), ("--gpu-memory-utilization",
                                                args.gpu_memory_utilization)):
         if value is not None:
@@ -196,6 +207,8 @@ def run_serve(args: argparse.Namespace) -> int:
           f"{setup['max_model_len_note']}, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens:,}, block_size {args.block_size}\n")
     print(format_rows(results))
+    if setup.get("clock_note"):
+        print(setup["clock_note"])
     wall = sum(r.wall_s for r in results)
     events = sum(r.events_per_s * r.wall_s for r in results)
     print(f"\nreplayed in {wall:.1f} s ({events / wall:,.0f} request-steps/s); times are "
@@ -207,7 +220,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _simulate(args, requests, strategies):
     from ..config import load_config
-    from ..serving.cost_model import CostModel, get_card
+    from ..serving.calibration import clock_cost_model, clock_note
+    from ..serving.cost_model import get_card
     from ..serving.runner import SimulatedExecutor, serve, simulated_manager
     from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token
 
@@ -220,7 +234,8 @@ def _simulate(args, requests, strategies):
     tp, tp_chosen = resolve_tp(args.tp, config, card.name, card.memory_bytes,
                                max_model_len=max_model_len, dtype=dtype,
                                gpu_memory_utilization=utilization, kv_budget_bytes=given_budget)
-    cost = CostModel(config, card, tp, dtype)
+    clock = args.clock or "calibrated"
+    cost = clock_cost_model(config, card.name, tp, dtype, clock)
     per_token = kv_bytes_per_token(config, dtype, tp)
     # vLLM's default: gpu_memory_utilization x the card - the weights (per GPU)
     budget = given_budget if given_budget is not None else default_kv_budget(
@@ -239,7 +254,7 @@ def _simulate(args, requests, strategies):
                          SimulatedExecutor(cost), scheduler, per_token) for name in strategies]
     finally:
         gc.enable()
-    description = (f"simulated: {cost.describe()}\n"
+    description = (f"simulated: {cost.describe()}\n{cost.describe_clock()}\n"
                    + (f"{tp_chosen}\n" if tp_chosen else "")
                    + f"KV budget {format_bytes(budget)} per GPU = "
                    f"{budget // per_token:,} tokens of {format_bytes(per_token)}")
@@ -247,7 +262,8 @@ def _simulate(args, requests, strategies):
              "tp": tp, "tp_chosen_because": tp_chosen, "kv_budget_bytes": budget,
              "kv_bytes_per_token": per_token, "max_model_len": max_model_len,
              "max_model_len_note": max_model_len_note, "description": description,
-             "clock": "the roofline cost model's (a lower bound; see kvlab.serving.cost_model)"}
+             "clock": f"the {clock} clock's (kvlab.serving.calibration)", "clock_name": clock,
+             "clock_note": clock_note(clock)}
     return setup, results
 
 

@@ -11,7 +11,8 @@ cache manager that allocates, a runner that executes), one module per idea, in r
   space (`FirstFitSlabManager`, external fragmentation counted) or in blocks
   (`ExactBlocksManager`): stage 4's fragmentation measurement.
 * `scheduler`: `Scheduler` (continuous batching: admit, run, preempt under step budgets).
-* `cost_model`: simulation mode's roofline step time on named cards.
+* `cost_model`: simulation mode's roofline step time on named cards; `calibration`: the same
+  derated to published measurements of real engines (the `calibrated` clock), with its residuals.
 * `model_runner`: `ModelExecutor` (model mode: one forward pass a step, real cache, sampling).
 * `runner`: `engine_step` (decide, execute, record), `serve` (a trace arriving over time),
   `SimulatedExecutor` (cost model).

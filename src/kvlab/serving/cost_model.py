@@ -13,10 +13,18 @@ Decode steps are memory-bound (a few hundred tokens cannot use the FLOPs that re
 weights pays for); long prefills are compute-bound. Under tensor parallelism each of `tp` GPUs holds
 1/tp of the weights and KV heads and does 1/tp of the work in lockstep.
 
-What it leaves out (so real steps are slower): kernels reach 60-90 % of peak bandwidth, not 100 %;
-tensor-parallel all-reduces; sampling, scheduling and Python overheads (use `step_overhead_s`);
-activations traffic. It is a lower bound, used to put the strategies on one clock, not a prediction
-of a real server's latency.
+What the roofline leaves out (so real steps are slower): kernels reach 60-90 % of peak bandwidth
+and FLOPs, not 100 %; tensor-parallel all-reduces; sampling, scheduling and Python overheads;
+activations traffic. With its defaults the model is that lower bound (the `roofline` clock). Its
+derating arguments make the `calibrated` clock (`kvlab.serving.calibration` fits them to published
+measurements of real engines):
+
+    step = max(bytes / (bandwidth_efficiency x bandwidth), flops / (compute_efficiency x FLOP/s))
+           + step_overhead_s + 2 x layers x (allreduce_latency_s + ring bytes / link bandwidth)
+
+where the last term is paid only under tensor parallelism: two all-reduces per layer (after
+attention and after the MLP) of tokens x hidden_size activations, each GPU sending
+2 (tp - 1) / tp of them in a ring (Shoeybi et al., Megatron-LM, 2019).
 """
 
 from __future__ import annotations
@@ -82,15 +90,40 @@ class CostModel:
         tp: tensor-parallel GPUs.
         dtype: weights and KV dtype name ('bf16', 'fp16', 'fp8', 'fp32').
         step_overhead_s: fixed time added to every step (scheduling, sampling, launch), seconds.
+        compute_efficiency, bandwidth_efficiency: shares of peak FLOP/s and bandwidth reached,
+            in (0, 1] (1: the roofline).
+        allreduce_latency_s: fixed time of one tensor-parallel all-reduce, seconds (tp > 1 only).
+        link_bytes_per_s: one-way GPU-to-GPU bandwidth for the all-reduce's bytes (None: none
+            counted).
+        clock: the clock's name in tables ('roofline', 'calibrated').
 
     Raises:
         SizingError: an impossible tp or unknown dtype.
+        ValueError: an efficiency outside (0, 1] or a negative time.
     """
 
     def __init__(self, config: LlamaConfig, card: Card, tp: int = 1, dtype: str = "bf16",
-                 step_overhead_s: float = 0.0):
+                 step_overhead_s: float = 0.0, compute_efficiency: float = 1.0,
+                 bandwidth_efficiency: float = 1.0, allreduce_latency_s: float = 0.0,
+                 link_bytes_per_s: float | None = None, clock: str = "roofline"):
+        for name, value in (("compute_efficiency", compute_efficiency),
+                            ("bandwidth_efficiency", bandwidth_efficiency)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if step_overhead_s < 0 or allreduce_latency_s < 0:
+            raise ValueError(f"step_overhead_s ({step_overhead_s}) and allreduce_latency_s "
+                             f"({allreduce_latency_s}) must be >= 0")
         self.config, self.card, self.tp, self.dtype = config, card, tp, dtype
-        self.step_overhead_s = step_overhead_s
+        self.step_overhead_s, self.clock = step_overhead_s, clock
+        self.bandwidth = card.bandwidth_bytes_per_s * bandwidth_efficiency
+        self.flops = card.flops_per_s * compute_efficiency
+        # 2 all-reduces a layer: a fixed latency each per step, and per token computed each GPU
+        # sends 2 (tp - 1) / tp of its activations (hidden_size values) in a ring.
+        self.allreduce_latency_s = allreduce_latency_s
+        self.allreduce_s = 0.0 if tp == 1 else 2 * config.num_hidden_layers * allreduce_latency_s
+        self.allreduce_s_per_token = 0.0 if tp == 1 or not link_bytes_per_s else (
+            2 * config.num_hidden_layers * 2 * (tp - 1) / tp * config.hidden_size
+            * dtype_bytes(dtype) / link_bytes_per_s)
         self.weights_bytes = weights_bytes(config, dtype, tp)
         self.params_per_gpu = self.weights_bytes // dtype_bytes(dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(config, dtype, tp)
@@ -99,12 +132,24 @@ class CostModel:
                                * config.head_dim)
 
     def describe(self) -> str:
-        """One line naming the card, tp and what a step costs at minimum."""
+        """One line naming the card, tp and what a step costs at minimum (on the roofline)."""
         card = self.card
         return (f"{self.tp} x {card.name} ({card.bandwidth_bytes_per_s / 1e12:g} TB/s, "
                 f"{card.flops_per_s / 1e12:g} dense TFLOP/s each), {self.config.name} {self.dtype}: "
                 f"weights {self.weights_bytes / 1e9:.1f} GB per GPU, so a step takes >= "
                 f"{self.weights_bytes / card.bandwidth_bytes_per_s * 1e3:.2f} ms")
+
+    def describe_clock(self) -> str:
+        """One line: the clock's name and, off the roofline, its derating factors."""
+        if self.clock == "roofline":
+            return "clock: roofline (100 % of peak bandwidth and FLOP/s, no overheads)"
+        line = (f"clock: {self.clock}: {100 * self.flops / self.card.flops_per_s:.1f} % of peak "
+                f"FLOP/s, {100 * self.bandwidth / self.card.bandwidth_bytes_per_s:.1f} % of peak "
+                f"bandwidth, +{self.step_overhead_s * 1e3:.2f} ms a step")
+        if self.tp > 1:
+            line += (f", +{self.allreduce_latency_s * 1e6:.1f} \N{MICRO SIGN}s for each of "
+                     f"{2 * self.config.num_hidden_layers} all-reduces a step")
+        return line
 
     def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int) -> float:
         """Seconds for one forward pass.
@@ -116,19 +161,25 @@ class CostModel:
         """
         if num_batched_tokens == 0:
             return 0.0
-        card = self.card
+        moved, flops = self.step_work(num_batched_tokens, kv_tokens_read, attention_pairs)
+        return (max(moved / self.bandwidth, flops / self.flops) + self.step_overhead_s
+                + self.allreduce_s + self.allreduce_s_per_token * num_batched_tokens)
+
+    def step_work(self, num_batched_tokens: int, kv_tokens_read: int,
+                  attention_pairs: int) -> tuple[int, int]:
+        """(bytes moved, FLOPs) per GPU of one forward pass (arguments as `step_time`)."""
         moved = (self.weights_bytes
                  + (kv_tokens_read + num_batched_tokens) * self.kv_bytes_per_token)
         flops = (2 * self.params_per_gpu * num_batched_tokens
                  + self.flops_per_pair * attention_pairs)
-        return (max(moved / card.bandwidth_bytes_per_s, flops / card.flops_per_s)
-                + self.step_overhead_s)
+        return moved, flops
 
-    def step_time_of(self, scheduled) -> float:
-        """`step_time` of a `SchedulerOutput.scheduled` list, before `update` (progress unchanged).
+    def step_sizes(self, scheduled) -> tuple[int, int, int]:
+        """(tokens computed, cached tokens read, attention pairs) of a `SchedulerOutput.scheduled`
+        list, before `update` (progress unchanged).
 
-        A request computing n new tokens after c cached ones reads c + n keys and attends
-        n x c + n (n + 1) / 2 (query, key) pairs (causal).
+        A request computing n new tokens after c cached ones reads c keys besides its own and
+        attends n x c + n (n + 1) / 2 (query, key) pairs (causal).
         """
         tokens = kv = pairs = 0
         for request, num_new in scheduled:
@@ -136,4 +187,8 @@ class CostModel:
             tokens += num_new
             kv += computed
             pairs += num_new * computed + num_new * (num_new + 1) // 2
-        return self.step_time(tokens, kv, pairs)
+        return tokens, kv, pairs
+
+    def step_time_of(self, scheduled) -> float:
+        """`step_time` of a `SchedulerOutput.scheduled` list (sizes from `step_sizes`)."""
+        return self.step_time(*self.step_sizes(scheduled))

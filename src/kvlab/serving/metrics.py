@@ -5,9 +5,15 @@ wall clock in model mode unless a cost model is given):
 
 * running: requests holding KV memory during a step. peak = the most; mean = time-weighted over
   the steps (a step of 30 ms counts 30 times a step of 1 ms).
-* kv_usage: token slots held / token slots in the budget (vLLM's `kv_cache_usage`), time-weighted
-  mean and peak. kv_used counts tokens whose K/V are computed (a prefix block shared by several
-  requests is counted for each).
+* kv_usage ("reserved / pool" in tables): token slots reserved / token slots in the budget (vLLM's
+  `kv_cache_usage`), time-weighted mean and peak. It says how full the pool is, not how well it is
+  used: a contiguous slab of max_model_len slots counts whole from admission on.
+* kv_states_share ("states / reserved"): token states held / token slots reserved, summed over
+  the steps time-weighted (slot-seconds holding a computed K/V over slot-seconds reserved): the
+  measure of the vLLM paper's figure 2 (Kwon et al., SOSP 2023: 20.4-38.2 % for Orca's
+  reservations, 96.3 % for vLLM). Token states are the tokens whose K/V are computed, the step's
+  own included; a prefix block shared by several requests counts once for each, so with a
+  prefix cache the share can pass 100 %.
 * TTFT (time to first token) = first token time - arrival time; TPOT (time per output token) =
   (finish - first token) / (output tokens - 1), for requests with more than one output token.
   Percentiles are `kvlab.workload.percentile`'s: linear between order statistics (numpy's default).
@@ -60,7 +66,8 @@ class StepSeries:
 
 # The keys of one row of `kvlab serve`, in print order.
 ROW_KEYS = ("strategy", "requests", "finished", "rejected", "peak_running", "mean_running",
-            "preemptions", "kv_usage_mean", "kv_usage_peak", "output_tokens_per_s", "ttft_p50_s",
+            "preemptions", "kv_usage_mean", "kv_usage_peak", "kv_states_share",
+            "output_tokens_per_s", "ttft_p50_s",
             "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "prefix_hit_rate")
 
 
@@ -81,6 +88,7 @@ class ServeResult:
     recomputed_tokens: int
     kv_usage_mean: float
     kv_usage_peak: float
+    kv_states_share: float
     output_tokens: int
     output_tokens_per_s: float
     ttft_p50_s: float
@@ -123,6 +131,8 @@ def summarize(strategy: str, requests: Sequence[Request], series: StepSeries, pr
     start = min((r.arrival_s for r in requests), default=0.0)
     end = max((r.finish_s for r in finished), default=start)
     usage = [reserved / capacity_tokens for reserved in series.reserved_tokens]
+    reserved_s = sum(r * d for r, d in zip(series.reserved_tokens, series.duration_s))
+    states_s = sum(u * d for u, d in zip(series.used_tokens, series.duration_s))
     hit_rate = None if hit_tokens is None else (hit_tokens / queried_tokens
                                                 if queried_tokens else 0.0)
     return ServeResult(
@@ -130,7 +140,8 @@ def summarize(strategy: str, requests: Sequence[Request], series: StepSeries, pr
         peak_running=max(series.running, default=0),
         mean_running=series.time_mean(series.running), preemptions=preemptions,
         recomputed_tokens=recomputed_tokens, kv_usage_mean=series.time_mean(usage),
-        kv_usage_peak=max(usage, default=0.0), output_tokens=output_tokens,
+        kv_usage_peak=max(usage, default=0.0),
+        kv_states_share=states_s / reserved_s if reserved_s else 0.0, output_tokens=output_tokens,
         output_tokens_per_s=output_tokens / (end - start) if end > start else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
@@ -154,20 +165,21 @@ def _cell(value) -> str:
 
 
 def format_rows(results: Sequence[ServeResult]) -> str:
-    """A plain-text table, one row per strategy (ratios shown as %)."""
+    """A plain-text table, one row per strategy (ratios shown as %): reserved/pool is kv_usage,
+    states/reserved is kv_states_share (see the module docstring)."""
     headers = ("strategy", "finished", "rejected", "peak run", "mean run", "preempt",
-               "KV use mean", "KV use peak", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-               "TPOT p99", "prefix hit")
+               "reserved/pool mean", "reserved/pool peak", "states/reserved", "out tok/s",
+               "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "prefix hit")
     lines = []
     for r in results:
         percent = [None if v is None else f"{v:.1%}" for v in
-                   (r.kv_usage_mean, r.kv_usage_peak, r.prefix_hit_rate)]
+                   (r.kv_usage_mean, r.kv_usage_peak, r.kv_states_share, r.prefix_hit_rate)]
         lines.append([r.strategy, _cell(r.finished), _cell(r.rejected), _cell(r.peak_running),
-                      _cell(r.mean_running), _cell(r.preemptions), _cell(percent[0]),
-                      _cell(percent[1]), _cell(r.output_tokens_per_s),
+                      _cell(r.mean_running), _cell(r.preemptions), *map(_cell, percent[:3]),
+                      _cell(r.output_tokens_per_s),
                       *(_cell(v) + ("" if v is None or math.isnan(v) else " s") for v in
                         (r.ttft_p50_s, r.ttft_p99_s, r.tpot_p50_s, r.tpot_p99_s)),
-                      _cell(percent[2])])
+                      _cell(percent[3])])
     widths = [max(len(str(row[i])) for row in [headers, *lines]) for i in range(len(headers))]
     table = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                        for i, (c, w) in enumerate(zip(row, widths))) for row in [headers, *lines]]

@@ -176,3 +176,30 @@ def test_designs_with_one_sequence_per_request_refuse_forks_on_arrival():
     with pytest.raises(RuntimeError, match="never forks"):
         kv.fork(parent, parent.forks[0])
     assert kv.reject_reason(families(prompts(1), 4, 0.0)[0].forks[0]) is None  # n = 1 is fine
+
+
+@pytest.mark.parametrize("strategy", ["paged", "prefix"])
+def test_admission_needs_room_for_the_whole_prompt_as_in_vllm(strategy):
+    # vLLM 0.32's `scheduler_reserve_full_isl` (on by default): a waiting request is admitted only
+    # if the free blocks could hold its whole prompt, although only the first chunk gets slots.
+    # Pool: 5 blocks of 4. A runs (8 prompt tokens; its first decode token opens a third block, 2
+    # free); B's 16-token prompt needs 4 blocks, its first chunk (4 tokens: a budget of 5 less A's
+    # decode token) only 1.
+    from kvlab.serving import Scheduler, simulated_manager
+
+    def first_steps(reserve_full_isl):
+        kv = simulated_manager(strategy, 5 * 4 * BYTES_PER_TOKEN, BYTES_PER_TOKEN, 20,
+                               block_size=4)
+        scheduler = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
+                                                  scheduler_reserve_full_isl=reserve_full_isl))
+        a, b = Request(0, 0.0, 8, 4), Request(1, 0.0, 16, 2)
+        scheduler.add_request(a)
+        scheduler.update(scheduler.schedule(), None, 1.0)   # A's prompt: 2 blocks
+        scheduler.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5,
+                                           scheduler_reserve_full_isl=reserve_full_isl)
+        scheduler.add_request(b)
+        output = scheduler.schedule()
+        return [(r.request_id, n) for r, n in output.scheduled], kv.num_free_blocks
+
+    assert first_steps(True) == ([(0, 1)], 2)            # B waits: 4 blocks > 2 free
+    assert first_steps(False) == ([(0, 1), (1, 4)], 1)   # B's first chunk let in on 1 block

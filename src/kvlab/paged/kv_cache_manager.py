@@ -93,9 +93,15 @@ class KVCacheManager:
         return [], 0
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       new_computed_blocks: Sequence[int] = (),
+                       full_sequence_must_fit: bool = False) -> list[int] | None:
         """Room for `num_new_tokens` more tokens, after the ones the request holds and (at
         admission) after `new_computed_blocks`, holding `num_new_computed_tokens` tokens.
+
+        full_sequence_must_fit: at admission, refuse unless the free blocks could hold all of
+        the request's tokens, although only num_new_tokens get slots now (vLLM v1's
+        `scheduler_reserve_full_isl` admission gate: a prompt prefilled in chunks is not let in
+        on the strength of its first chunk, to be preempted before its last).
 
         Returns:
             the block ids taken from the pool (a copy-on-write copy first), possibly none; None
@@ -134,7 +140,12 @@ class KVCacheManager:
         copy = num_new_tokens > 0 and self._must_copy_last_block(table)
         num_blocks = table.num_blocks_after(num_new_tokens)
         pool = self.pool
-        if num_blocks + copy + pool.num_free_to_touch(new_computed_blocks) > pool.num_free_blocks:
+        touched = pool.num_free_to_touch(new_computed_blocks)  # free hits leave the queue too
+        if num_blocks + copy + touched > pool.num_free_blocks:
+            return None
+        if admitting and full_sequence_must_fit and (
+                cdiv(request.num_tokens, self.block_size) - len(new_computed_blocks) + touched
+                > pool.num_free_blocks):
             return None
         pool.touch(new_computed_blocks)  # first: allocation below must not reuse them
         new_blocks = []

@@ -184,13 +184,14 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     # ---- allocation: stage 4's, then cache the blocks it filled --------------------------------
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       new_computed_blocks: Sequence[int] = (),
+                       full_sequence_must_fit: bool = False) -> list[int] | None:
         """As `KVCacheManager.allocate_slots`; every block it fills is cached."""
         rid = request.request_id
         table = self.tables.get(rid)
         if table is None:
             return self._admit(request, num_new_tokens, num_new_computed_tokens,
-                               new_computed_blocks)
+                               new_computed_blocks, full_sequence_must_fit)
         new_blocks = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
                                             new_computed_blocks)
         if new_blocks is None:
@@ -202,7 +203,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             self._cache_full_blocks(request)
         return new_blocks
 
-    def _admit(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks):
+    def _admit(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+               full_sequence_must_fit):
         rid = request.request_id
         known = self._lookups.get(rid)
         if (known is not None and known[3] is self._hashes(request)
@@ -215,7 +217,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             raise ValueError(f"computed blocks {list(new_computed_blocks)} of request {rid!r} "
                              f"are not all cached")
         new_blocks = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
-                                            new_computed_blocks)
+                                            new_computed_blocks, full_sequence_must_fit)
         if new_blocks is None:
             return None  # the lookup stays in _lookups for the retry
         self._lookups.pop(rid, None)

@@ -56,8 +56,10 @@ class KVManager(abc.ABC):
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
-        """The reservation at the request's first call ([], or None: no room now); [] after."""
+                       new_computed_blocks: Sequence[int] = (),
+                       full_sequence_must_fit: bool = False) -> list[int] | None:
+        """The reservation at the request's first call ([], or None: no room now); [] after.
+        (A reservation always holds the whole request: full_sequence_must_fit changes nothing.)"""
         if self.holds(request):
             return []
         return [] if self.admit(request) else None

@@ -17,8 +17,10 @@ waiting for its longest member. Each step has two budgets, as in vLLM:
    memory is freed and it goes to the front of the waiting queue. Serving the oldest first means the
    oldest always progress, so the server never livelocks.
 2. If nothing was preempted this step, waiting requests are admitted first come, first served,
-   while the manager has room, max_num_seqs allows and token budget is left. The head of the queue
-   that does not fit waits; nothing overtakes it, so it cannot starve. A step that had to preempt
+   while the manager has room, max_num_seqs allows and token budget is left. Room means room for
+   the whole prompt, not just the chunk computed now (`scheduler_reserve_full_isl`, vLLM 0.32's
+   default). The head of the queue that does not fit waits; nothing overtakes it, so it cannot
+   starve. A step that had to preempt
    admits nobody, as in vLLM v1: memory is already too short for the requests running, and the
    first in line is the request just preempted, which, let back in with a small first chunk,
    would only be preempted again (thrashing).
@@ -50,16 +52,21 @@ __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """The step budgets (vLLM's names).
+    """The step budgets and the admission gate (vLLM's names).
 
     Attributes:
         max_num_seqs: most requests running at once (vLLM v1: 1,024 on large GPUs, 256 elsewhere).
         max_num_batched_tokens: most tokens computed in one step (vLLM v1 uses 8,192 for online
             serving on large GPUs, 2,048 elsewhere; a prompt beyond it is prefilled in chunks).
+        scheduler_reserve_full_isl: admit a request only if its whole input (prompt, or prompt
+            and outputs after a preemption) fits in the free blocks now, although only its first
+            chunk gets slots (vLLM 0.32's default: vllm/config/scheduler.py, the same name):
+            otherwise a long prompt is let in on its first chunk and preempted before its last.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -176,7 +183,8 @@ class Scheduler:
             # rest, as much of it as the token budget allows (>= 1: a hit never covers the last).
             blocks, cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - cached, budget)
-            if self.kv.allocate_slots(request, num_new, cached, blocks) is None:
+            if self.kv.allocate_slots(request, num_new, cached, blocks,
+                                      self.config.scheduler_reserve_full_isl) is None:
                 break  # the head waits for memory; no overtaking
             self.waiting.popleft()
             self.num_queried_tokens += request.num_tokens

@@ -5,13 +5,14 @@
     kvlab report                      # the main job: every cache strategy on realistic traffic
     kvlab check 0                     # check your stage-0 exercise
     kvlab fetch smollm2-135m          # a real pretrained model (4-bit GGUF) into the user's cache
+    kvlab compare-vllm --vllm-python vllm-venv/bin/python   # your engine against vLLM itself
 
 `size`, `generate` and `report` take --json for machine-readable output. Bad input exits with
 status 2 and one line on stderr that names the bad value (or the file and what it should hold).
 
-One module per subcommand (`size`, `generate`, `report`, `serve`, `fetch_check`), each with a
-`register(commands)` that adds its arguments and a `run(args)` that does the work; shared
-argument types live in `arguments`. Modules import torch inside `run`, never at the top, so
+One module per subcommand (`size`, `generate`, `report`, `serve`, `fetch_check`,
+`compare_vllm`), each with a `register(commands)` that adds its arguments and a `run(args)` that
+does the work; shared argument types live in `arguments`. Modules import torch inside `run`, never at the top, so
 `kvlab size` and `kvlab report` start without it (tests/test_startup.py checks this).
 """
 
@@ -24,7 +25,7 @@ import sys
 from ..config import ConfigError
 from ..fetch import FetchError
 from ..sizing import SizingError
-from . import fetch_check, generate, report, serve, size
+from . import compare_vllm, fetch_check, generate, report, serve, size
 
 __all__ = ["build_parser", "main"]
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole `kvlab` argument parser: one subparser per subcommand."""
     parser = OneLineErrorParser(prog="kvlab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (size, generate, report, serve, fetch_check):
+    for command in (size, generate, report, serve, fetch_check, compare_vllm):
         command.register(commands)
     return parser
 

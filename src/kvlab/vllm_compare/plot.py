@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 __all__ = ["plot_steps"]
@@ -14,7 +15,7 @@ def plot_steps(kvlab: dict, vllm: dict, path: str | Path, title: str = "") -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
     for ax, key in zip(axes, ("running", "waiting")):
         # vLLM solid and wide underneath, kvlab dashed on top: equal lines stay visible.
         ax.step(range(len(vllm["steps"][key])), vllm["steps"][key], where="post", lw=3,
@@ -26,7 +27,7 @@ def plot_steps(kvlab: dict, vllm: dict, path: str | Path, title: str = "") -> Pa
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel("engine step")
     if title:
-        axes[0].set_title(title, fontsize=9)
+        axes[0].set_title(textwrap.fill(title, 110), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

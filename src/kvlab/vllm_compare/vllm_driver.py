@@ -22,9 +22,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run(spec: dict) -> dict:
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.v1.core.sched.scheduler import Scheduler
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError as error:  # the wrong python: kvlab's, or a venv without vLLM
+        return {"error": f"{sys.executable} cannot import vLLM ({error}): run this driver with "
+                         f"the python of vLLM's own venv"}
 
     settings, workload = spec["settings"], spec["workload"]
     running, waiting, start, capacity = [], [], [], []

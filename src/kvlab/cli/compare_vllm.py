@@ -88,6 +88,8 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
         print(f"kvlab compare-vllm: error: {result.vllm_error}", file=sys.stderr)
         return 2
     print(format_table(result.rows, title))
+    print(f"torch threads: kvlab {result.kvlab.get('torch_threads')}, vLLM "
+          f"{result.vllm.get('torch_threads')}")
     if args.plot:
         print(f"plot: {plot_steps(result.kvlab, result.vllm, args.plot, title)}")
     return 0

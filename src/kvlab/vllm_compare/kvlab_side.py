@@ -94,4 +94,5 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
             "kv_capacity_tokens": free_blocks * settings.block_size, "outputs": outputs,
             "num_cached_tokens": cached, "prefix_cache_queries": counts["queries"],
             "prefix_cache_hits": counts["hits"], "num_preemptions": preemptions,
-            "steps": {"running": running, "waiting": waiting}, "token_times_s": times}
+            "steps": {"running": running, "waiting": waiting}, "token_times_s": times,
+            "torch_threads": torch.get_num_threads()}

@@ -31,7 +31,9 @@ def run(spec: dict) -> dict:
                          f"the python of vLLM's own venv"}
 
     settings, workload = spec["settings"], spec["workload"]
-    running, waiting, start, capacity = [], [], [], []
+    import torch
+
+    running, waiting, start, capacity, threads = [], [], [], [], []
     times = {}  # vLLM request id -> token times
 
     class RecordingScheduler(Scheduler):
@@ -40,6 +42,7 @@ def run(spec: dict) -> dict:
         def schedule(self, *args, **kwargs):
             if not start:
                 capacity.append(self.kv_cache_manager.block_pool.get_num_free_blocks())
+                threads.append(torch.get_num_threads())  # vLLM's CPU worker may bind its own
                 start.append(time.perf_counter())
             output = super().schedule(*args, **kwargs)
             now_running, now_waiting = self.get_request_counts()  # what its stat loggers read
@@ -91,7 +94,8 @@ def run(spec: dict) -> dict:
             "prefix_cache_queries": counter("vllm:prefix_cache_queries") or 0,
             "prefix_cache_hits": counter("vllm:prefix_cache_hits") or 0,
             "num_preemptions": counter("vllm:num_preemptions") or 0,
-            "steps": {"running": running, "waiting": waiting}, "token_times_s": token_times}
+            "steps": {"running": running, "waiting": waiting}, "token_times_s": token_times,
+            "torch_threads": threads[0] if threads else None}
 
 
 def main() -> int:

@@ -93,7 +93,14 @@ def test_settings_refuse_what_vllm_would_refuse():
         EngineSettings(block_size=16)
     with pytest.raises(ValueError, match="max_model_len=2048"):
         EngineSettings(num_blocks=10, max_model_len=2048)
-    assert EngineSettings(num_blocks=40, kvlab_num_blocks=39).kvlab_blocks == 39
+    with pytest.raises(ValueError, match="kvlab_num_blocks=8"):
+        EngineSettings(kvlab_num_blocks=8, max_model_len=1024)
+    with pytest.raises(ValueError, match="one of the two"):
+        EngineSettings(num_blocks=40, kv_cache_memory_bytes=2**30)
+    with pytest.raises(ValueError, match="one of the two"):
+        EngineSettings(num_blocks=None)
+    assert EngineSettings(num_blocks=40, kvlab_num_blocks=39).kvlab_blocks(1000) == 39
+    assert EngineSettings(num_blocks=None, kv_cache_memory_bytes=10_500).kvlab_blocks(1000) == 10
 
 
 def test_missing_vllm_names_the_fix(tmp_path):
@@ -157,6 +164,19 @@ def test_kvlab_side_records_what_the_engine_did(tiny):
     assert got["steps"]["waiting"][0] > 0  # a pool of 8 blocks cannot take six requests at once
     assert [len(t) for t in got["token_times_s"]] == [12] * 6
     assert all(a <= b for t in got["token_times_s"] for a, b in zip(t, t[1:]))
+
+
+def test_kvlab_side_sizes_a_byte_budget_with_its_own_arithmetic(tiny):
+    import torch
+
+    from kvlab.paged.budget import kv_block_bytes
+
+    model, tokenizer = tiny
+    work = chat_workload(tokenizer, None, num_chats=2, max_tokens=2)
+    block_bytes = kv_block_bytes(model.config, 32, torch.float32)
+    settings = EngineSettings(num_blocks=None, kv_cache_memory_bytes=20 * block_bytes + 5,
+                              max_model_len=256)
+    assert run_kvlab(model, work, settings)["kv_capacity_blocks"] == 20
 
 
 def test_cli_without_vllm_prints_kvlab_and_one_line_exit_2(capsys, tmp_path):

@@ -39,9 +39,13 @@ def register(commands) -> None:
                         "trace's, shrunk, at most 32)")
     p.add_argument("--block-size", type=positive_int, default=32,
                    help="tokens per block; vLLM's CPU attention takes multiples of 32")
-    p.add_argument("--num-blocks", type=positive_int, default=40,
-                   help="blocks in the pool (vLLM's num_gpu_blocks_override; vLLM keeps block 0 "
-                        "as its null block)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=positive_int, default=None,
+                      help="blocks in the pool (vLLM's num_gpu_blocks_override; vLLM keeps block "
+                           "0 as its null block; default 40)")
+    pool.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
+                      help="size the pool from bytes instead (vLLM's kv_cache_memory_bytes; "
+                           "kvlab divides by its own block bytes)")
     p.add_argument("--kvlab-num-blocks", type=positive_int, default=None,
                    help="kvlab's pool if not --num-blocks (num-blocks - 1 matches vLLM's usable "
                         "pool)")
@@ -65,16 +69,18 @@ def register(commands) -> None:
 def run_compare_vllm(args: argparse.Namespace) -> int:
     from ..vllm_compare import EngineSettings, format_table, plot_steps, run_comparison
 
-    settings = EngineSettings(args.block_size, args.num_blocks, args.max_num_seqs,
+    num_blocks = args.num_blocks or (None if args.kv_cache_memory_bytes else 40)
+    settings = EngineSettings(args.block_size, num_blocks, args.max_num_seqs,
                               args.max_num_batched_tokens, args.max_model_len,
-                              args.enable_prefix_caching, args.kvlab_num_blocks, args.threads)
+                              args.enable_prefix_caching, args.kvlab_num_blocks, args.threads,
+                              args.kv_cache_memory_bytes)
     result = run_comparison(args.model, args.workload, settings, args.vllm_python,
                             args.num_requests, args.max_tokens, args.vllm_log)
     work = result.workload
     title = (f"{work.name}: {len(work.prompts)} requests, "
              f"{sum(map(len, work.prompts)):,} prompt tokens, {sum(work.max_tokens):,} output "
-             f"tokens; block_size {settings.block_size}, num_blocks {settings.num_blocks}"
-             f"{'' if settings.kvlab_num_blocks is None else f' (kvlab {settings.kvlab_blocks})'}"
+             f"tokens; block_size {settings.block_size}, "
+             f"{_pool(settings)}"
              f", max_num_seqs {settings.max_num_seqs}, max_num_batched_tokens "
              f"{settings.max_num_batched_tokens}, max_model_len {settings.max_model_len}, "
              f"prefix caching {'on' if settings.enable_prefix_caching else 'off'}, "
@@ -93,6 +99,14 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot_steps(result.kvlab, result.vllm, args.plot, title)}")
     return 0
+
+
+def _pool(settings) -> str:
+    """The pool as the title states it."""
+    pool = (f"num_blocks {settings.num_blocks}" if settings.num_blocks is not None
+            else f"kv_cache_memory_bytes {settings.kv_cache_memory_bytes:,}")
+    kvlab = settings.kvlab_num_blocks
+    return pool if kvlab is None else f"{pool} (kvlab {kvlab} blocks)"
 
 
 def _kvlab_alone(kvlab: dict) -> str:

@@ -26,9 +26,14 @@ def _run_engine(model, workload: Workload, settings: EngineSettings,
 
     Returns (generated ids per request, preemptions, free blocks before the first step).
     """
+    import torch
+
+    from ..paged.budget import kv_block_bytes
     from ..serving import LLMEngine
 
-    engine = LLMEngine(model, settings.kvlab_blocks, settings.block_size, settings.max_model_len,
+    num_blocks = settings.kvlab_blocks(kv_block_bytes(model.config, settings.block_size,
+                                                      torch.float32))
+    engine = LLMEngine(model, num_blocks, settings.block_size, settings.max_model_len,
                        settings.max_num_seqs, eos_token_id=None,
                        enable_prefix_caching=settings.enable_prefix_caching,
                        max_num_batched_tokens=settings.max_num_batched_tokens)

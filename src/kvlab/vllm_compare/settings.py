@@ -33,35 +33,50 @@ RESULT_KEYS = ("engine", "version", "kv_capacity_blocks", "kv_capacity_tokens", 
 
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
-    """vLLM's engine arguments of these names (greedy, fp32, no CUDA graphs)."""
+    """vLLM's engine arguments of these names (greedy, fp32, no CUDA graphs).
+
+    The pool is `num_blocks` blocks, or, with `kv_cache_memory_bytes`, what that many bytes hold:
+    vLLM sizes it itself; kvlab divides by its own block bytes (`kvlab.paged.budget`), so the
+    capacity row compares the two sizings. `kvlab_num_blocks` overrides kvlab's pool either way.
+    """
 
     block_size: int = 32
-    num_blocks: int = 40
+    num_blocks: int | None = 40
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 1024
     enable_prefix_caching: bool = True
-    kvlab_num_blocks: int | None = None  # None: num_blocks
+    kvlab_num_blocks: int | None = None  # None: the same pool as vLLM's
     threads: int = 1
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type == "bool" or (value is None and field.name == "kvlab_num_blocks"):
+            if field.type == "bool" or (value is None and "None" in field.type):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+        if (self.num_blocks is None) == (self.kv_cache_memory_bytes is None):
+            raise ValueError(f"give the pool as num_blocks or kv_cache_memory_bytes, one of the "
+                             f"two (got {self.num_blocks!r} and {self.kv_cache_memory_bytes!r})")
         if self.block_size % 32:
             raise ValueError(f"block_size={self.block_size}: vLLM's CPU attention takes a "
                              f"multiple of 32 (16 is refused: 'No common block size for 16')")
-        if self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} = "
-                             f"{self.num_blocks * self.block_size} tokens < max_model_len="
-                             f"{self.max_model_len}: the pool must hold one longest request")
+        for name in ("num_blocks", "kvlab_num_blocks"):
+            blocks = getattr(self, name)
+            if blocks is not None and blocks * self.block_size < self.max_model_len:
+                raise ValueError(f"{name}={blocks} x block_size={self.block_size} = "
+                                 f"{blocks * self.block_size} tokens < max_model_len="
+                                 f"{self.max_model_len}: the pool must hold one longest request")
 
-    @property
-    def kvlab_blocks(self) -> int:
-        return self.num_blocks if self.kvlab_num_blocks is None else self.kvlab_num_blocks
+    def kvlab_blocks(self, block_bytes: int) -> int:
+        """kvlab's pool, given the bytes of one of its blocks."""
+        if self.kvlab_num_blocks is not None:
+            return self.kvlab_num_blocks
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return self.kv_cache_memory_bytes // block_bytes
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

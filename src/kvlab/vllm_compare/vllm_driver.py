@@ -30,9 +30,9 @@ def run(spec: dict) -> dict:
         return {"error": f"{sys.executable} cannot import vLLM ({error}): run this driver with "
                          f"the python of vLLM's own venv"}
 
-    settings, workload = spec["settings"], spec["workload"]
     import torch
 
+    settings, workload = spec["settings"], spec["workload"]
     running, waiting, start, capacity, threads = [], [], [], [], []
     times = {}  # vLLM request id -> token times
 
@@ -58,13 +58,16 @@ def run(spec: dict) -> dict:
                     times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
             return outputs
 
-    llm = LLM(model=spec["model_dir"], dtype="float32", enforce_eager=True,
+    if settings.get("kv_cache_memory_bytes"):  # vLLM sizes the pool from the bytes
+        pool = {"kv_cache_memory_bytes": settings["kv_cache_memory_bytes"]}
+    else:
+        pool = {"num_gpu_blocks_override": settings["num_blocks"]}
+    llm = LLM(model=spec["model_dir"], dtype="float32", enforce_eager=True, **pool,
               skip_tokenizer_init=True, disable_log_stats=False, seed=0,
               # On the CPU backend this is the share of the machine's memory vLLM checks is free
               # at start-up; the pool itself is num_gpu_blocks_override blocks.
               gpu_memory_utilization=0.1,
               block_size=settings["block_size"],
-              num_gpu_blocks_override=settings["num_blocks"],
               max_num_seqs=settings["max_num_seqs"],
               max_num_batched_tokens=settings["max_num_batched_tokens"],
               max_model_len=settings["max_model_len"],

@@ -5,6 +5,7 @@
     kvlab report                      # the main job: every cache strategy on realistic traffic
     kvlab check 0                     # check your stage-0 exercise
     kvlab fetch smollm2-135m          # a real pretrained model (4-bit GGUF) into the user's cache
+    kvlab compare-vllm --vllm-python vllm-venv/bin/python   # your engine against vLLM itself
 
 Bad input exits with status 2 and one line on stderr naming the bad value (or file). One module
 per subcommand, each with `register(commands)` and `run(args)`; shared argument types in
@@ -21,7 +22,7 @@ import sys
 from ..config import ConfigError
 from ..fetch import FetchError
 from ..sizing import SizingError
-from . import fetch_check, generate, report, serve, size
+from . import compare_vllm, fetch_check, generate, report, serve, size
 
 __all__ = ["build_parser", "main"]
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole `kvlab` argument parser: one subparser per subcommand."""
     parser = OneLineErrorParser(prog="kvlab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (size, generate, report, serve, fetch_check):
+    for command in (size, generate, report, serve, fetch_check, compare_vllm):
         command.register(commands)
     return parser
 

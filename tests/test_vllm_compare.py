@@ -99,8 +99,10 @@ def test_settings_refuse_what_vllm_would_refuse():
         EngineSettings(num_blocks=40, kv_cache_memory_bytes=2**30)
     with pytest.raises(ValueError, match="one of the two"):
         EngineSettings(num_blocks=None)
-    assert EngineSettings(num_blocks=40, kvlab_num_blocks=39).kvlab_blocks(1000) == 39
-    assert EngineSettings(num_blocks=None, kv_cache_memory_bytes=10_500).kvlab_blocks(1000) == 10
+    # kvlab gets vLLM's usable pool: vLLM keeps one block as its null block
+    assert EngineSettings(num_blocks=40).kvlab_blocks(1000) == 39
+    assert EngineSettings(num_blocks=40, kvlab_num_blocks=40).kvlab_blocks(1000) == 40
+    assert EngineSettings(num_blocks=None, kv_cache_memory_bytes=10_500).kvlab_blocks(1000) == 9
 
 
 def test_missing_vllm_names_the_fix(tmp_path):
@@ -150,7 +152,7 @@ def test_mooncake_workload_keeps_the_trace_prefixes():
 def test_kvlab_side_records_what_the_engine_did(tiny):
     model, tokenizer = tiny
     work = chat_workload(tokenizer, None, num_chats=6, max_tokens=12)
-    settings = EngineSettings(block_size=32, num_blocks=8, max_model_len=256)
+    settings = EngineSettings(block_size=32, num_blocks=9, max_model_len=256)  # kvlab: 8
     got = check_result(run_kvlab(model, work, settings), "kvlab")
     assert set(RESULT_KEYS) <= set(got)
     reference = generate_batch(model, work.prompts, 12, block_size=32, num_blocks=8,
@@ -176,7 +178,7 @@ def test_kvlab_side_sizes_a_byte_budget_with_its_own_arithmetic(tiny):
     block_bytes = kv_block_bytes(model.config, 32, torch.float32)
     settings = EngineSettings(num_blocks=None, kv_cache_memory_bytes=20 * block_bytes + 5,
                               max_model_len=256)
-    assert run_kvlab(model, work, settings)["kv_capacity_blocks"] == 20
+    assert run_kvlab(model, work, settings)["kv_capacity_blocks"] == 19  # less vLLM's null block
 
 
 def test_cli_without_vllm_prints_kvlab_and_one_line_exit_2(capsys, tmp_path):

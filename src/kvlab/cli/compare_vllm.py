@@ -47,8 +47,8 @@ def register(commands) -> None:
                       help="size the pool from bytes instead (vLLM's kv_cache_memory_bytes; "
                            "kvlab divides by its own block bytes)")
     p.add_argument("--kvlab-num-blocks", type=positive_int, default=None,
-                   help="kvlab's pool if not --num-blocks (num-blocks - 1 matches vLLM's usable "
-                        "pool)")
+                   help="kvlab's pool (default: vLLM's usable pool, num-blocks - 1, since vLLM "
+                        "keeps block 0 as its null block; give --num-blocks to see the difference)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--max-model-len", type=positive_int, default=1024)

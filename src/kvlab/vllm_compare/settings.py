@@ -1,9 +1,10 @@
 """The settings both engines get, under vLLM's names, and the result each side reports.
 
 `EngineSettings` holds vLLM's engine arguments of the same names; `num_blocks` is vLLM's
-`num_gpu_blocks_override` (the pool, block 0 included: vLLM keeps that one as its null block, so it
-schedules with num_blocks - 1; kvlab's `kvlab_num_blocks` defaults to num_blocks, to show the
-difference, and can be set to num_blocks - 1 to match).
+`num_gpu_blocks_override` (the pool, block 0 included: vLLM keeps that one as its null block,
+`BlockPool.__init__` in vllm/v1/core/block_pool.py, so it schedules with num_blocks - 1). kvlab
+has no null block, so by default it gets vLLM's usable pool, num_blocks - 1 (the same from
+`kv_cache_memory_bytes`); `kvlab_num_blocks` sets it (num_blocks shows the one-block difference).
 
 A result (`RESULT_KEYS`), the same JSON from either engine:
 
@@ -71,12 +72,12 @@ class EngineSettings:
                                  f"{self.max_model_len}: the pool must hold one longest request")
 
     def kvlab_blocks(self, block_bytes: int) -> int:
-        """kvlab's pool, given the bytes of one of its blocks."""
+        """kvlab's pool, given the bytes of one of its blocks: vLLM's usable pool by default."""
         if self.kvlab_num_blocks is not None:
             return self.kvlab_num_blocks
         if self.num_blocks is not None:
-            return self.num_blocks
-        return self.kv_cache_memory_bytes // block_bytes
+            return self.num_blocks - 1  # vLLM's null block
+        return self.kv_cache_memory_bytes // block_bytes - 1
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

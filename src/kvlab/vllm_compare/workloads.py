@@ -127,8 +127,8 @@ def mooncake_workload(vocab_size: int, num_requests: int = 24, shrink: int = 16,
     if TRACE_BLOCK_SIZE % shrink:
         raise ValueError(f"shrink must divide {TRACE_BLOCK_SIZE} (the trace's block), got {shrink}")
     trace = load_mooncake_trace("conversation")
-    rows = [Request(i, 0.0, r.input_length, max(1, r.output_length), block_hashes=r.hash_ids,
-                    hash_block_size=TRACE_BLOCK_SIZE)
+    rows = [Request(i, 0.0, r.prompt_len, max(1, r.output_len),
+                    trace_block_ids=r.trace_block_ids, trace_block_size=TRACE_BLOCK_SIZE)
             for i, r in enumerate(trace.requests[start:])]
     kept = [r for r in shrink_requests(rows, shrink) if r.prompt_len <= max_prompt_tokens]
     if len(kept) < num_requests:

@@ -209,7 +209,7 @@ def test_simulation_and_model_mode_make_the_same_decisions(model):
         assert real.preemptions == simulated.preemptions
 
 
-def test_paged_manager_refuses_a_pool_smaller_than_one_request():
+def test_simulated_manager_refuses_a_pool_smaller_than_one_request():
     # The same error class as PagedKVCache and ContiguousKVCache raise for the same condition.
     with pytest.raises(KVCacheOutOfMemory, match="max_model_len=64 request needs 16 blocks"):
         simulated_manager("paged", 10 * 4 * 100, 100, max_model_len=64, block_size=4)

@@ -173,7 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..report import SERVING_STRATEGY
     from ..serving import request as req
     from ..serving.metrics import format_rows
-    from ..serving.runner import STRATEGIES
+    from ..serving.engine_core import STRATEGIES
     from ..serving.traces import load_trace
 
     check_flags(args)
@@ -222,7 +222,7 @@ def _simulate(args, requests, strategies):
     from ..config import load_config
     from ..serving.calibration import clock_cost_model, clock_note
     from ..serving.cost_model import get_card
-    from ..serving.runner import SimulatedExecutor, serve, simulated_manager
+    from ..serving.engine_core import SimulatedExecutor, serve, simulated_manager
     from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token
 
     config = load_config(args.model or "llama-3.1-70b")
@@ -273,7 +273,7 @@ def _run_model(args, requests, strategies):
     from ..checkpoint import load_model
     from ..dtypes import torch_dtype
     from ..serving.request import synthetic_prompt_ids
-    from ..serving.runner import model_strategy, serve
+    from ..serving.engine_core import model_strategy, serve
     from ..sizing import format_bytes, local_gpu_memory
     from .generate import default_threads
 

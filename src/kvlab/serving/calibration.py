@@ -36,7 +36,7 @@ from ..sizing import default_kv_budget, kv_bytes_per_token
 from ..workload import SHAREGPT, synthetic_requests
 from .cost_model import CostModel, get_card
 from .request import Request, from_sizes, poisson_arrivals
-from .runner import serve, simulated_manager
+from .engine_core import serve, simulated_manager
 from .scheduler import SchedulerConfig
 
 __all__ = ["Measurement", "Factors", "Residual", "load_measurements", "stored_factors",

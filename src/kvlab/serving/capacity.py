@@ -17,7 +17,7 @@ import dataclasses
 from typing import Iterable
 
 from .request import from_sizes
-from .runner import serve, simulated_manager
+from .engine_core import serve, simulated_manager
 from .scheduler import SchedulerConfig, SchedulerOutput
 
 __all__ = ["HeldMeasurement", "measure_requests_held"]

@@ -1,4 +1,4 @@
-"""Model mode's executor: one scheduled step through the real model and the real cache tensors.
+"""Model mode's runner: one scheduled step through the real model and the real cache tensors.
 
 The scheduler decides, this module executes (vLLM v1's model runner, cut to its core). For each
 step it:
@@ -40,10 +40,10 @@ from .cost_model import CostModel
 from .request import Request, RequestState
 from .scheduler import SchedulerOutput
 
-__all__ = ["ModelExecutor"]
+__all__ = ["ModelRunner"]
 
 
-class ModelExecutor:
+class ModelRunner:
     """The real model over a real cache.
 
     Args:

@@ -24,20 +24,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from .cost_model import CostModel
-from .exact_reservation import FirstFitSlabManager
+from .reservation import FirstFitSlabManager, power_of_two
 from .metrics import ServeResult
 from .request import Request
-from .runner import SimulatedExecutor, serve, simulated_manager
+from .engine_core import SimulatedExecutor, serve, simulated_manager
 from .scheduler import SchedulerConfig
 
 __all__ = ["power_of_two", "RESERVATIONS", "token_state_shares"]
 
 RESERVATIONS = ("max length", "power of two", "oracle", "paged")
-
-
-def power_of_two(request: Request) -> int:
-    """Token slots of Orca's Pow2 reservation: the next power of two >= prompt + output."""
-    return 1 << (request.total_len - 1).bit_length()
 
 
 def _manager(name: str, kv_budget_bytes: int, bytes_per_token: int, max_model_len: int,

@@ -1,9 +1,10 @@
-"""Offline generation on the one serving design: `LLMEngine`, a batch of prompts given up front.
+"""Offline generation on the one serving design: `LLMEngine` and `generate_batch`, a batch of
+prompts given up front.
 
 vLLM runs offline batches (`LLM.generate`) and online traffic (the API server) on the same engine
 core. So does the course: `LLMEngine` is stage 7's `Scheduler` (admit, run, preempt), a KV cache
 manager (`KVCacheManager`, or `PrefixCachingKVCacheManager` with `enable_prefix_caching=True`) and a
-`ModelExecutor` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
+`ModelRunner` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
 trace arriving over time. What this module adds is what a caller of `generate` needs:
 
 * a request for n completions of one prompt (parallel sampling), whose n - 1 forks share the
@@ -15,6 +16,12 @@ trace arriving over time. What this module adds is what a caller of `generate` n
 * validation of every request before it is queued (one bad request never reaches the scheduler);
 * the counts stage 4 and stage 6 print: preemptions, recomputed tokens, prefill tokens, peak
   blocks, blocks saved by sharing, copy-on-write copies, prefix-cache hits.
+
+`generate_batch` is one call for a whole batch: it sizes the pool (by default big enough that
+nothing is preempted), queues every prompt, rejects the ones that can never be served without
+stopping the others, runs the engine and collects the completions and the counts. Stage 4 calls it
+with the paged cache, stage 6 with `enable_prefix_caching=True`; `kvlab.generate.generate` is the
+one-prompt front door.
 """
 
 from __future__ import annotations
@@ -32,12 +39,12 @@ from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
 from ..prefix.manager import PrefixCacheStats
 from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
-from .model_runner import ModelExecutor
+from .engine_core import engine_step, simulated_manager
+from .model_runner import ModelRunner
 from .request import Request, SamplingParams, stop_token_ids
-from .runner import engine_step, paged_manager
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["EngineStats", "LLMEngine"]
+__all__ = ["EngineStats", "LLMEngine", "BatchResult", "generate_batch", "default_pool_size"]
 
 
 @dataclasses.dataclass
@@ -116,15 +123,17 @@ class LLMEngine:
         check_pool_fits(check_int("num_blocks", num_blocks, 1), check_int("block_size",
                         block_size, 1), self.max_model_len,
                         kv_block_bytes(model.config, block_size, model.dtype))
-        self.kv = paged_manager("prefix" if enable_prefix_caching else "paged", num_blocks,
-                                block_size, self.max_model_len, hash_fn)
+        # the manager alone, sized in token slots (1 "byte" a token); the cache gets it below
+        self.kv = simulated_manager("prefix" if enable_prefix_caching else "paged",
+                                    num_blocks * block_size, 1, self.max_model_len, block_size,
+                                    hash_fn)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
                                             attention_backend, manager=self.kv)
         if max_num_batched_tokens is None:
             # Whole prompts in one step unless the caller asks for chunks (see the docstring).
             max_num_batched_tokens = max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_num_batched_tokens))
-        self.executor = ModelExecutor(model, self.cache)
+        self.executor = ModelRunner(model, self.cache)
         self.requests: list[list[Request]] = []  # request_id -> its n completions
         self.stats = EngineStats()
         self._num_sequences = 0
@@ -256,3 +265,124 @@ class LLMEngine:
         stats.peak_blocks_unshared = max(stats.peak_blocks_unshared, manager.num_logical_blocks)
         saved = manager.num_logical_blocks - manager.num_used_blocks
         stats.blocks_saved_by_sharing = max(stats.blocks_saved_by_sharing, saved)
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """Output of `generate_batch`.
+
+    Attributes:
+        token_ids: per prompt, the generated ids of its first completion ([] if rejected).
+        completions: per prompt, the generated ids of each of its n completions.
+        errors: per prompt, None or the message of the error (e.g. RequestTooLongError) that
+            rejected it.
+        stats: preemptions, peak blocks in use, blocks saved by sharing, copy-on-write copies.
+        prefix_stats: prefix cache hit rate, blocks not computed, prefill tokens skipped,
+            evictions (with enable_prefix_caching; else None).
+        cache: the PagedKVCache used (every block is free again at the end).
+    """
+
+    token_ids: list[list[int]]
+    completions: list[list[list[int]]]
+    errors: list[str | None]
+    stats: EngineStats
+    prefix_stats: PrefixCacheStats | None
+    cache: PagedKVCache
+
+
+def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int],
+                   block_size: int = 16, num_blocks: int | None = None,
+                   max_model_len: int | None = None, n: int = 1,
+                   eos_token_id: int | Seq[int] | None = None, max_num_seqs: int = 256,
+                   first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
+                   seed: int = 0, seeds: Seq[int | None] | None = None,
+                   cache_salts: Seq[str | None] | None = None,
+                   enable_prefix_caching: bool = False, hash_fn: HashFunction = sha256,
+                   attention_backend: BackendLike = None) -> BatchResult:
+    """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
+
+    Prompts are admitted in order, so with prefix caching a prompt can hit the blocks of any
+    earlier one that is running or whose blocks were not reused since.
+
+    Args:
+        model: the decoder.
+        prompts: token ids of each prompt (lengths may differ).
+        max_new_tokens: tokens per completion, one int for all or one per prompt.
+        block_size: tokens per block.
+        num_blocks: pool size; default enough for every completion at full length (nothing is
+            preempted). A small pool forces preemption.
+        max_model_len: longest request allowed; default min(max_position_embeddings, the longest
+            request) when num_blocks is None, else min(max_position_embeddings, num_blocks x
+            block_size).
+        n: completions per prompt (parallel sampling, prompt blocks shared).
+        eos_token_id: stop a completion after this token (or any of several; see `LLMEngine`).
+        max_num_seqs: most sequences running at once.
+        first_tokens: per prompt None or n forced first tokens, one per completion.
+        temperature, seed: sampling (0 = greedy); see `LLMEngine`.
+        seeds: per prompt None or its own sampling seed (see `LLMEngine.add_request`).
+        cache_salts: per prompt None or its tenant's salt (prefix caching).
+        enable_prefix_caching, hash_fn: stage 6's prefix cache and its block hash.
+        attention_backend: see `kvlab.paged.backends`.
+
+    Returns:
+        BatchResult. A rejected prompt (too long, empty, bad token ids or salt: any error of
+        `add_request`) gets [] and an error message; the other prompts are generated as if they
+        were alone: one bad request never takes down the others.
+
+    Raises:
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
+        ValueError: malformed arguments of the whole call (no prompts, mismatched list lengths,
+            max_model_len > max_position_embeddings, bad sizes).
+    """
+    if len(prompts) == 0:
+        raise ValueError("generate_batch needs at least one prompt")
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    for name, values in (("max_new_tokens", max_new_tokens), ("first_tokens", first_tokens),
+                         ("seeds", seeds), ("cache_salts", cache_salts)):
+        if values is not None and len(values) != len(prompts):
+            raise ValueError(f"{len(values)} {name} entries for {len(prompts)} prompts")
+    max_new_tokens = [check_int("max_new_tokens", new, 1) for new in max_new_tokens]
+    check_int("n (at most max_num_seqs)", n, 1, check_int("max_num_seqs", max_num_seqs, 1))
+    lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
+    max_model_len, num_blocks = default_pool_size(model, lengths, n, block_size, max_model_len,
+                                                  num_blocks)
+    engine = LLMEngine(model, num_blocks, block_size, max_model_len, max_num_seqs, eos_token_id,
+                       temperature, seed, attention_backend, enable_prefix_caching, hash_fn)
+
+    def per_prompt(values, index):
+        return None if values is None else values[index]
+
+    request_ids: list[int | None] = []
+    errors: list[str | None] = []
+    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+        try:
+            request_ids.append(engine.add_request(
+                prompt, new, n, per_prompt(first_tokens, index), per_prompt(seeds, index),
+                per_prompt(cache_salts, index)))
+            errors.append(None)
+        except (ValueError, TypeError, RequestTooLongError) as error:
+            request_ids.append(None)
+            errors.append(f"prompt {index}: {error}")
+    engine.run()
+    completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
+                   for rid in request_ids]
+    return BatchResult([c[0] for c in completions], completions, errors, engine.stats,
+                       engine.prefix_stats, engine.cache)
+
+
+def default_pool_size(model, lengths: list[int], n: int, block_size: int,
+                      max_model_len: int | None, num_blocks: int | None) -> tuple[int, int]:
+    """The batch defaults: (max_model_len, num_blocks) in tokens and blocks.
+
+    max_model_len defaults to the longest request (prompt + max_new_tokens, in tokens), or what
+    the given pool holds, capped at the model's max_position_embeddings; num_blocks defaults to
+    room for every completion at once, so nothing needs preemption unless the caller asks for it.
+    """
+    if max_model_len is None:
+        max_model_len = min(model.config.max_position_embeddings,
+                            max(lengths) if num_blocks is None else num_blocks * block_size)
+    if num_blocks is None:
+        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
+        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+    return max_model_len, num_blocks

@@ -22,7 +22,7 @@ from kvlab.serving import (CostModel, Request, RequestState, SamplingParams,
                            Scheduler, SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
                            percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
                            speed_up)
-from kvlab.serving.traces import load_trace
+from kvlab.traces import load_trace
 from kvlab.traces import TraceFormatError
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

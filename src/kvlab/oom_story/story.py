@@ -53,7 +53,7 @@ from ..serving import request as req
 from ..serving.engine_core import serve, simulated_manager
 from ..serving.model_runner import ModelRunner
 from ..serving.scheduler import SchedulerConfig
-from ..serving.traces import load_trace
+from ..traces import load_trace
 from ..sizing import format_bytes, kv_bytes_per_token
 from .allocator import ByteLimit, run_peaks
 from .naive import NaiveExecutor, NaiveManager, naive_store

@@ -10,8 +10,8 @@ cache manager that allocates, a runner that executes), one module per idea, in r
   (`ExactBlocksManager`): stage 4's fragmentation measurement. The paged managers are
   `kvlab.paged.KVCacheManager` and `kvlab.prefix.PrefixCachingKVCacheManager`, called directly.
 * `scheduler`: `Scheduler` (continuous batching: admit, run, preempt under step budgets).
-* `cost_model`: simulation mode's roofline step time on named cards; `calibration`: the same
-  derated to published measurements of real engines (the `calibrated` clock), with its residuals.
+* `cost_model`: simulation mode's roofline step time on named cards (the `calibrated` clock
+  derates it to published measurements: `kvlab.calibration`).
 * `model_runner`: `ModelRunner` (model mode: one forward pass a step, real cache, sampling).
 * `engine_core`: `engine_step` (decide, execute, record), `serve` (a trace arriving over time),
   `SimulatedExecutor` (cost model), the one strategy factory (`simulated_manager`,
@@ -20,8 +20,10 @@ cache manager that allocates, a runner that executes), one module per idea, in r
 * `llm_engine`: `LLMEngine` and `generate_batch`, the same scheduler for a batch of prompts
   given up front (n > 1 with copy-on-write, sampling, prefix caching): what stages 4-6 run.
 
-On a GPU, the naive server (no memory manager, one KV tensor per request) running into
-`torch.OutOfMemoryError` is a demonstration beside this path: `kvlab.oom_story`.
+Beside this path, in the packages that own them: traces by name or file (`kvlab.traces.load_trace`),
+`kvlab report --measure`'s requests held (`kvlab.report_capacity`), the clock's fit
+(`kvlab.calibration`) and, on a GPU, the naive server (one KV tensor per request) running into
+`torch.OutOfMemoryError` (`kvlab.oom_story`).
 """
 
 from .cost_model import CARDS, Card, CostModel, get_card
@@ -38,10 +40,10 @@ from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = [
     "Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",
-    "shrink", "synthetic_prompt_ids", "KVManager", "ContiguousManager", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Card", "CARDS",
-    "get_card", "CostModel", "ModelRunner", "SimulatedExecutor", "StepResult", "engine_step",
-    "serve", "simulated_manager", "model_strategy", "STRATEGIES", "ServeResult", "StepSeries",
-    "ROW_KEYS", "format_rows", "percentile", "plot_memory", "LLMEngine", "EngineStats",
-    "BatchResult", "generate_batch", "default_pool_size",
-    "FirstFitSlabManager", "ExactBlocksManager", "GapRefusal",
+    "shrink", "synthetic_prompt_ids", "KVManager", "ContiguousManager", "FirstFitSlabManager",
+    "ExactBlocksManager", "GapRefusal", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Card",
+    "CARDS", "get_card", "CostModel", "ModelRunner", "SimulatedExecutor", "StepResult",
+    "engine_step", "serve", "simulated_manager", "model_strategy", "STRATEGIES", "ServeResult",
+    "StepSeries", "ROW_KEYS", "format_rows", "percentile", "plot_memory", "LLMEngine",
+    "EngineStats", "BatchResult", "generate_batch", "default_pool_size",
 ]

@@ -48,15 +48,12 @@ STRATEGIES = ("contiguous", "paged", "prefix")
 
 
 class Executor(Protocol):
-    """Runs one scheduled step."""
+    """Runs one scheduled step: `execute` returns (request_id -> sampled token, or None in
+    simulation; the step's seconds); `release` hears that a request's memory was freed."""
 
-    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int] | None, float]:
-        """Returns (request_id -> sampled token, or None in simulation; the step's seconds)."""
-        ...
+    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int] | None, float]: ...
 
-    def release(self, request: Request) -> None:
-        """The request's memory was freed (finished or preempted)."""
-        ...
+    def release(self, request: Request) -> None: ...
 
 
 class SimulatedExecutor:
@@ -74,16 +71,9 @@ class SimulatedExecutor:
 
 @dataclasses.dataclass
 class StepResult:
-    """One engine step, as `engine_step` ran it.
-
-    Attributes:
-        output: what the scheduler decided (`output.scheduled` empty: nothing ran).
-        finished: requests that finished in this step (their memory is free again).
-        seconds: the step's time (model: wall clock or cost model; simulation: cost model).
-        num_running: requests running during the step.
-        reserved_tokens: KV token slots held during the step (before finished requests freed).
-        used_tokens: of those, slots holding a token's K/V.
-    """
+    """One engine step: the decision (`output.scheduled` empty: nothing ran), the requests it
+    finished, its seconds, and during it the requests running, the KV token slots held (before
+    finished requests freed theirs) and, of those, the slots holding a token's K/V."""
 
     output: SchedulerOutput
     finished: list[Request]
@@ -127,18 +117,14 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
     Args:
         requests: the workload; copied, so the same list can go through several strategies.
         kv: the strategy's KV manager (fresh: nothing held).
-        executor: `ModelRunner` or `SimulatedExecutor`.
-        config: max_num_seqs and max_num_batched_tokens.
         bytes_per_token: KV bytes per token (per GPU), only to label memory in bytes.
-        progress: show a tqdm bar (default: for more than 2,000 requests); either way, only
-            when stderr is a terminal (tqdm's `disable=None`), so logs and pipes stay clean.
+        progress: a tqdm bar (default: over 2,000 requests), only when stderr is a terminal.
 
     Returns:
         `ServeResult`; its requests end FINISHED or REJECTED, never stuck.
 
     Raises:
-        RuntimeError: a step scheduled nothing twice in a row while requests wait (a scheduler
-            bug; it cannot happen when every queued request fits an empty cache).
+        RuntimeError: a step scheduled nothing twice in a row while requests wait (a bug).
     """
     from tqdm.auto import tqdm
 
@@ -209,12 +195,8 @@ def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
 def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: int,
                    block_size: int = 16, cost_model: CostModel | None = None
                    ) -> tuple[KVCacheManager | KVManager, ModelRunner]:
-    """A strategy's KV manager and a `ModelRunner` over real cache tensors of `kv_budget_bytes`
-    (a paged cache is given the manager the scheduler drives).
-
-    Raises:
-        ValueError: unknown strategy, or the budget cannot hold one max_model_len request.
-    """
+    """A strategy's KV manager (`simulated_manager`, same errors) and a `ModelRunner` over real
+    cache tensors of `kv_budget_bytes` (a paged cache is given the manager the scheduler drives)."""
     config = model.config
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
                        * config.head_dim * model.dtype.itemsize)

@@ -76,8 +76,6 @@ class LLMEngine:
 
     Args:
         model: the decoder (its dtype and device are the pool's).
-        num_blocks: blocks in the pool.
-        block_size: tokens per block.
         max_model_len: longest request (prompt + max_new_tokens, tokens); default the model's
             max_position_embeddings, never more. Checked against the pool at start-up.
         max_num_seqs: most sequences running at once (a request for n completions counts n).
@@ -86,20 +84,17 @@ class LLMEngine:
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
         seed: the seed of requests that bring none of their own (see `kvlab.sampling`).
         attention_backend: the paged cache's attention backend (see `kvlab.paged.backends`).
-        enable_prefix_caching: share full blocks between requests by prefix (stage 6; vLLM's
-            option of the same name).
-        hash_fn: the block hash function of the prefix cache (default SHA-256).
+        enable_prefix_caching, hash_fn: share full blocks between requests by prefix (stage 6;
+            vLLM's option), with this block hash (default SHA-256).
         max_num_batched_tokens: tokens computed per step; a prompt longer than what is left of
             it is prefilled in chunks. Default max(max_model_len, 2,048), so any prompt fits in
             one step (the rule vLLM used before chunked prefill; vLLM v1's offline `LLM` default
             is 16,384 on large GPUs, 8,192 elsewhere, and chunks longer prompts).
 
     Attributes:
-        kv: the KV cache manager the scheduler drives (`KVCacheManager`, or the prefix-caching
-            one); the cache's `manager` is this same object.
+        kv: the KV cache manager the scheduler drives; the cache's `manager` is this same object.
         cache: the `PagedKVCache` (pool tensors, slot mapping and KV stores).
-        scheduler: the `Scheduler`; `running` and `waiting` are its queues.
-        stats: `EngineStats` so far.
+        scheduler, stats: the `Scheduler` (`running`, `waiting`) and the `EngineStats` so far.
 
     Raises:
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request (numbers in the message).
@@ -159,8 +154,7 @@ class LLMEngine:
                 shared (one tenant's prompts never hit another's).
 
         Raises:
-            RequestTooLongError: prompt + max_new_tokens > max_model_len. The start-up check makes
-                the pool hold max_model_len tokens, so this also covers "longer than the pool".
+            RequestTooLongError: prompt + max_new_tokens > max_model_len (so also > the pool).
             ValueError: empty prompt, bad token ids, bad n, first_tokens or seed.
             TypeError: cache_salt is not a str.
         """
@@ -216,11 +210,7 @@ class LLMEngine:
         return list(self.scheduler.waiting)
 
     def sequences(self, request_id: int) -> list[Request]:
-        """The n sequences (scheduler `Request`s) of the request with this index.
-
-        Each sequence's own `request_id` is its sequence number, the key of its block table in
-        `cache.manager`; it equals the request's index only when every request so far had n = 1.
-        """
+        """The n sequences (scheduler `Request`s) of the request with this index."""
         return self.requests[request_id]
 
     def outputs(self, request_id: int) -> list[list[int]]:
@@ -241,11 +231,8 @@ class LLMEngine:
 
     def step(self) -> None:
         """One scheduler step: reserve (preempting when the pool is dry), admit, run, sample.
-
-        Raises:
-            RuntimeError: nothing could be scheduled while requests wait (cannot happen after the
-                start-up check that the pool holds a max_model_len request).
-        """
+        RuntimeError if nothing could be scheduled while requests wait (the start-up check rules
+        it out)."""
         stats, scheduler = self.stats, self.scheduler
         stats.num_steps += 1
         now = time.perf_counter() - self._clock_start
@@ -269,18 +256,9 @@ class LLMEngine:
 
 @dataclasses.dataclass
 class BatchResult:
-    """Output of `generate_batch`.
-
-    Attributes:
-        token_ids: per prompt, the generated ids of its first completion ([] if rejected).
-        completions: per prompt, the generated ids of each of its n completions.
-        errors: per prompt, None or the message of the error (e.g. RequestTooLongError) that
-            rejected it.
-        stats: preemptions, peak blocks in use, blocks saved by sharing, copy-on-write copies.
-        prefix_stats: prefix cache hit rate, blocks not computed, prefill tokens skipped,
-            evictions (with enable_prefix_caching; else None).
-        cache: the PagedKVCache used (every block is free again at the end).
-    """
+    """Output of `generate_batch`, per prompt: the ids of its first completion (`token_ids`, []
+    if rejected), of all n (`completions`), None or the error that rejected it (`errors`); and the
+    run's `EngineStats`, `PrefixCacheStats` (None without prefix caching) and `PagedKVCache`."""
 
     token_ids: list[list[int]]
     completions: list[list[list[int]]]
@@ -305,24 +283,12 @@ def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int]
     earlier one that is running or whose blocks were not reused since.
 
     Args:
-        model: the decoder.
         prompts: token ids of each prompt (lengths may differ).
         max_new_tokens: tokens per completion, one int for all or one per prompt.
-        block_size: tokens per block.
-        num_blocks: pool size; default enough for every completion at full length (nothing is
-            preempted). A small pool forces preemption.
-        max_model_len: longest request allowed; default min(max_position_embeddings, the longest
-            request) when num_blocks is None, else min(max_position_embeddings, num_blocks x
-            block_size).
-        n: completions per prompt (parallel sampling, prompt blocks shared).
-        eos_token_id: stop a completion after this token (or any of several; see `LLMEngine`).
-        max_num_seqs: most sequences running at once.
-        first_tokens: per prompt None or n forced first tokens, one per completion.
-        temperature, seed: sampling (0 = greedy); see `LLMEngine`.
-        seeds: per prompt None or its own sampling seed (see `LLMEngine.add_request`).
-        cache_salts: per prompt None or its tenant's salt (prefix caching).
-        enable_prefix_caching, hash_fn: stage 6's prefix cache and its block hash.
-        attention_backend: see `kvlab.paged.backends`.
+        num_blocks, max_model_len: default `default_pool_size` (nothing is preempted); a small
+            pool forces preemption.
+        first_tokens, seeds, cache_salts: per prompt None or its value for `add_request`.
+        The others: as `LLMEngine` and `LLMEngine.add_request`.
 
     Returns:
         BatchResult. A rejected prompt (too long, empty, bad token ids or salt: any error of
@@ -373,12 +339,8 @@ def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int]
 
 def default_pool_size(model, lengths: list[int], n: int, block_size: int,
                       max_model_len: int | None, num_blocks: int | None) -> tuple[int, int]:
-    """The batch defaults: (max_model_len, num_blocks) in tokens and blocks.
-
-    max_model_len defaults to the longest request (prompt + max_new_tokens, in tokens), or what
-    the given pool holds, capped at the model's max_position_embeddings; num_blocks defaults to
-    room for every completion at once, so nothing needs preemption unless the caller asks for it.
-    """
+    """The batch defaults (max_model_len, num_blocks): the longest request (or what the given pool
+    holds) capped at max_position_embeddings; room for every completion at once (no preemption)."""
     if max_model_len is None:
         max_model_len = min(model.config.max_position_embeddings,
                             max(lengths) if num_blocks is None else num_blocks * block_size)

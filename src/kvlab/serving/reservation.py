@@ -59,9 +59,6 @@ class KVManager(abc.ABC):
         reserve: token slots to reserve for a request (default `exact_size`); at least its
             `total_len`, since the reservation is all it will ever have.
 
-    Attributes:
-        name: the strategy's name in tables ('contiguous', ...).
-
     Raises:
         ValueError: capacity_tokens < 1 or max_model_len < 1.
     """
@@ -208,15 +205,9 @@ class ContiguousManager(KVManager):
 
 
 class GapRefusal(NamedTuple):
-    """One admission refused for want of a gap, although enough slots were free in total.
-
-    Attributes:
-        request_id: the request refused.
-        size: token slots it asked for.
-        free_tokens: free slots in total at that moment (>= size).
-        gaps: the free gaps then, as (start slot, length) in address order (each < size).
-        picture: the memory then, drawn by `FirstFitSlabManager.draw`.
-    """
+    """One admission refused for want of a gap although enough slots were free in total: the
+    request, the slots it asked for, the free slots then (>= size), the gaps then as (start,
+    length) in address order (each < size), and the memory then (`FirstFitSlabManager.draw`)."""
 
     request_id: int
     size: int
@@ -232,10 +223,7 @@ class FirstFitSlabManager(KVManager):
     lowest-addressed gap big enough; when it finishes its run becomes a gap again (merged with free
     neighbours). Nothing is ever moved: compacting would mean copying running requests' K/V.
 
-    Args:
-        capacity_tokens: token slots in the memory.
-        max_model_len: longest request accepted.
-        reserve: token slots per request (default `exact_size`: prompt + max_output_tokens).
+    Args: as `KVManager`.
 
     Attributes:
         runs: start slots of the reservations, ascending, and beside them `run_ends` (one past the
@@ -266,8 +254,7 @@ class FirstFitSlabManager(KVManager):
         self.worst_gap_refusal: GapRefusal | None = None
 
     @property
-    def num_free_tokens(self) -> int:
-        """Free slots in total, wherever they are."""
+    def num_free_tokens(self) -> int:  # wherever they are
         return self.capacity_tokens - self.num_reserved
 
     def gaps(self) -> list[tuple[int, int]]:
@@ -335,10 +322,7 @@ class ExactBlocksManager(KVManager):
     stage 4's block pool at admission (not one at a time as the request grows, as paging does), so
     that a comparison with the first-fit slabs changes the placement alone.
 
-    Args:
-        manager: the block bookkeeping (`kvlab.paged.KVCacheManager`), empty.
-        max_model_len: longest request accepted.
-        reserve: token slots per request before rounding (default `exact_size`).
+    Args: an empty `kvlab.paged.KVCacheManager` (the blocks), then as `KVManager`.
     """
 
     name = "exact blocks"

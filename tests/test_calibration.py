@@ -13,7 +13,7 @@ import pytest
 from cli_run import run
 from kvlab.config import load_config
 from kvlab.serving import CostModel, Request, SimulatedExecutor, get_card, serve
-from kvlab.serving import calibration as cal
+from kvlab.calibration import clock as cal
 
 CLOSED = [m for m in cal.load_measurements() if m.workload["kind"] == "batch"]
 
@@ -142,7 +142,7 @@ def test_cli_serve_calibrated_clock_is_slower_than_the_roofline(capsys):
 
 
 def test_power_of_two_reservation():
-    from kvlab.serving.token_states import power_of_two
+    from kvlab.serving.reservation import power_of_two
 
     assert [power_of_two(Request(0, 0.0, p, o)) for p, o in ((1, 1), (3, 1), (4, 1), (600, 424),
                                                              (600, 425))] == [2, 4, 8, 1024, 2048]

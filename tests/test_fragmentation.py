@@ -1,5 +1,5 @@
 """External fragmentation: the string pictures of `kvlab.paged.fragmentation`, and the exact-size
-KV managers of `kvlab.serving.exact_reservation` under the one scheduler.
+KV managers of `kvlab.serving.reservation` under the one scheduler.
 
 Expected figures are worked out by hand in the comments.
 """
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvlab.config import PRESETS
 from kvlab.paged.block_table import cdiv
-from kvlab.paged.fragmentation import first_fit, place
+from kvlab.paged.fragmentation import first_fit, gaps_of, place
 from kvlab.paged import KVCacheManager
 from kvlab.serving import (CostModel, ExactBlocksManager, FirstFitSlabManager, Request,
                            SimulatedExecutor, from_sizes, get_card, serve)
@@ -19,10 +19,11 @@ from kvlab.workload import Request as Sizes
 
 def test_first_fit_finds_the_first_big_enough_gap():
     memory = "AA..B...C"
-    assert first_fit(memory, 1) == 2
-    assert first_fit(memory, 2) == 2
-    assert first_fit(memory, 3) == 5
-    assert first_fit(memory, 4) is None
+    assert gaps_of(memory) == [(2, 2), (5, 3)] and gaps_of("..A.") == [(0, 2), (3, 1)]
+    assert first_fit(gaps_of(memory), 1) == 2
+    assert first_fit(gaps_of(memory), 2) == 2
+    assert first_fit(gaps_of(memory), 3) == 5
+    assert first_fit(gaps_of(memory), 4) is None
 
 
 def test_place_fills_first_fit_and_refuses_when_only_scattered_slots_are_free():
@@ -35,7 +36,7 @@ def test_place_fills_first_fit_and_refuses_when_only_scattered_slots_are_free():
     with pytest.raises(ValueError, match="one character"):
         place(memory, "DD", 1)
     with pytest.raises(ValueError, match="size must be >= 1"):
-        first_fit(memory, 0)
+        first_fit(gaps_of(memory), 0)
 
 
 def request(request_id: int, total: int) -> Request:

@@ -220,7 +220,7 @@ def test_run_peaks_read_the_same_books(monkeypatch):
         "num_alloc_retries": 4, "num_ooms": 2}
 
 def test_sampling_through_the_naive_server_is_the_same_as_through_paged(model):
-    """Seeded sampling and EOS come from the shared ModelExecutor: the tokens of each request do
+    """Seeded sampling and EOS come from the shared ModelRunner: the tokens of each request do
     not depend on the strategy, on the out-of-memory refusals or on who else is running."""
     from kvlab.sampling import stream_seed
     from kvlab.serving import SamplingParams, model_strategy

@@ -1,5 +1,5 @@
 """Issue 10: one scheduler for every strategy, offline and online. The batch engine of stages 4-6
-(`LLMEngine`) and stage 7's `serve` run the same `Scheduler`, KV managers and `ModelExecutor`, so
+(`LLMEngine`) and stage 7's `serve` run the same `Scheduler`, KV managers and `ModelRunner`, so
 what the engine does (n > 1 forks with copy-on-write, sampling from per-request streams, forced
 first tokens, end-of-sequence) must come out the same through `serve` for every strategy,
 contiguous included, with or without preemption."""

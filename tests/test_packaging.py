@@ -186,7 +186,7 @@ def test_wheel_installs_kernels_under_kvlab_and_ships_the_tiny_model(wheel):
     for file in ("AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv",
                  "README.md", "NOTICE"):
         assert f"kvlab/traces/data/azure-llm-2023/{file}" in names, file
-    assert "kvlab/serving/calibration.json" in names  # the calibrated clock's measurements and fit
+    assert "kvlab/calibration/calibration.json" in names  # the calibrated clock's measurements and fit
 
 
 def test_checker_grades_from_a_non_editable_install(wheel, tmp_path):

@@ -22,7 +22,7 @@ from kvlab.serving import (CostModel, Request, RequestState, SamplingParams,
                            Scheduler, SchedulerConfig, SimulatedExecutor, get_card, model_strategy,
                            percentile, plot_memory, poisson_arrivals, serve, simulated_manager,
                            speed_up)
-from kvlab.serving.traces import load_trace
+from kvlab.traces import load_trace
 from kvlab.traces import TraceFormatError
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -209,7 +209,7 @@ def test_simulation_and_model_mode_make_the_same_decisions(model):
         assert real.preemptions == simulated.preemptions
 
 
-def test_paged_manager_refuses_a_pool_smaller_than_one_request():
+def test_simulated_manager_refuses_a_pool_smaller_than_one_request():
     # The same error class as PagedKVCache and ContiguousKVCache raise for the same condition.
     with pytest.raises(KVCacheOutOfMemory, match="max_model_len=64 request needs 16 blocks"):
         simulated_manager("paged", 10 * 4 * 100, 100, max_model_len=64, block_size=4)

@@ -14,7 +14,7 @@ from kvlab.serving import (CostModel, Request, SchedulerConfig, SimulatedExecuto
 from kvlab.prefix import PrefixCachingKVCacheManager, trace_blocks
 from kvlab.prefix.trace_blocks import TraceBlocks
 from kvlab.serving.request import from_sizes, shrink
-from kvlab.serving.traces import load_trace
+from kvlab.traces import load_trace
 from kvlab.sizing import kv_bytes_per_token
 
 

@@ -30,9 +30,8 @@ from .paged.backends import BackendLike
 from .prefix.manager import PrefixCacheStats
 from .checks import check_int, check_model_len, check_request
 from .sampling import check_temperature, make_generator, next_token
-from .serving.batch import generate_batch
 from .prefix.chats import render_chat
-from .serving.engine import EngineStats
+from .serving.llm_engine import EngineStats, generate_batch
 from .serving.request import stop_token_ids
 
 __all__ = ["GenerationResult", "generate", "CACHE_KINDS", "default_cache", "ChatResult", "chat"]

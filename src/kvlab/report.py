@@ -204,13 +204,13 @@ SERVING_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", 
 def measure_held(report: Report, requests: Sequence[Request], block_size: int) -> None:
     """Fill each row's requests_held_measured(_peak): the one scheduler of stage 7 serves the
     workload with every request queued at once, at the row's KV bytes per token, in the report's
-    budget (`kvlab.serving.capacity.measure_requests_held`). For contiguous rows it equals the
+    budget (`kvlab.report_capacity.measure_requests_held`). For contiguous rows it equals the
     exact count; for paging it checks the steady-state estimate.
 
     Raises:
         ValueError: a row whose strategy has no stage-7 manager.
     """
-    from .serving.capacity import measure_requests_held  # stage 7, only when asked for
+    from .report_capacity import measure_requests_held  # stage 7, only when asked for
 
     for row in report.rows:
         if row.strategy not in SERVING_STRATEGY:
@@ -263,5 +263,5 @@ def format_report(report: Report) -> str:
     if measured:
         notes += ["measured: stage 7's scheduler (kvlab.serving) with every request queued at "
                   "once; requests", "running while others waited, mean / peak "
-                  "(kvlab.serving.capacity)."]
+                  "(kvlab.report_capacity)."]
     return "\n".join(summary) + "\n\n" + "\n".join(table + notes)

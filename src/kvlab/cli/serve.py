@@ -7,7 +7,7 @@
 
 Simulation mode (`--simulate`) times each step with a cost model of the named card: the
 `calibrated` clock (default; the roofline derated to published measurements of real engines,
-`kvlab.serving.calibration`) or the `roofline` (a lower bound); every table says which, with its
+`kvlab.calibration.clock`) or the `roofline` (a lower bound); every table says which, with its
 measured error band. Model mode runs the real model on the CPU (or `--device cuda`) with real cache
 tensors.
 
@@ -86,7 +86,7 @@ def register(commands) -> None:
     p.add_argument("--clock", choices=("roofline", "calibrated"), default=None,
                    help="--simulate only: step times from the card's roofline (a lower bound) or "
                         "calibrated to published measurements of vLLM, TensorRT-LLM and SGLang "
-                        "(default; kvlab.serving.calibration)")
+                        "(default; kvlab.calibration.clock)")
     p.add_argument("--gpu", default=None, help="--simulate only: the card for the cost model and "
                                                "the default budget (default H100-80GB)")
     p.add_argument("--tp", type=positive_int, default=None,
@@ -173,8 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..report import SERVING_STRATEGY
     from ..serving import request as req
     from ..serving.metrics import format_rows
-    from ..serving.runner import STRATEGIES
-    from ..serving.traces import load_trace
+    from ..serving.engine_core import STRATEGIES
+    from ..traces import load_trace
 
     check_flags(args)
     strategy = SERVING_STRATEGY.get(args.strategy, args.strategy)  # paged+prefix -> prefix
@@ -220,9 +220,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _simulate(args, requests, strategies):
     from ..config import load_config
-    from ..serving.calibration import clock_cost_model, clock_note
+    from ..calibration.clock import clock_cost_model, clock_note
     from ..serving.cost_model import get_card
-    from ..serving.runner import SimulatedExecutor, serve, simulated_manager
+    from ..serving.engine_core import SimulatedExecutor, serve, simulated_manager
     from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token
 
     config = load_config(args.model or "llama-3.1-70b")
@@ -262,7 +262,7 @@ def _simulate(args, requests, strategies):
              "tp": tp, "tp_chosen_because": tp_chosen, "kv_budget_bytes": budget,
              "kv_bytes_per_token": per_token, "max_model_len": max_model_len,
              "max_model_len_note": max_model_len_note, "description": description,
-             "clock": f"the {clock} clock's (kvlab.serving.calibration)", "clock_name": clock,
+             "clock": f"the {clock} clock's (kvlab.calibration.clock)", "clock_name": clock,
              "clock_note": clock_note(clock)}
     return setup, results
 
@@ -273,7 +273,7 @@ def _run_model(args, requests, strategies):
     from ..checkpoint import load_model
     from ..dtypes import torch_dtype
     from ..serving.request import synthetic_prompt_ids
-    from ..serving.runner import model_strategy, serve
+    from ..serving.engine_core import model_strategy, serve
     from ..sizing import format_bytes, local_gpu_memory
     from .generate import default_threads
 

@@ -9,8 +9,8 @@ admits requests up to `max_num_seqs` and finds out it has run out when `torch.em
 `torch.OutOfMemoryError` (the class `torch.cuda.OutOfMemoryError` names). The tensors have a
 different size each, so the caching allocator splits freed blocks to serve smaller ones and the
 free memory ends up in pieces: the paper's external fragmentation (see `.allocator`).
-`kvlab.serving.exact_reservation.FirstFitSlabManager` places the same reservations by first fit in an address
-space it draws and counts; here the real allocator places them, and only its books tell.
+`kvlab.serving.reservation.FirstFitSlabManager` places the same reservations by first fit in an
+address space it draws and counts; here the real allocator places them, and only its books tell.
 
 What this server does when the allocator refuses (a choice, documented and tested):
 
@@ -31,7 +31,7 @@ batch. So after allocating a request's KV the manager also asks for the forward 
 back: if that fails, the request is not admitted. That is the only guard; nothing is reserved.
 
 `NaiveExecutor` runs the model over these tensors (the same model, attention and sampling as every
-strategy: `ModelExecutor`'s one forward pass per step, each request's K/V in its own tensor, through
+strategy: `ModelRunner`'s one forward pass per step, each request's K/V in its own tensor, through
 the contiguous cache's `SlabBatchStore`, `naive_store`).
 """
 
@@ -41,8 +41,8 @@ import torch
 
 from ..contiguous import SlabBatchStore
 from ..errors import KVCacheOutOfMemory
-from ..serving.kv_managers import KVManager
-from ..serving.model_runner import ModelExecutor
+from ..serving.reservation import KVManager
+from ..serving.model_runner import ModelRunner
 from ..serving.request import Request
 from ..sizing import format_bytes, kv_bytes_per_token
 from .allocator import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
@@ -77,7 +77,6 @@ class NaiveManager(KVManager):
     """
 
     name = "naive"
-    supports_forks = False  # one tensor per request: n > 1 is refused on arrival
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | str, max_model_len: int,
                  capacity_bytes: int, workspace_bytes: int = 0, allocator: ByteLimit | None = None,
@@ -86,11 +85,12 @@ class NaiveManager(KVManager):
             raise ValueError(f"need capacity_bytes >= 1 ({capacity_bytes:,}), workspace_bytes >= 0 "
                              f"({workspace_bytes:,}) and max_model_len >= 1 ({max_model_len})")
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.max_model_len, self.workspace_bytes = max_model_len, workspace_bytes
+        self.workspace_bytes = workspace_bytes
         self.allocator, self.limit_bytes = allocator, limit_bytes
         self.bytes_per_token = kv_bytes_per_token(config, dtype)
         self.capacity_bytes = capacity_bytes
-        self.capacity_tokens = max(1, capacity_bytes // self.bytes_per_token)
+        # the reservation of `KVManager`: exact_size, prompt + max_output_tokens
+        super().__init__(max(1, capacity_bytes // self.bytes_per_token), max_model_len)
         self.kv: dict[int, torch.Tensor] = {}      # request_id -> its K/V tensor
         self.reports: list[OutOfMemoryReport] = []
         self.max_running: int | None = None
@@ -117,17 +117,16 @@ class NaiveManager(KVManager):
     # ---- KVManager ------------------------------------------------------------------------------
 
     def request_bytes(self, request: Request) -> int:
-        """Bytes of a request's K/V tensor: (prompt + max_output_tokens) x KV bytes per token."""
-        return request.total_len * self.bytes_per_token
+        """Bytes of a request's K/V tensor: its reservation x KV bytes per token."""
+        return self.reservation(request) * self.bytes_per_token
 
-    def reject_reason(self, request: Request) -> str | None:
-        reason = super().reject_reason(request)
-        if reason is None and self.request_bytes(request) > self.capacity_bytes:
-            reason = (f"{request.total_len:,} tokens x {format_bytes(self.bytes_per_token)} = "
-                      f"{format_bytes(self.request_bytes(request))} > "
-                      f"{format_bytes(self.capacity_bytes)} of KV memory even with nothing else "
-                      f"running")
-        return reason
+    def too_big_reason(self, request: Request) -> str | None:
+        if self.request_bytes(request) > self.capacity_bytes:
+            return (f"{self.reservation(request):,} tokens x {format_bytes(self.bytes_per_token)} "
+                    f"= {format_bytes(self.request_bytes(request))} > "
+                    f"{format_bytes(self.capacity_bytes)} of KV memory even with nothing else "
+                    f"running")
+        return None
 
     def holds(self, request: Request) -> bool:
         return request.request_id in self.kv
@@ -135,7 +134,7 @@ class NaiveManager(KVManager):
     def admit(self, request: Request) -> bool:
         if self.max_running is not None and len(self.kv) >= self.max_running:
             return False  # waits for a running request to finish
-        shape = (self.config.num_hidden_layers, 2, request.total_len,
+        shape = (self.config.num_hidden_layers, 2, self.reservation(request),
                  self.config.num_key_value_heads, self.config.head_dim)
         try:
             tensor = self.new_tensor(shape, self.dtype)
@@ -191,8 +190,8 @@ class NaiveManager(KVManager):
             self.drop_tensor(self.kv.pop(request_id))
 
 
-class NaiveExecutor(ModelExecutor):
-    """The model over `NaiveManager`'s tensors: `ModelExecutor` (same step, same pass, same
+class NaiveExecutor(ModelRunner):
+    """The model over `NaiveManager`'s tensors: `ModelRunner` (same step, same pass, same
     sampling) whose KV store is each request's own tensor (`naive_store`).
 
     Args:

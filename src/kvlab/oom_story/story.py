@@ -50,10 +50,10 @@ from ..model import LlamaForCausalLM
 from ..paged.budget import kv_block_bytes, num_blocks_for_budget
 from ..paged.paged_cache import PagedKVCache
 from ..serving import request as req
-from ..serving.model_runner import ModelExecutor
-from ..serving.runner import paged_manager, serve
+from ..serving.engine_core import serve, simulated_manager
+from ..serving.model_runner import ModelRunner
 from ..serving.scheduler import SchedulerConfig
-from ..serving.traces import load_trace
+from ..traces import load_trace
 from ..sizing import format_bytes, kv_bytes_per_token
 from .allocator import ByteLimit, run_peaks
 from .naive import NaiveExecutor, NaiveManager, naive_store
@@ -316,11 +316,12 @@ def paged_prefix_run(model, requests, story, limit, in_use, workspace, allocator
     config, dtype, device = model.config, model.dtype, model.device
     block_bytes = kv_block_bytes(config, story.block_size, dtype)
     num_blocks = num_blocks_for_budget(limit, in_use, block_bytes, workspace)
-    prefix = paged_manager("prefix", num_blocks, story.block_size, story.max_model_len)
+    prefix = simulated_manager("prefix", num_blocks * story.block_size, 1, story.max_model_len,
+                               story.block_size)  # sized in token slots
     cache = PagedKVCache(config, num_blocks, story.block_size, dtype=dtype, device=device,
                          attention_backend="torch" if story.dry_run else story.attention,
                          manager=prefix)
-    run = _run("paged+prefix", prefix, ModelExecutor(model, cache), requests, story,
+    run = _run("paged+prefix", prefix, ModelRunner(model, cache), requests, story,
                lambda: len(cache.manager.tables), bytes_per_token)
     run.update(num_blocks=num_blocks, pool_bytes=num_blocks * block_bytes, pool_rule=pool_rule,
                blocks_in_use_at_end=cache.manager.num_used_blocks)

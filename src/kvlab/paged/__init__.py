@@ -20,8 +20,8 @@ One module per idea, in reading order:
 * `paged_cache`: `PagedKVCache` (the pool tensors, the slot mapping and KV stores a model runs
   on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
-* `fragmentation`: `first_fit` / `place`, a memory drawn as a string to show external
-  fragmentation (measured on real traffic by `kvlab.serving.exact_reservation`).
+* `fragmentation`: `gaps_of` / `first_fit` / `place`, a memory drawn as a string to show external
+  fragmentation (measured on real traffic by `kvlab.serving.reservation`).
 
 What runs requests over the pool (admission, preemption, forks, sampling) is the one scheduler of
 `kvlab.serving`: `LLMEngine` for a batch, `serve` for traffic arriving over time.

@@ -7,24 +7,39 @@ size blocks (paging) remove that kind of waste, because any free block will do. 
 fragmentation of Kwon et al., *Efficient Memory Management for Large Language Model Serving with
 PagedAttention* (SOSP 2023), section 3 and figure 3.
 
-Notebook 04 draws it with two small tools: a memory as a string, one character per token slot
-('.' = free), and `first_fit` / `place` to fill it first fit, so a learner can see the gaps. The
+Notebook 04 draws it with small tools: a memory as a string, one character per token slot
+('.' = free), `gaps_of` to list its gaps, `first_fit` / `place` to fill it first fit. The
 measurement on real traffic runs the course's one scheduler with a first-fit KV manager,
-`kvlab.serving.exact_reservation.FirstFitSlabManager`, against the same reservations in blocks.
+`kvlab.serving.reservation.FirstFitSlabManager`, against the same reservations in blocks.
 """
 
 from __future__ import annotations
 
-__all__ = ["FREE", "first_fit", "place"]
+from typing import Iterable
+
+__all__ = ["FREE", "gaps_of", "first_fit", "place"]
 
 FREE = "."  # a free slot in a memory drawn as a string
 
 
-def first_fit(memory: str, size: int) -> int | None:
-    """Index of the first run of `size` free slots ('.') in `memory`, or None when there is none.
+def gaps_of(memory: str) -> list[tuple[int, int]]:
+    """The free gaps of a memory drawn as a string, as (start slot, length) in address order."""
+    out, start = [], None
+    for index, slot in enumerate(memory + "#"):  # a sentinel closes the last gap
+        if slot == FREE and start is None:
+            start = index
+        elif slot != FREE and start is not None:
+            out.append((start, index - start))
+            start = None
+    return out
+
+
+def first_fit(gaps: Iterable[tuple[int, int]], size: int) -> int | None:
+    """Start slot of the first gap of at least `size` slots, or None when there is none: the one
+    first-fit search (`place` here, `kvlab.serving.reservation.FirstFitSlabManager`).
 
     Args:
-        memory: one character per token slot; FREE ('.') marks a free one.
+        gaps: free gaps as (start slot, length), in address order (`gaps_of`).
         size: slots wanted, >= 1.
 
     Raises:
@@ -32,11 +47,9 @@ def first_fit(memory: str, size: int) -> int | None:
     """
     if size < 1:
         raise ValueError(f"size must be >= 1 slot, got {size}")
-    run = 0
-    for index, slot in enumerate(memory):
-        run = run + 1 if slot == FREE else 0
-        if run == size:
-            return index - size + 1
+    for start, length in gaps:
+        if length >= size:
+            return start
     return None
 
 
@@ -49,7 +62,7 @@ def place(memory: str, name: str, size: int) -> str:
     """
     if len(name) != 1 or name == FREE:
         raise ValueError(f"name must be one character other than {FREE!r}, got {name!r}")
-    start = first_fit(memory, size)
+    start = first_fit(gaps_of(memory), size)
     if start is None:
         raise ValueError(f"no gap of {size} free slots: {memory.count(FREE)} slots are free "
                          f"in total, in gaps too small")

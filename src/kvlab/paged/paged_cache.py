@@ -67,7 +67,7 @@ class PagedKVCache:
             head_dim] (or head-major, see `layout`), zero-filled.
         layout: the pool's layout.
         manager: the `KVCacheManager` (block tables, ref counts, free block queue): the one
-            given (built once, e.g. by `kvlab.serving.runner.paged_manager`), else a plain one.
+            given (built once, e.g. by `kvlab.serving.engine_core.simulated_manager`), else a plain one.
         block_bytes: bytes of one block id over all layers, K and V.
         allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
             was allocated (compare with pool_bytes); None on CPU.

@@ -16,7 +16,7 @@ weights pays for); long prefills are compute-bound. Under tensor parallelism eac
 What the roofline leaves out (so real steps are slower): kernels reach 60-90 % of peak bandwidth
 and FLOPs, not 100 %; tensor-parallel all-reduces; sampling, scheduling and Python overheads;
 activations traffic. With its defaults the model is that lower bound (the `roofline` clock). Its
-derating arguments make the `calibrated` clock (`kvlab.serving.calibration` fits them to published
+derating arguments make the `calibrated` clock (`kvlab.calibration.clock` fits them to published
 measurements of real engines):
 
     step = max(bytes / (bandwidth_efficiency x bandwidth), flops / (compute_efficiency x FLOP/s))

@@ -73,10 +73,8 @@ ROW_KEYS = ("strategy", "requests", "finished", "rejected", "peak_running", "mea
 
 @dataclasses.dataclass
 class ServeResult:
-    """The figures of one strategy on one workload (see the module docstring for definitions).
-
-    Memory fields in tokens can be turned into bytes with `bytes_per_token` (per GPU).
-    """
+    """The figures of one strategy on one workload (definitions: the module docstring); memory in
+    tokens (x `bytes_per_token` for bytes per GPU)."""
 
     strategy: str
     requests: int
@@ -192,20 +190,10 @@ LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 2000):
-    """KV memory held (% of the budget) and running requests over time, one line per strategy.
-
-    Each strategy has its own dash pattern; a strategy whose lines equal an earlier one's is
-    labelled "(same as <earlier>)", so a line lying exactly on another is still seen and explained.
-
-    Args:
-        results: `ServeResult`s of one workload.
-        axes: two matplotlib axes, or None to make a figure.
-        max_points: plot at most this many steps per line (every k-th step), so a 300,000-step
-            replay draws quickly.
-
-    Returns:
-        the two axes.
-    """
+    """KV memory held (% of the budget) and running requests over time, one line per strategy
+    of one workload, on two axes (given, or a new figure; returned), at most `max_points` steps a
+    line (every k-th step). A strategy whose lines equal an earlier one's is labelled "(same as
+    <earlier>)"."""
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -217,9 +205,8 @@ def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 200
         times = s.time_s[::every]
         held = [100 * t / r.capacity_tokens for t in s.reserved_tokens[::every]]
         running = s.running[::every]
-        # Two strategies can make the very same decisions (a prefix cache with no hits is paging):
-        # a line drawn on top of an equal one would hide it, so each strategy gets its own dash
-        # pattern (a dashed line lets the one below show through) and the legend says they coincide.
+        # Two strategies can make the same decisions (a prefix cache with no hits is paging): each
+        # gets its own dash pattern, so a line on top of an equal one lets it show through.
         same_as = next((name for name, curves in drawn if curves == (times, held, running)), None)
         label = r.strategy if same_as is None else f"{r.strategy} (same as {same_as})"
         style = dict(ls=LINE_STYLES[i % len(LINE_STYLES)], lw=1 if i == 0 else 1.5, label=label)

@@ -1,4 +1,4 @@
-"""Model mode's executor: one scheduled step through the real model and the real cache tensors.
+"""Model mode's runner: one scheduled step through the real model and the real cache tensors.
 
 The scheduler decides, this module executes (vLLM v1's model runner, cut to its core). For each
 step it:
@@ -12,16 +12,13 @@ step it:
    token. A request whose prompt is now computed also samples for its forks, from the same row
    (they share the prompt).
 
-Why one pass: the KV store of the pass (`PagedBatchStore`, or `SlabBatchStore` for slabs and the
-naive strategy's tensors) writes, in each layer, the K/V of every token of the step to its slot
-before any token of that layer attends. A token may thus read K/V written by another request's
-token in the same step, whatever their order in the batch: a block is readable from the pass that
-writes it on. The prefix cache relies on it (a block is cached when its slots are reserved, and a
-request admitted later in the same step may hit it: `kvlab.prefix.manager`). Two passes, decode
-then prefill as this runner once ran, let a token read a block before the other pass wrote it
-(tests/test_one_pass.py). vLLM v1 runs a step the same way: one flattened batch, and in each layer
-`reshape_and_cache` writes the new K/V before the attention kernel reads (vLLM v1's
-`GPUModelRunner` and attention backends).
+Why one pass: the pass's KV store (`PagedBatchStore`, or `SlabBatchStore` for slabs and the naive
+strategy's tensors) writes, in each layer, every token's K/V before any token of that layer
+attends, so a block is readable from the pass that writes it on, whatever the batch order. The
+prefix cache relies on it (a request admitted later in the same step may hit a block cached when
+its slots were reserved: `kvlab.prefix.manager`); two passes would let a token read a block before
+the other pass wrote it (tests/test_one_pass.py). vLLM v1's `GPUModelRunner` runs a step the same
+way: one flattened batch, `reshape_and_cache` writing the new K/V before attention reads.
 
 The caches are stage 2's `ContiguousKVCache` (one slab per request, a fork copies the slab) and
 stage 4's `PagedKVCache` (slot mapping computed once a pass from the block tables of the manager
@@ -40,24 +37,19 @@ from .cost_model import CostModel
 from .request import Request, RequestState
 from .scheduler import SchedulerOutput
 
-__all__ = ["ModelExecutor"]
+__all__ = ["ModelRunner"]
 
 
-class ModelExecutor:
+class ModelRunner:
     """The real model over a real cache.
 
     Args:
-        model: the decoder.
         cache: a `ContiguousKVCache` (slabs handed out per request here) or a `PagedKVCache` whose
             `manager` is the one the scheduler drives.
         cost_model: if given, its step time is the clock (repeatable); else the wall clock.
 
     Attributes:
-        num_decode_tokens: output tokens fed back one at a time, on top of a cache holding
-            every earlier token of the request.
-        num_prefill_tokens: every other token run: prompt tokens (a lone last prompt token too,
-            though it attends as a decode row) and tokens recomputed after preemption. A
-            prefix-cache hit is not run.
+        num_decode_tokens, num_prefill_tokens: tokens run, counted as `_count` says.
     """
 
     def __init__(self, model, cache, cost_model: CostModel | None = None):
@@ -92,9 +84,9 @@ class ModelExecutor:
         return sampled, (modelled if modelled is not None else elapsed)
 
     def _count(self, request: Request, num_new: int) -> None:
-        """An output token fed back on top of the cache is decode; every other token is prefill:
-        prompt tokens (a lone last one, or a 1-token chunk, too) and tokens recomputed after
-        preemption."""
+        """An output token fed back on top of the cache is decode; every other token run is
+        prefill: prompt tokens (a lone last one too) and tokens recomputed after preemption (a
+        prefix-cache hit is not run)."""
         if num_new == 1 and request.num_computed_tokens >= request.prompt_len:
             self.num_decode_tokens += 1
         else:

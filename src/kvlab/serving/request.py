@@ -87,11 +87,7 @@ class SamplingParams:
 
 
 def _token_id(name: str, value) -> int:
-    """A token id >= 0 (no vocabulary bound here: the engine checks that).
-
-    Raises:
-        ValueError: a bool, a non-integer or a negative value.
-    """
+    """A token id >= 0, else ValueError (no vocabulary bound here: the engine checks that)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a token id >= 0, got {value!r}")
     return value
@@ -99,11 +95,7 @@ def _token_id(name: str, value) -> int:
 
 def stop_token_ids(eos_token_id, vocab_size: int) -> frozenset[int]:
     """The stop set of a request from an `eos_token_id` argument: None, one id, or several ids
-    (HF's `GenerationConfig.eos_token_id` takes an int or a list the same way).
-
-    Raises:
-        ValueError: an id outside [0, vocab_size) (the message names eos_token_id and the range).
-    """
+    (as HF's `GenerationConfig.eos_token_id`); ValueError for an id outside [0, vocab_size)."""
     if eos_token_id is None:
         return frozenset()
     several = isinstance(eos_token_id, (list, tuple, set, frozenset))
@@ -227,14 +219,8 @@ def from_sizes(sizes: Iterable[workload.Request], prompt_ids: bool = False, voca
 
 
 def poisson_arrivals(requests: Sequence[Request], rate: float, seed: int = 0) -> list[Request]:
-    """The same requests arriving as a Poisson process of `rate` requests per second.
-
-    Gaps between arrivals are exponential with mean 1 / rate (the usual open-loop benchmark load,
-    e.g. vLLM's `benchmark_serving --request-rate`). The first request arrives at 0.
-
-    Raises:
-        ValueError: rate <= 0.
-    """
+    """The same requests arriving as a Poisson process of `rate` (> 0) requests per second: gaps
+    exponential with mean 1 / rate, the first at 0 (vLLM's `benchmark_serving --request-rate`)."""
     if not rate > 0:
         raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
     rng, now, out = random.Random(seed), 0.0, []
@@ -247,12 +233,8 @@ def poisson_arrivals(requests: Sequence[Request], rate: float, seed: int = 0) ->
 
 
 def speed_up(requests: Sequence[Request], factor: float) -> list[Request]:
-    """Arrival times divided by `factor`: the trace's bursts, `factor` times denser (the load of
-    `factor` such services sent to one deployment). Sizes are unchanged.
-
-    Raises:
-        ValueError: factor <= 0.
-    """
+    """Arrival times divided by `factor` (> 0): the trace's bursts, `factor` times denser (the
+    load of `factor` such services sent to one deployment). Sizes are unchanged."""
     if not factor > 0:
         raise ValueError(f"speed-up factor must be > 0, got {factor}")
     out = []

@@ -34,7 +34,7 @@ and run as requests of their own from their first token on (Kwon et al., section
 The scheduler talks to the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
 `allocate_slots`, `free`, `fork`; `kvlab.paged.KVCacheManager`): the same code runs the paged
 pool, the paged pool with a prefix cache (`kvlab.prefix.PrefixCachingKVCacheManager`) and the
-reservations that answer the same verbs (`kv_managers.ContiguousManager`, ...), in model mode and
+reservations that answer the same verbs (`reservation.ContiguousManager`, ...), in model mode and
 simulation.
 Requests that can never fit are rejected on arrival, with the reason, and never enter the queue.
 """

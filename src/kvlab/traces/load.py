@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..traces.azure import TraceFormatError, load_azure_trace
-from ..traces.mooncake import load_mooncake_trace
-from ..traces.shipped import SHIPPED_TRACES, trace_file
+from .azure import TraceFormatError, load_azure_trace
+from .mooncake import load_mooncake_trace
+from .shipped import SHIPPED_TRACES, trace_file
 from ..workload import Request
 
 __all__ = ["load_trace", "SHIPPED_TRACES"]

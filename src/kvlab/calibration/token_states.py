@@ -13,7 +13,7 @@ The four strategies here differ only in what they reserve, all on the same sched
 * max length: `ContiguousManager`, one max_model_len slab per request (stage 2);
 * power of two: `FirstFitSlabManager` reserving the next power of two >= prompt + output;
 * oracle: `FirstFitSlabManager` reserving exactly prompt + output;
-* paged: `PagedManager`, a block of `block_size` tokens at a time (stage 4).
+* paged: `KVCacheManager`, a block of `block_size` tokens at a time (stage 4).
 
 The figure is `ServeResult.kv_states_share`: slot-seconds holding a computed K/V over slot-seconds
 reserved.
@@ -23,21 +23,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .cost_model import CostModel
-from .exact_reservation import FirstFitSlabManager
-from .metrics import ServeResult
-from .request import Request
-from .runner import SimulatedExecutor, serve, simulated_manager
-from .scheduler import SchedulerConfig
+from ..serving.cost_model import CostModel
+from ..serving.engine_core import SimulatedExecutor, serve, simulated_manager
+from ..serving.metrics import ServeResult
+from ..serving.request import Request
+from ..serving.reservation import FirstFitSlabManager, power_of_two
+from ..serving.scheduler import SchedulerConfig
 
-__all__ = ["power_of_two", "RESERVATIONS", "token_state_shares"]
+__all__ = ["RESERVATIONS", "token_state_shares"]
 
 RESERVATIONS = ("max length", "power of two", "oracle", "paged")
-
-
-def power_of_two(request: Request) -> int:
-    """Token slots of Orca's Pow2 reservation: the next power of two >= prompt + output."""
-    return 1 << (request.total_len - 1).bit_length()
 
 
 def _manager(name: str, kv_budget_bytes: int, bytes_per_token: int, max_model_len: int,

@@ -1,6 +1,6 @@
-"""The serving loop, and the two ways to execute a step: the real model, or a cost model.
+"""The engine core: the serving loop, the two ways to execute a step, and the strategy factory.
 
-`serve` is the whole server in one loop (vLLM v1's engine core, cut to its core):
+`serve` is the whole server in one loop (vLLM v1's `EngineCore`, cut to its core):
 
     while requests are pending or unfinished:
         queue every request that has arrived by now (reject the ones that can never fit)
@@ -11,11 +11,15 @@
 
 The scheduler and the KV managers are the same in both modes; only the executor differs:
 
-* `ModelExecutor` (model mode, `kvlab.serving.model_runner`) runs the real model, with K/V
+* `ModelRunner` (model mode, `kvlab.serving.model_runner`) runs the real model, with K/V
   written to and read from the real cache tensors, and samples each request's next token. The
   step time is the wall clock, or a cost model's (so runs are repeatable).
 * `SimulatedExecutor` (simulation mode) runs nothing: the cost model (`cost_model.CostModel`) says
   how long the step would take on a named card, so a 19,366-request trace replays in seconds.
+
+A strategy (`STRATEGIES`) is built in one place, `simulated_manager`: its KV manager for a budget,
+with no tensors behind it; `model_strategy` puts real cache tensors and a `ModelRunner` behind
+the same manager.
 """
 
 from __future__ import annotations
@@ -31,28 +35,25 @@ from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, sha256
 from ..prefix.manager import PrefixCachingKVCacheManager
 from .cost_model import CostModel
-from .kv_managers import ContiguousManager, KVManager
+from .reservation import ContiguousManager, KVManager
 from .metrics import ServeResult, StepSeries, summarize
-from .model_runner import ModelExecutor
+from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Executor", "SimulatedExecutor", "ModelExecutor", "StepResult", "engine_step", "serve",
-           "STRATEGIES", "paged_manager", "simulated_manager", "model_strategy"]
+__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve", "STRATEGIES",
+           "simulated_manager", "model_strategy"]
 
 STRATEGIES = ("contiguous", "paged", "prefix")
 
 
 class Executor(Protocol):
-    """Runs one scheduled step."""
+    """Runs one scheduled step: `execute` returns (request_id -> sampled token, or None in
+    simulation; the step's seconds); `release` hears that a request's memory was freed."""
 
-    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int] | None, float]:
-        """Returns (request_id -> sampled token, or None in simulation; the step's seconds)."""
-        ...
+    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int] | None, float]: ...
 
-    def release(self, request: Request) -> None:
-        """The request's memory was freed (finished or preempted)."""
-        ...
+    def release(self, request: Request) -> None: ...
 
 
 class SimulatedExecutor:
@@ -70,16 +71,9 @@ class SimulatedExecutor:
 
 @dataclasses.dataclass
 class StepResult:
-    """One engine step, as `engine_step` ran it.
-
-    Attributes:
-        output: what the scheduler decided (`output.scheduled` empty: nothing ran).
-        finished: requests that finished in this step (their memory is free again).
-        seconds: the step's time (model: wall clock or cost model; simulation: cost model).
-        num_running: requests running during the step.
-        reserved_tokens: KV token slots held during the step (before finished requests freed).
-        used_tokens: of those, slots holding a token's K/V.
-    """
+    """One engine step: the decision (`output.scheduled` empty: nothing ran), the requests it
+    finished, its seconds, and during it the requests running, the KV token slots held (before
+    finished requests freed theirs) and, of those, the slots holding a token's K/V."""
 
     output: SchedulerOutput
     finished: list[Request]
@@ -93,7 +87,7 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
                 on_scheduled: Callable[[SchedulerOutput], None] | None = None) -> StepResult:
     """One step of the engine core: decide, execute, record (the body of vLLM v1's busy loop).
 
-    `serve` calls it for a trace arriving over time; `kvlab.serving.engine.LLMEngine` calls it
+    `serve` calls it for a trace arriving over time; `kvlab.serving.llm_engine.LLMEngine` calls it
     for a batch given up front. `now_s` is the clock at the start of the step (seconds);
     `on_scheduled`, if given, sees the decision before it runs (memory is at its fullest then).
     """
@@ -123,18 +117,14 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
     Args:
         requests: the workload; copied, so the same list can go through several strategies.
         kv: the strategy's KV manager (fresh: nothing held).
-        executor: `ModelExecutor` or `SimulatedExecutor`.
-        config: max_num_seqs and max_num_batched_tokens.
         bytes_per_token: KV bytes per token (per GPU), only to label memory in bytes.
-        progress: show a tqdm bar (default: for more than 2,000 requests); either way, only
-            when stderr is a terminal (tqdm's `disable=None`), so logs and pipes stay clean.
+        progress: a tqdm bar (default: over 2,000 requests), only when stderr is a terminal.
 
     Returns:
         `ServeResult`; its requests end FINISHED or REJECTED, never stuck.
 
     Raises:
-        RuntimeError: a step scheduled nothing twice in a row while requests wait (a scheduler
-            bug; it cannot happen when every queued request fits an empty cache).
+        RuntimeError: a step scheduled nothing twice in a row while requests wait (a bug).
     """
     from tqdm.auto import tqdm
 
@@ -177,49 +167,36 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
                      kv.capacity_tokens, bytes_per_token, time.perf_counter() - started, events)
 
 
-def paged_manager(strategy: str, num_blocks: int, block_size: int, max_model_len: int,
-                  hash_fn: HashFunction = sha256) -> KVCacheManager:
-    """The one place a paged strategy's manager is built: "paged" (stage 4) or "prefix" (stage 6).
-    A `PagedKVCache` is then given it; in simulation it runs with no tensors behind it.
-
-    Raises:
-        ValueError: unknown strategy. KVCacheOutOfMemory: the pool cannot hold max_model_len.
-    """
-    if strategy == "paged":
-        return KVCacheManager(num_blocks, block_size, max_model_len)
-    if strategy == "prefix":
-        return PrefixCachingKVCacheManager(num_blocks, block_size, max_model_len, hash_fn)
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-
-
 def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
-                      max_model_len: int, block_size: int = 16) -> KVCacheManager | KVManager:
-    """A strategy's KV manager for a budget (simulation mode, or handed to a cache).
+                      max_model_len: int, block_size: int = 16,
+                      hash_fn: HashFunction = sha256) -> KVCacheManager | KVManager:
+    """The one factory of a strategy's KV manager, for a budget: slabs of max_model_len tokens
+    ("contiguous", stage 2), blocks ("paged", stage 4), blocks shared by prefix ("prefix",
+    stage 6). No tensors behind it (simulation); `model_strategy` and `LLMEngine` give it a cache.
 
     Raises:
-        ValueError: unknown strategy, or the budget cannot hold one max_model_len request.
+        ValueError: unknown strategy, or the budget holds no block.
+        KVCacheOutOfMemory: the budget cannot hold one max_model_len request.
     """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "contiguous":
         return ContiguousManager(kv_budget_bytes // (max_model_len * bytes_per_token),
                                  max_model_len)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     num_blocks = kv_budget_bytes // (block_size * bytes_per_token)
     if num_blocks < 1:
         raise ValueError(f"the KV budget of {kv_budget_bytes:,} B holds no block of "
                          f"{block_size} tokens x {bytes_per_token:,} B")
-    return paged_manager(strategy, num_blocks, block_size, max_model_len)
+    if strategy == "paged":
+        return KVCacheManager(num_blocks, block_size, max_model_len)
+    return PrefixCachingKVCacheManager(num_blocks, block_size, max_model_len, hash_fn)
 
 
 def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: int,
                    block_size: int = 16, cost_model: CostModel | None = None
-                   ) -> tuple[KVCacheManager | KVManager, ModelExecutor]:
-    """A strategy's KV manager and a `ModelExecutor` over real cache tensors of `kv_budget_bytes`
-    (a paged cache is given the manager the scheduler drives).
-
-    Raises:
-        ValueError: unknown strategy, or the budget cannot hold one max_model_len request.
-    """
+                   ) -> tuple[KVCacheManager | KVManager, ModelRunner]:
+    """A strategy's KV manager (`simulated_manager`, same errors) and a `ModelRunner` over real
+    cache tensors of `kv_budget_bytes` (a paged cache is given the manager the scheduler drives)."""
     config = model.config
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
                        * config.head_dim * model.dtype.itemsize)
@@ -231,6 +208,6 @@ def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: in
     else:
         cache = PagedKVCache(config, manager.pool.num_blocks, block_size, dtype=model.dtype,
                              device=model.device, manager=manager)
-    executor = ModelExecutor(model, cache, cost_model)
+    executor = ModelRunner(model, cache, cost_model)
     executor.bytes_per_token = bytes_per_token
     return manager, executor

@@ -1,9 +1,10 @@
-"""Offline generation on the one serving design: `LLMEngine`, a batch of prompts given up front.
+"""Offline generation on the one serving design: `LLMEngine` and `generate_batch`, a batch of
+prompts given up front.
 
 vLLM runs offline batches (`LLM.generate`) and online traffic (the API server) on the same engine
 core. So does the course: `LLMEngine` is stage 7's `Scheduler` (admit, run, preempt), a KV cache
 manager (`KVCacheManager`, or `PrefixCachingKVCacheManager` with `enable_prefix_caching=True`) and a
-`ModelExecutor` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
+`ModelRunner` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
 trace arriving over time. What this module adds is what a caller of `generate` needs:
 
 * a request for n completions of one prompt (parallel sampling), whose n - 1 forks share the
@@ -15,6 +16,12 @@ trace arriving over time. What this module adds is what a caller of `generate` n
 * validation of every request before it is queued (one bad request never reaches the scheduler);
 * the counts stage 4 and stage 6 print: preemptions, recomputed tokens, prefill tokens, peak
   blocks, blocks saved by sharing, copy-on-write copies, prefix-cache hits.
+
+`generate_batch` is one call for a whole batch: it sizes the pool (by default big enough that
+nothing is preempted), queues every prompt, rejects the ones that can never be served without
+stopping the others, runs the engine and collects the completions and the counts. Stage 4 calls it
+with the paged cache, stage 6 with `enable_prefix_caching=True`; `kvlab.generate.generate` is the
+one-prompt front door.
 """
 
 from __future__ import annotations
@@ -32,12 +39,12 @@ from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
 from ..prefix.manager import PrefixCacheStats
 from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
-from .model_runner import ModelExecutor
+from .engine_core import engine_step, simulated_manager
+from .model_runner import ModelRunner
 from .request import Request, SamplingParams, stop_token_ids
-from .runner import engine_step, paged_manager
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["EngineStats", "LLMEngine"]
+__all__ = ["EngineStats", "LLMEngine", "BatchResult", "generate_batch", "default_pool_size"]
 
 
 @dataclasses.dataclass
@@ -69,8 +76,6 @@ class LLMEngine:
 
     Args:
         model: the decoder (its dtype and device are the pool's).
-        num_blocks: blocks in the pool.
-        block_size: tokens per block.
         max_model_len: longest request (prompt + max_new_tokens, tokens); default the model's
             max_position_embeddings, never more. Checked against the pool at start-up.
         max_num_seqs: most sequences running at once (a request for n completions counts n).
@@ -79,20 +84,17 @@ class LLMEngine:
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
         seed: the seed of requests that bring none of their own (see `kvlab.sampling`).
         attention_backend: the paged cache's attention backend (see `kvlab.paged.backends`).
-        enable_prefix_caching: share full blocks between requests by prefix (stage 6; vLLM's
-            option of the same name).
-        hash_fn: the block hash function of the prefix cache (default SHA-256).
+        enable_prefix_caching, hash_fn: share full blocks between requests by prefix (stage 6;
+            vLLM's option), with this block hash (default SHA-256).
         max_num_batched_tokens: tokens computed per step; a prompt longer than what is left of
             it is prefilled in chunks. Default max(max_model_len, 2,048), so any prompt fits in
             one step (the rule vLLM used before chunked prefill; vLLM v1's offline `LLM` default
             is 16,384 on large GPUs, 8,192 elsewhere, and chunks longer prompts).
 
     Attributes:
-        kv: the KV cache manager the scheduler drives (`KVCacheManager`, or the prefix-caching
-            one); the cache's `manager` is this same object.
+        kv: the KV cache manager the scheduler drives; the cache's `manager` is this same object.
         cache: the `PagedKVCache` (pool tensors, slot mapping and KV stores).
-        scheduler: the `Scheduler`; `running` and `waiting` are its queues.
-        stats: `EngineStats` so far.
+        scheduler, stats: the `Scheduler` (`running`, `waiting`) and the `EngineStats` so far.
 
     Raises:
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request (numbers in the message).
@@ -116,15 +118,17 @@ class LLMEngine:
         check_pool_fits(check_int("num_blocks", num_blocks, 1), check_int("block_size",
                         block_size, 1), self.max_model_len,
                         kv_block_bytes(model.config, block_size, model.dtype))
-        self.kv = paged_manager("prefix" if enable_prefix_caching else "paged", num_blocks,
-                                block_size, self.max_model_len, hash_fn)
+        # the manager alone, sized in token slots (1 "byte" a token); the cache gets it below
+        self.kv = simulated_manager("prefix" if enable_prefix_caching else "paged",
+                                    num_blocks * block_size, 1, self.max_model_len, block_size,
+                                    hash_fn)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
                                             attention_backend, manager=self.kv)
         if max_num_batched_tokens is None:
             # Whole prompts in one step unless the caller asks for chunks (see the docstring).
             max_num_batched_tokens = max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_num_batched_tokens))
-        self.executor = ModelExecutor(model, self.cache)
+        self.executor = ModelRunner(model, self.cache)
         self.requests: list[list[Request]] = []  # request_id -> its n completions
         self.stats = EngineStats()
         self._num_sequences = 0
@@ -150,8 +154,7 @@ class LLMEngine:
                 shared (one tenant's prompts never hit another's).
 
         Raises:
-            RequestTooLongError: prompt + max_new_tokens > max_model_len. The start-up check makes
-                the pool hold max_model_len tokens, so this also covers "longer than the pool".
+            RequestTooLongError: prompt + max_new_tokens > max_model_len (so also > the pool).
             ValueError: empty prompt, bad token ids, bad n, first_tokens or seed.
             TypeError: cache_salt is not a str.
         """
@@ -207,11 +210,7 @@ class LLMEngine:
         return list(self.scheduler.waiting)
 
     def sequences(self, request_id: int) -> list[Request]:
-        """The n sequences (scheduler `Request`s) of the request with this index.
-
-        Each sequence's own `request_id` is its sequence number, the key of its block table in
-        `cache.manager`; it equals the request's index only when every request so far had n = 1.
-        """
+        """The n sequences (scheduler `Request`s) of the request with this index."""
         return self.requests[request_id]
 
     def outputs(self, request_id: int) -> list[list[int]]:
@@ -232,11 +231,8 @@ class LLMEngine:
 
     def step(self) -> None:
         """One scheduler step: reserve (preempting when the pool is dry), admit, run, sample.
-
-        Raises:
-            RuntimeError: nothing could be scheduled while requests wait (cannot happen after the
-                start-up check that the pool holds a max_model_len request).
-        """
+        RuntimeError if nothing could be scheduled while requests wait (the start-up check rules
+        it out)."""
         stats, scheduler = self.stats, self.scheduler
         stats.num_steps += 1
         now = time.perf_counter() - self._clock_start
@@ -256,3 +252,99 @@ class LLMEngine:
         stats.peak_blocks_unshared = max(stats.peak_blocks_unshared, manager.num_logical_blocks)
         saved = manager.num_logical_blocks - manager.num_used_blocks
         stats.blocks_saved_by_sharing = max(stats.blocks_saved_by_sharing, saved)
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """Output of `generate_batch`, per prompt: the ids of its first completion (`token_ids`, []
+    if rejected), of all n (`completions`), None or the error that rejected it (`errors`); and the
+    run's `EngineStats`, `PrefixCacheStats` (None without prefix caching) and `PagedKVCache`."""
+
+    token_ids: list[list[int]]
+    completions: list[list[list[int]]]
+    errors: list[str | None]
+    stats: EngineStats
+    prefix_stats: PrefixCacheStats | None
+    cache: PagedKVCache
+
+
+def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int],
+                   block_size: int = 16, num_blocks: int | None = None,
+                   max_model_len: int | None = None, n: int = 1,
+                   eos_token_id: int | Seq[int] | None = None, max_num_seqs: int = 256,
+                   first_tokens: Seq[Seq[int] | None] | None = None, temperature: float = 0.0,
+                   seed: int = 0, seeds: Seq[int | None] | None = None,
+                   cache_salts: Seq[str | None] | None = None,
+                   enable_prefix_caching: bool = False, hash_fn: HashFunction = sha256,
+                   attention_backend: BackendLike = None) -> BatchResult:
+    """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
+
+    Prompts are admitted in order, so with prefix caching a prompt can hit the blocks of any
+    earlier one that is running or whose blocks were not reused since.
+
+    Args:
+        prompts: token ids of each prompt (lengths may differ).
+        max_new_tokens: tokens per completion, one int for all or one per prompt.
+        num_blocks, max_model_len: default `default_pool_size` (nothing is preempted); a small
+            pool forces preemption.
+        first_tokens, seeds, cache_salts: per prompt None or its value for `add_request`.
+        The others: as `LLMEngine` and `LLMEngine.add_request`.
+
+    Returns:
+        BatchResult. A rejected prompt (too long, empty, bad token ids or salt: any error of
+        `add_request`) gets [] and an error message; the other prompts are generated as if they
+        were alone: one bad request never takes down the others.
+
+    Raises:
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
+        ValueError: malformed arguments of the whole call (no prompts, mismatched list lengths,
+            max_model_len > max_position_embeddings, bad sizes).
+    """
+    if len(prompts) == 0:
+        raise ValueError("generate_batch needs at least one prompt")
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    for name, values in (("max_new_tokens", max_new_tokens), ("first_tokens", first_tokens),
+                         ("seeds", seeds), ("cache_salts", cache_salts)):
+        if values is not None and len(values) != len(prompts):
+            raise ValueError(f"{len(values)} {name} entries for {len(prompts)} prompts")
+    max_new_tokens = [check_int("max_new_tokens", new, 1) for new in max_new_tokens]
+    check_int("n (at most max_num_seqs)", n, 1, check_int("max_num_seqs", max_num_seqs, 1))
+    lengths = [len(prompt) + new for prompt, new in zip(prompts, max_new_tokens)]
+    max_model_len, num_blocks = default_pool_size(model, lengths, n, block_size, max_model_len,
+                                                  num_blocks)
+    engine = LLMEngine(model, num_blocks, block_size, max_model_len, max_num_seqs, eos_token_id,
+                       temperature, seed, attention_backend, enable_prefix_caching, hash_fn)
+
+    def per_prompt(values, index):
+        return None if values is None else values[index]
+
+    request_ids: list[int | None] = []
+    errors: list[str | None] = []
+    for index, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+        try:
+            request_ids.append(engine.add_request(
+                prompt, new, n, per_prompt(first_tokens, index), per_prompt(seeds, index),
+                per_prompt(cache_salts, index)))
+            errors.append(None)
+        except (ValueError, TypeError, RequestTooLongError) as error:
+            request_ids.append(None)
+            errors.append(f"prompt {index}: {error}")
+    engine.run()
+    completions = [engine.outputs(rid) if rid is not None else [[] for _ in range(n)]
+                   for rid in request_ids]
+    return BatchResult([c[0] for c in completions], completions, errors, engine.stats,
+                       engine.prefix_stats, engine.cache)
+
+
+def default_pool_size(model, lengths: list[int], n: int, block_size: int,
+                      max_model_len: int | None, num_blocks: int | None) -> tuple[int, int]:
+    """The batch defaults (max_model_len, num_blocks): the longest request (or what the given pool
+    holds) capped at max_position_embeddings; room for every completion at once (no preemption)."""
+    if max_model_len is None:
+        max_model_len = min(model.config.max_position_embeddings,
+                            max(lengths) if num_blocks is None else num_blocks * block_size)
+    if num_blocks is None:
+        per_sequence = [cdiv(min(length, max_model_len), block_size) for length in lengths]
+        num_blocks = max(cdiv(max_model_len, block_size), n * sum(per_sequence))
+    return max_model_len, num_blocks

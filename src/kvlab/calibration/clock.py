@@ -34,10 +34,10 @@ import numpy as np
 from ..config import PRESETS, LlamaConfig, load_config
 from ..sizing import default_kv_budget, kv_bytes_per_token
 from ..workload import SHAREGPT, synthetic_requests
-from .cost_model import CostModel, get_card
-from .request import Request, from_sizes, poisson_arrivals
-from .runner import serve, simulated_manager
-from .scheduler import SchedulerConfig
+from ..serving.cost_model import CostModel, get_card
+from ..serving.engine_core import serve, simulated_manager
+from ..serving.request import Request, from_sizes, poisson_arrivals
+from ..serving.scheduler import SchedulerConfig
 
 __all__ = ["Measurement", "Factors", "Residual", "load_measurements", "stored_factors",
            "clock_cost_model", "predict", "residuals", "fit", "error_band", "clock_note",
@@ -106,7 +106,7 @@ class Residual:
 
 @functools.lru_cache(maxsize=1)
 def _data() -> dict:
-    return json.loads(importlib.resources.files("kvlab.serving").joinpath(DATA_FILE).read_text())
+    return json.loads(importlib.resources.files(__package__).joinpath(DATA_FILE).read_text())
 
 
 def load_measurements() -> list[Measurement]:
@@ -115,14 +115,14 @@ def load_measurements() -> list[Measurement]:
 
 
 def stored_factors() -> Factors:
-    """The factors fitted by `python -m kvlab.serving.calibration --write` (from the data file).
+    """The factors fitted by `python -m kvlab.calibration.clock --write` (from the data file).
 
     Raises:
         RuntimeError: the data file holds no fit yet.
     """
     fitted = _data()["fitted"]
     if fitted is None:
-        raise RuntimeError(f"{DATA_FILE} holds no fit; run python -m kvlab.serving.calibration "
+        raise RuntimeError(f"{DATA_FILE} holds no fit; run python -m kvlab.calibration.clock "
                            f"--write")
     return Factors(**fitted["factors"])
 
@@ -365,7 +365,7 @@ def fit(measurements: Sequence[Measurement] | None = None, rounds: int = 3) -> F
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kvlab.serving.calibration [--write]`: fit, print the residuals (and store)."""
+    """`python -m kvlab.calibration.clock [--write]`: fit, print the residuals (and store)."""
     import argparse
     from pathlib import Path
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from .request import from_sizes
-from .runner import serve, simulated_manager
-from .scheduler import SchedulerConfig, SchedulerOutput
+from .serving.engine_core import serve, simulated_manager
+from .serving.request import from_sizes
+from .serving.scheduler import SchedulerConfig, SchedulerOutput
 
 __all__ = ["HeldMeasurement", "measure_requests_held"]
 

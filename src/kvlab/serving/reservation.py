@@ -1,0 +1,350 @@
+"""Reserve at admission: every design before paging, one manager base and its placements.
+
+Before paged attention a server reserved all of a request's KV memory when it admitted it, sized
+for the most tokens it could reach, and held it until the request ended (Kwon et al., *Efficient
+Memory Management for Large Language Model Serving with PagedAttention*, SOSP 2023, section 3).
+Such a manager answers the scheduler's verbs (vLLM v1's, `kvlab.paged.KVCacheManager`) simply:
+`allocate_slots` takes the whole reservation on the request's first call (None: no room now) and
+returns [] after; nothing is ever computed already; preemption is `free`.
+
+`KVManager` is that idea once (`holds`, `admit`, `free`, a reservation size checked against the
+request). The designs differ in two things, kept apart:
+
+* *how much* (a size function of the request): `exact_size` (prompt + max_output_tokens, a
+  perfect length oracle), `power_of_two` (Orca's Pow2), or a max_model_len slab;
+* *where* (the subclass): `ContiguousManager`, stage 2's max_model_len slabs, all one size, so any
+  free slab will do (no external fragmentation, but a request of 300 tokens holds 4,096 slots);
+  `FirstFitSlabManager`, one run of adjacent slots per request at the first gap big enough
+  (`kvlab.paged.fragmentation.first_fit`, Knuth vol. 1, section 2.5), which counts the admissions
+  refused although the free slots added up would have held the request (external fragmentation,
+  the paper's figure 3); `ExactBlocksManager`, the same reservation in whole blocks from stage 4's
+  pool, so any free blocks will do; and on a GPU `kvlab.oom_story.naive.NaiveManager`, one tensor
+  per request placed by the CUDA caching allocator.
+
+Token counts are the unit; bytes are tokens x KV bytes per token.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+from typing import Callable, NamedTuple, Sequence
+
+from ..errors import KVCacheOutOfMemory
+from ..paged.block_table import cdiv
+from ..paged.fragmentation import first_fit
+from ..paged.kv_cache_manager import KVCacheManager, too_long_reason
+from .request import Request
+
+__all__ = ["KVManager", "ContiguousManager", "FirstFitSlabManager", "ExactBlocksManager",
+           "GapRefusal", "exact_size", "power_of_two"]
+
+
+def exact_size(request: Request) -> int:
+    """Tokens a request will ever hold: prompt + max_output_tokens (a perfect length oracle)."""
+    return request.total_len
+
+
+def power_of_two(request: Request) -> int:
+    """Token slots of Orca's Pow2 reservation: the next power of two >= prompt + output."""
+    return 1 << (request.total_len - 1).bit_length()
+
+
+class KVManager(abc.ABC):
+    """A manager that reserves a request's memory whole, at admission.
+
+    Args:
+        capacity_tokens: token slots in the whole KV budget (>= 1).
+        max_model_len: longest request (prompt + max_output_tokens) accepted (>= 1).
+        reserve: token slots to reserve for a request (default `exact_size`); at least its
+            `total_len`, since the reservation is all it will ever have.
+
+    Raises:
+        ValueError: capacity_tokens < 1 or max_model_len < 1.
+    """
+
+    name: str
+    has_prefix_cache = False
+    # False for a design that holds one sequence per request (nothing to share between the n
+    # completions of one prompt): requests with forks are then refused on arrival.
+    supports_forks = False
+
+    def __init__(self, capacity_tokens: int, max_model_len: int,
+                 reserve: Callable[[Request], int] = exact_size):
+        if capacity_tokens < 1 or max_model_len < 1:
+            raise ValueError(f"need capacity_tokens >= 1 ({capacity_tokens}) and max_model_len "
+                             f">= 1 ({max_model_len})")
+        self.capacity_tokens, self.max_model_len, self.reserve = (capacity_tokens, max_model_len,
+                                                                  reserve)
+
+    def reservation(self, request: Request) -> int:
+        """Token slots `request` reserves, in this memory's unit of allocation.
+
+        Raises:
+            ValueError: `reserve` gave fewer slots than the request will hold (a bug in `reserve`).
+        """
+        tokens = self.reserve(request)
+        if tokens < request.total_len:
+            raise ValueError(f"reserve() gave request {request.request_id} {tokens} token slots, "
+                             f"fewer than the {request.total_len} it will hold")
+        return tokens
+
+    def reject_reason(self, request: Request) -> str | None:
+        """Why this request can never be served, or None. Checked once, on arrival."""
+        reason = too_long_reason(request, self.max_model_len)
+        if reason is None and request.forks and not self.supports_forks:
+            reason = (f"n = {request.num_seqs} completions: the {self.name} strategy holds one "
+                      f"sequence per request (nothing to share between them)")
+        return reason if reason is not None else self.too_big_reason(request)
+
+    def too_big_reason(self, request: Request) -> str | None:
+        """Why the reservation would not fit even an empty memory, or None."""
+        if self.reservation(request) > self.capacity_tokens:
+            return (f"reserves {self.reservation(request):,} token slots > "
+                    f"{self.capacity_tokens:,} in the whole memory")
+        return None
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Nothing is ever found computed."""
+        return [], 0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Sequence[int] = (),
+                       full_sequence_must_fit: bool = False) -> list[int] | None:
+        """The reservation at the request's first call ([], or None: no room now); [] after.
+        (A reservation always holds the whole request: full_sequence_must_fit changes nothing.)"""
+        if self.holds(request):
+            return []
+        return [] if self.admit(request) else None
+
+    @abc.abstractmethod
+    def holds(self, request: Request) -> bool:
+        """The request has its reservation."""
+
+    @abc.abstractmethod
+    def admit(self, request: Request) -> bool:
+        """Take the request's reservation; False (nothing changed) if it does not fit now."""
+
+    @abc.abstractmethod
+    def free(self, request: Request) -> None:
+        """The request (finished or preempted) lets go of its reservation."""
+
+    def fork(self, parent: Request, child: Request) -> None:
+        raise RuntimeError(f"the {self.name} strategy never forks: a request for n > 1 "
+                           f"completions is refused on arrival")
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        return []
+
+    @property
+    @abc.abstractmethod
+    def num_reserved_tokens(self) -> int:
+        """Token slots held by requests now (used or not)."""
+
+    def usage(self) -> float:
+        """Share of the KV budget held now, 0 .. 1 (vLLM's `kv_cache_usage`)."""
+        return self.num_reserved_tokens / self.capacity_tokens
+
+
+class ContiguousManager(KVManager):
+    """Stage 2: every admitted request holds one slab of max_model_len token slots until it ends.
+
+    Args:
+        num_slabs: slabs the budget holds (= budget bytes // (max_model_len x KV bytes per token)).
+        max_model_len: tokens per slab.
+
+    Raises:
+        KVCacheOutOfMemory: num_slabs < 1 (the budget cannot hold one max_model_len request).
+        ValueError: max_model_len < 1.
+    """
+
+    name = "contiguous"
+    supports_forks = True  # a fork takes a slab of its own, a copy of the prompt
+
+    def __init__(self, num_slabs: int, max_model_len: int):
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if num_slabs < 1:
+            raise KVCacheOutOfMemory(f"the KV budget holds no slab of max_model_len="
+                                     f"{max_model_len} tokens; lower max_model_len or give the "
+                                     f"cache more memory")
+        super().__init__(num_slabs * max_model_len, max_model_len, self._slab)
+        self.num_slabs = num_slabs
+        # request id -> slabs it holds: 1, or 1 + its forks until they are made (each fork takes
+        # one of its parent's; a copy of the prompt goes into it, nothing is shared)
+        self.holders: dict[int, int] = {}
+        self.num_held = 0
+
+    def _slab(self, request: Request) -> int:
+        return self.max_model_len
+
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.holders
+
+    def admit(self, request: Request) -> bool:
+        if self.num_held + request.num_seqs > self.num_slabs:
+            return False
+        self.holders[request.request_id] = request.num_seqs
+        self.num_held += request.num_seqs
+        return True
+
+    def free(self, request: Request) -> None:
+        self.num_held -= self.holders.pop(request.request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        if self.holders.get(parent.request_id, 0) < 2:
+            raise RuntimeError(f"request {parent.request_id} holds no slab for its fork "
+                               f"{child.request_id}")
+        self.holders[parent.request_id] -= 1
+        self.holders[child.request_id] = 1
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return self.num_held * self.max_model_len
+
+
+class GapRefusal(NamedTuple):
+    """One admission refused for want of a gap although enough slots were free in total: the
+    request, the slots it asked for, the free slots then (>= size), the gaps then as (start,
+    length) in address order (each < size), and the memory then (`FirstFitSlabManager.draw`)."""
+
+    request_id: int
+    size: int
+    free_tokens: int
+    gaps: list[tuple[int, int]]
+    picture: str
+
+
+class FirstFitSlabManager(KVManager):
+    """One run of `reserve(request)` adjacent token slots per request, placed first fit.
+
+    The memory is one address space of `capacity_tokens` slots. A request admitted gets the
+    lowest-addressed gap big enough; when it finishes its run becomes a gap again (merged with free
+    neighbours). Nothing is ever moved: compacting would mean copying running requests' K/V.
+
+    Args: as `KVManager`.
+
+    Attributes:
+        runs: start slots of the reservations, ascending, and beside them `run_ends` (one past the
+            last slot) and `run_owners` (request ids), index for index.
+        num_refusals: admissions refused (no gap big enough), each counted, so a request that waits
+            at the head of the queue for 5 steps counts 5.
+        num_gap_refusals: of those, the ones where the free slots added up were enough: the
+            request waited only because they were scattered (external fragmentation).
+        gap_refused_requests: ids of the requests refused at least once for that reason.
+        free_at_gap_refusals: free slots summed over the gap refusals (divide by
+            num_gap_refusals for the free memory a waiting request could not use).
+        worst_gap_refusal: the one with the most free slots, as a `GapRefusal` (None until
+            one happens): the clearest picture of memory free but unusable.
+    """
+
+    name = "exact slabs"
+
+    def __init__(self, capacity_tokens: int, max_model_len: int,
+                 reserve: Callable[[Request], int] = exact_size):
+        super().__init__(capacity_tokens, max_model_len, reserve)
+        self.runs: list[int] = []
+        self.run_ends: list[int] = []
+        self.run_owners: list[int] = []
+        self.holding: set[int] = set()  # run_owners as a set (`holds` is asked every step)
+        self.num_reserved = 0
+        self.num_refusals = self.num_gap_refusals = self.free_at_gap_refusals = 0
+        self.gap_refused_requests: set[int] = set()
+        self.worst_gap_refusal: GapRefusal | None = None
+
+    @property
+    def num_free_tokens(self) -> int:  # wherever they are
+        return self.capacity_tokens - self.num_reserved
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The free gaps as (start slot, length), in address order."""
+        out, end = [], 0
+        for start, run_end in zip(self.runs, self.run_ends):
+            if start > end:
+                out.append((end, start - end))
+            end = run_end
+        if self.capacity_tokens > end:
+            out.append((end, self.capacity_tokens - end))
+        return out
+
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.holding
+
+    def admit(self, request: Request) -> bool:
+        size = self.reservation(request)
+        start = first_fit(self.gaps(), size)
+        if start is None:  # count why, and change nothing else
+            self.num_refusals += 1
+            if self.num_free_tokens >= size:
+                self.num_gap_refusals += 1
+                self.free_at_gap_refusals += self.num_free_tokens
+                self.gap_refused_requests.add(request.request_id)
+                worst = self.worst_gap_refusal
+                if worst is None or self.num_free_tokens > worst.free_tokens:
+                    self.worst_gap_refusal = GapRefusal(request.request_id, size,
+                                                        self.num_free_tokens, self.gaps(),
+                                                        self.draw())
+            return False
+        index = bisect.bisect(self.runs, start)
+        self.runs.insert(index, start)
+        self.run_ends.insert(index, start + size)
+        self.run_owners.insert(index, request.request_id)
+        self.num_reserved += size
+        self.holding.add(request.request_id)
+        return True
+
+    def free(self, request: Request) -> None:
+        self.holding.remove(request.request_id)
+        index = self.run_owners.index(request.request_id)
+        self.num_reserved -= self.run_ends[index] - self.runs[index]
+        del self.runs[index], self.run_ends[index], self.run_owners[index]
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return self.num_reserved
+
+    def draw(self, width: int = 64) -> str:
+        """The memory as `width` characters, each standing for capacity / width slots: '#' all
+        reserved, '.' all free, '+' partly both (to see the gaps at a glance)."""
+        cells = [0] * width  # reserved slots per character
+        per_cell = self.capacity_tokens / width
+        for start, end in zip(self.runs, self.run_ends):
+            for cell in range(int(start // per_cell), min(width, int(-(-end // per_cell)))):
+                low, high = cell * per_cell, (cell + 1) * per_cell
+                cells[cell] += max(0.0, min(end, high) - max(start, low))
+        return "".join("#" if held >= per_cell - 1e-9 else "." if held == 0 else "+"
+                       for held in cells)
+
+
+class ExactBlocksManager(KVManager):
+    """The same reservation as `FirstFitSlabManager`, rounded up to whole blocks, all taken from
+    stage 4's block pool at admission (not one at a time as the request grows, as paging does), so
+    that a comparison with the first-fit slabs changes the placement alone.
+
+    Args: an empty `kvlab.paged.KVCacheManager` (the blocks), then as `KVManager`.
+    """
+
+    name = "exact blocks"
+
+    def __init__(self, manager: KVCacheManager, max_model_len: int,
+                 reserve: Callable[[Request], int] = exact_size):
+        super().__init__(manager.pool.num_blocks * manager.block_size, max_model_len, reserve)
+        self.manager, self.block_size = manager, manager.block_size
+
+    def reservation(self, request: Request) -> int:
+        return cdiv(super().reservation(request), self.block_size) * self.block_size
+
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.manager.tables
+
+    def admit(self, request: Request) -> bool:
+        # the manager checks for enough free blocks before it changes anything
+        return self.manager.allocate_slots(request, self.reservation(request)) is not None
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return self.manager.num_used_blocks * self.block_size

@@ -175,25 +175,29 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_size = k_cache.shape[1]
     _check_range("block_tables", block_tables, 0, k_cache.shape[0] - 1)
     _check_range("seq_lens", seq_lens, 1, width * block_size)
-    # Gather the whole padded batch at once: [num_seqs, width * block_size, H_kv, D].
-    keys = k_cache[block_tables].reshape(num_seqs, width * block_size, *k_cache.shape[2:])
-    values = v_cache[block_tables].reshape(num_seqs, width * block_size, *v_cache.shape[2:])
-    holds_token = (torch.arange(width * block_size, device=query.device)[None, :]
-                   < seq_lens[:, None])  # [num_seqs, width * block_size]
-    # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
-    # head h = kv * G + g reads KV head kv. The one query of a sequence sits at its last
-    # position, so causality is just `holds_token`. Scores and softmax in float32.
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    num_slots = width * block_size
+    # Gather the whole padded batch at once, in the layout the matmuls read:
+    # [num_seqs, width, block_size, H_kv, D] -> [num_seqs, H_kv, width * block_size, D] (one copy).
+    keys = k_cache[block_tables].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads,
+                                                                 num_slots, head_dim)
+    values = v_cache[block_tables].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads,
+                                                                   num_slots, head_dim)
+    holds_token = (torch.arange(num_slots, device=query.device)[None, :]
+                   < seq_lens[:, None])  # [num_seqs, num_slots]
+    # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
+    # head h = kv * G + g reads KV head kv. The one query of a sequence sits at its last
+    # position, so causality is just `holds_token`. Scores and softmax in float32.
     grouped_q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     if scale is None:
         scale = head_dim ** -0.5
-    scores = torch.einsum("skgd,slkd->skgl", grouped_q, keys.float()) * scale
+    scores = torch.matmul(grouped_q, keys.float().transpose(-1, -2)) * scale  # [S, H_kv, G, slots]
     scores = scores.masked_fill(~holds_token[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A weight of 0 times a NaN left in a slot the sequence does not own is still NaN: zero them.
-    values = values.float().masked_fill(~holds_token[:, :, None, None], 0.0)
-    out = torch.einsum("skgl,slkd->skgd", probs, values)
+    values = values.float().masked_fill(~holds_token[:, None, :, None], 0.0)
+    out = torch.matmul(probs, values)  # [S, H_kv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

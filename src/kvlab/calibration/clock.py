@@ -223,8 +223,7 @@ class _Recording:
         cost = clock_cost_model(self.config, m.card, m.tp, factors=factors)
         tokens, kv, pairs = self.sizes.T
         moved, flops = cost.step_work(tokens, kv, pairs)
-        return (np.maximum(moved / cost.bandwidth, flops / cost.flops) + cost.step_overhead_s
-                + cost.allreduce_s + cost.allreduce_s_per_token * tokens)
+        return cost.time_of_work(moved, flops, tokens, np.maximum)
 
     def retime(self, factors: Factors) -> float:
         """The measurement's metric for these decisions at `factors`' clock."""

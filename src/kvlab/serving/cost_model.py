@@ -152,17 +152,18 @@ class CostModel:
         return line
 
     def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int) -> float:
-        """Seconds for one forward pass.
-
-        Args:
-            num_batched_tokens: tokens computed (prefill + decode), each written to the cache.
-            kv_tokens_read: cached tokens the attention reads, summed over requests.
-            attention_pairs: (query, key) pairs attended, summed over requests.
-        """
+        """Seconds for one forward pass computing num_batched_tokens (prefill + decode, each
+        written to the cache), reading kv_tokens_read cached tokens and attending attention_pairs
+        (query, key) pairs, both summed over requests."""
         if num_batched_tokens == 0:
             return 0.0
         moved, flops = self.step_work(num_batched_tokens, kv_tokens_read, attention_pairs)
-        return (max(moved / self.bandwidth, flops / self.flops) + self.step_overhead_s
+        return self.time_of_work(moved, flops, num_batched_tokens)
+
+    def time_of_work(self, moved, flops, num_batched_tokens, maximum=max):
+        """Seconds of a pass moving `moved` bytes and doing `flops` (numbers, or numpy arrays of
+        steps with maximum=np.maximum: how `kvlab.calibration` re-times recorded steps)."""
+        return (maximum(moved / self.bandwidth, flops / self.flops) + self.step_overhead_s
                 + self.allreduce_s + self.allreduce_s_per_token * num_batched_tokens)
 
     def step_work(self, num_batched_tokens: int, kv_tokens_read: int,

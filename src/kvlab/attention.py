@@ -16,7 +16,14 @@ import math
 
 import torch
 
-__all__ = ["grouped_attention", "repeat_kv"]
+__all__ = ["grouped_attention", "kv_group_size", "repeat_kv"]
+
+
+def kv_group_size(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head (GQA's group); ValueError when they do not group evenly."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    return num_heads // num_kv_heads
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -39,9 +46,7 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if key_dim != head_dim or value.shape != key.shape:
         raise ValueError(f"head_dim mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, "
                          f"value {tuple(value.shape)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-    group = num_heads // num_kv_heads
+    group = kv_group_size(num_heads, num_kv_heads)
 
     # [Tq, Hq, D] -> [Hkv, G * Tq, D]: query head h = kv * G + g lands in block kv, rows g * Tq ...
     grouped_q = query.reshape(num_queries, num_kv_heads, group, head_dim)

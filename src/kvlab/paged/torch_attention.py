@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import grouped_attention
+from ..attention import grouped_attention, kv_group_size
 from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
 
 __all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention",
@@ -177,8 +177,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _check_range("seq_lens", seq_lens, 1, width * block_size)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    group = kv_group_size(num_heads, num_kv_heads)
     num_slots = width * block_size
     # Gather the whole padded batch at once, in the layout the matmuls read:
     # [num_seqs, width, block_size, H_kv, D] -> [num_seqs, H_kv, width * block_size, D] (one copy).
@@ -191,7 +190,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
     # head h = kv * G + g reads KV head kv. The one query of a sequence sits at its last
     # position, so causality is just `holds_token`. Scores and softmax in float32.
-    grouped_q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    grouped_q = query.reshape(num_seqs, num_kv_heads, group, head_dim).float()
     if scale is None:
         scale = head_dim ** -0.5
     scores = torch.matmul(grouped_q, keys.float().transpose(-1, -2)) * scale  # [S, H_kv, G, slots]

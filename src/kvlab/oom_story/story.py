@@ -50,7 +50,7 @@ from ..model import LlamaForCausalLM
 from ..paged.budget import kv_block_bytes, num_blocks_for_budget
 from ..paged.paged_cache import PagedKVCache
 from ..serving import request as req
-from ..serving.engine_core import serve, simulated_manager
+from ..serving.engine_core import paged_manager, serve
 from ..serving.model_runner import ModelRunner
 from ..serving.scheduler import SchedulerConfig
 from ..traces import load_trace
@@ -316,8 +316,8 @@ def paged_prefix_run(model, requests, story, limit, in_use, workspace, allocator
     config, dtype, device = model.config, model.dtype, model.device
     block_bytes = kv_block_bytes(config, story.block_size, dtype)
     num_blocks = num_blocks_for_budget(limit, in_use, block_bytes, workspace)
-    prefix = simulated_manager("prefix", num_blocks * story.block_size, 1, story.max_model_len,
-                               story.block_size)  # sized in token slots
+    prefix = paged_manager(num_blocks, story.block_size, story.max_model_len,
+                           enable_prefix_caching=True)
     cache = PagedKVCache(config, num_blocks, story.block_size, dtype=dtype, device=device,
                          attention_backend="torch" if story.dry_run else story.attention,
                          manager=prefix)

@@ -42,7 +42,7 @@ from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve", "STRATEGIES",
-           "simulated_manager", "model_strategy"]
+           "simulated_manager", "paged_manager", "model_strategy"]
 
 STRATEGIES = ("contiguous", "paged", "prefix")
 
@@ -172,12 +172,9 @@ def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
                       hash_fn: HashFunction = sha256) -> KVCacheManager | KVManager:
     """The one factory of a strategy's KV manager, for a budget: slabs of max_model_len tokens
     ("contiguous", stage 2), blocks ("paged", stage 4), blocks shared by prefix ("prefix",
-    stage 6). No tensors behind it (simulation); `model_strategy` and `LLMEngine` give it a cache.
-
-    Raises:
-        ValueError: unknown strategy, or the budget holds no block.
-        KVCacheOutOfMemory: the budget cannot hold one max_model_len request.
-    """
+    stage 6). No tensors behind it (simulation); `model_strategy` gives it a cache. Raises
+    ValueError (unknown strategy, a budget of no block) or KVCacheOutOfMemory (no room for one
+    max_model_len request)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "contiguous":
@@ -187,9 +184,16 @@ def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
     if num_blocks < 1:
         raise ValueError(f"the KV budget of {kv_budget_bytes:,} B holds no block of "
                          f"{block_size} tokens x {bytes_per_token:,} B")
-    if strategy == "paged":
-        return KVCacheManager(num_blocks, block_size, max_model_len)
-    return PrefixCachingKVCacheManager(num_blocks, block_size, max_model_len, hash_fn)
+    return paged_manager(num_blocks, block_size, max_model_len, strategy == "prefix", hash_fn)
+
+
+def paged_manager(num_blocks: int, block_size: int, max_model_len: int,
+                  enable_prefix_caching: bool = False,
+                  hash_fn: HashFunction = sha256) -> KVCacheManager:
+    """The paged strategy's manager for a pool counted in blocks (stage 4's, or stage 6's)."""
+    if enable_prefix_caching:
+        return PrefixCachingKVCacheManager(num_blocks, block_size, max_model_len, hash_fn)
+    return KVCacheManager(num_blocks, block_size, max_model_len)
 
 
 def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: int,

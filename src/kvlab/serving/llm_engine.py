@@ -39,7 +39,7 @@ from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
 from ..prefix.manager import PrefixCacheStats
 from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
-from .engine_core import engine_step, simulated_manager
+from .engine_core import engine_step, paged_manager
 from .model_runner import ModelRunner
 from .request import Request, SamplingParams, stop_token_ids
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -118,10 +118,8 @@ class LLMEngine:
         check_pool_fits(check_int("num_blocks", num_blocks, 1), check_int("block_size",
                         block_size, 1), self.max_model_len,
                         kv_block_bytes(model.config, block_size, model.dtype))
-        # the manager alone, sized in token slots (1 "byte" a token); the cache gets it below
-        self.kv = simulated_manager("prefix" if enable_prefix_caching else "paged",
-                                    num_blocks * block_size, 1, self.max_model_len, block_size,
-                                    hash_fn)
+        self.kv = paged_manager(num_blocks, block_size, self.max_model_len,
+                                enable_prefix_caching, hash_fn)  # the cache gets it below
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
                                             attention_backend, manager=self.kv)
         if max_num_batched_tokens is None:

@@ -1,0 +1,332 @@
+"""A clock for this machine's CPU, fitted by timing kvlab's own engine, and what the simulator
+predicts of vLLM's CPU build with it.
+
+The calibrated clock (`clock`) is fitted to published GPU figures that cannot be re-measured here.
+On this machine one real engine can be measured against the simulator end to end: vLLM's CPU build,
+run by `kvlab compare-vllm` on the same workloads with the same settings (results/cpu-vllm/). So:
+
+1. `time_steps` runs probe workloads through kvlab's model mode (SmolLM2-135M, fp32, 1 thread) and
+   keeps every engine step's sizes (tokens computed, cached tokens read, attention pairs:
+   `CostModel.step_sizes`) and its wall seconds (the whole step: schedule, forward pass, sampling,
+   update), the median of a few repeats. Every request arrives at once, so no decision depends on
+   the clock and the repeats' steps line up.
+2. `fit_cpu_clock` chooses the cost model's three numbers for this CPU, an effective FLOP rate, an
+   effective memory bandwidth and a per-step overhead, by least squares on log step time
+   (`clock.levenberg_marquardt`). There is no datasheet peak to derate: the fitted rates are the
+   card's (`Card`), reached at 100 %.
+3. `predict_comparison` replays a stored comparison's workload in simulation mode at that clock
+   (kvlab's scheduler, which made vLLM's decisions at every step of those runs) and computes
+   tokens/s, TTFT and TPOT from the simulated token times with the comparison's own arithmetic
+   (`kvlab.vllm_compare.table.timing`), to set beside vLLM's measured figures.
+
+The probes are not the compared workloads (a Mooncake slice from further down the trace, and short
+prompts of synthetic ids), so the prediction is out of sample twice: other requests, another
+engine. `python -m kvlab.calibration.cpu_clock --time` times, fits and stores the clock
+(results/cpu-vllm/cpu_clock.json); without `--time` it prints the prediction table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..serving.cost_model import Card, CostModel
+from ..serving.engine_core import Executor, SimulatedExecutor, engine_step, paged_manager
+from ..serving.request import Request
+from ..serving.scheduler import Scheduler, SchedulerConfig
+from ..vllm_compare.settings import EngineSettings
+from ..vllm_compare.table import first_difference, timing
+from ..vllm_compare.workloads import Workload
+from .clock import levenberg_marquardt
+
+__all__ = ["StepTimes", "CpuClock", "run_batch", "time_steps", "fit_cpu_clock",
+           "predict_comparison", "stored_workload", "probe_workloads", "PROBE_SETTINGS"]
+
+CARD_NAME = "this CPU, 1 thread (fitted)"
+# Both probes run with the compared runs' settings but a pool that never preempts.
+PROBE_SETTINGS = EngineSettings(num_blocks=96, max_num_batched_tokens=512)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Engine steps: `sizes` (steps, 3): tokens computed, cached tokens read, attention pairs;
+    `seconds` (steps,): wall time of each."""
+
+    sizes: np.ndarray
+    seconds: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuClock:
+    """A fitted CPU clock and how it was measured (see the module docstring)."""
+
+    flops_per_s: float
+    bandwidth_bytes_per_s: float
+    step_overhead_s: float
+    model: str = "smollm2-135m"
+    dtype: str = "fp32"
+    threads: int = 1
+    measured: dict = dataclasses.field(default_factory=dict)  # date, machine, load, steps, errors
+
+    def cost_model(self, config: LlamaConfig) -> CostModel:
+        """The simulator's clock for `config` on this CPU (one 'GPU', tp 1)."""
+        card = Card(CARD_NAME, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                    self.bandwidth_bytes_per_s, self.flops_per_s)
+        return CostModel(config, card, 1, self.dtype, step_overhead_s=self.step_overhead_s,
+                         clock="cpu")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CpuClock":
+        """Raises FileNotFoundError (with how to make one) when `path` does not exist."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no CPU clock; time one with python -m "
+                                    f"kvlab.calibration.cpu_clock --time")
+        return cls(**json.loads(path.read_text()))
+
+
+def run_batch(requests: Sequence[Request], kv, executor: Executor, config: SchedulerConfig,
+              wall_clock: bool = False) -> dict:
+    """Serve a batch that arrives at t = 0, step by step, recorded as `kvlab compare-vllm` records
+    an engine. A step's seconds are the executor's, or with `wall_clock` the wall time of the whole
+    engine step (schedule, execute, update).
+
+    Returns:
+        a result with 'steps' (running and waiting after each decision), 'token_times_s' (per
+        request, each output token's step end), 'num_preemptions', and 'step_times' (`StepTimes`
+        of the steps that ran).
+    """
+    scheduler = Scheduler(kv, config)
+    for request in requests:
+        if not scheduler.add_request(request):
+            raise ValueError(f"request {request.request_id} ({request.num_tokens} tokens) was "
+                             f"rejected: {request.reject_reason}")
+    running, waiting, sizes, seconds = [], [], [], []
+    times: dict[int, list[float]] = {r.request_id: [] for r in requests}
+    before: dict[int, int] = {}
+
+    def on_scheduled(output) -> None:
+        running.append(len(scheduler.running))
+        waiting.append(len(scheduler.waiting))
+        if output.scheduled:
+            sizes.append(CostModel.step_sizes(output.scheduled))
+        before.clear()
+        before.update((r.request_id, r.num_output_tokens) for r, _ in output.scheduled)
+
+    now = 0.0
+    while scheduler.has_unfinished():
+        started = time.perf_counter()
+        step = engine_step(scheduler, executor, now, on_scheduled)
+        if not step.output.scheduled:
+            continue  # the only running request preempted itself: nothing ran
+        seconds.append(time.perf_counter() - started if wall_clock else step.seconds)
+        now += seconds[-1]
+        for request, _ in step.output.scheduled:
+            times[request.request_id] += [now] * (request.num_output_tokens
+                                                   - before[request.request_id])
+    return {"steps": {"running": running, "waiting": waiting},
+            "token_times_s": [times[r.request_id] for r in requests],
+            "num_preemptions": scheduler.num_preemptions,
+            "step_times": StepTimes(np.array(sizes, dtype=np.float64), np.array(seconds))}
+
+
+def _requests(workload: Workload) -> list[Request]:
+    return [Request(i, 0.0, len(prompt), n, prompt_token_ids=list(prompt))
+            for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens))]
+
+
+def _scheduler_config(settings: EngineSettings) -> SchedulerConfig:
+    return SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens)
+
+
+def _blocks(settings: EngineSettings, config: LlamaConfig) -> int:
+    from ..paged.budget import kv_block_bytes
+
+    return settings.kvlab_blocks(kv_block_bytes(config, settings.block_size, "fp32"))
+
+
+def probe_workloads(vocab_size: int) -> list[Workload]:
+    """The workloads timed for the fit: 12 Mooncake requests from line 400 of the trace (long
+    prompts, prefilled in chunks of PROBE_SETTINGS' 512 tokens), and 16 prompts of 48 synthetic
+    ids generating 24 tokens each (decode batches of up to 16)."""
+    from ..vllm_compare.workloads import mooncake_workload
+
+    rng = np.random.default_rng(0)
+    short = Workload("short", [rng.integers(0, vocab_size, 48).tolist() for _ in range(16)],
+                     [24] * 16, {"prompt_tokens": 48, "max_tokens": 24, "seed": 0})
+    return [mooncake_workload(vocab_size, 12, start=400, max_tokens=16), short]
+
+
+def time_steps(model, workloads: Sequence[Workload], settings: EngineSettings = PROBE_SETTINGS,
+               repeats: int = 3) -> StepTimes:
+    """Every step of `workloads` through kvlab's model mode, each step's seconds the median of
+    `repeats` runs (1 torch thread).
+
+    Raises:
+        RuntimeError: two repeats made different steps (they cannot: the batch arrives at once).
+    """
+    import torch
+
+    from ..serving.engine_core import model_strategy
+    from ..sizing import kv_bytes_per_token
+
+    torch.set_num_threads(settings.threads)
+    per_token = kv_bytes_per_token(model.config, model.dtype)
+    sizes, seconds = [], []
+    for workload in workloads:
+        runs = []
+        for _ in range(repeats):
+            budget = _blocks(settings, model.config) * settings.block_size * per_token
+            kv, runner = model_strategy("paged", model, budget, settings.max_model_len,
+                                        settings.block_size)
+            runs.append(run_batch(_requests(workload), kv, runner, _scheduler_config(settings),
+                                  wall_clock=True)["step_times"])
+        if any(not np.array_equal(run.sizes, runs[0].sizes) for run in runs):
+            raise RuntimeError(f"{workload.name}: the repeats made different steps")
+        sizes.append(runs[0].sizes)
+        seconds.append(np.median([run.seconds for run in runs], axis=0))
+    return StepTimes(np.concatenate(sizes), np.concatenate(seconds))
+
+
+def _work(config: LlamaConfig, steps: StepTimes, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes moved, FLOPs) of each step: the cost model's, which no card changes."""
+    unit = CostModel(config, Card("unit", 0, 1.0, 1.0), 1, dtype)
+    return unit.step_work(*steps.sizes.T)
+
+
+def fit_cpu_clock(config: LlamaConfig, steps: StepTimes, dtype: str = "fp32") -> CpuClock:
+    """The FLOP rate, bandwidth and per-step overhead that best explain `steps` (least squares on
+    log(predicted / measured)); `measured['errors']` holds each step's error.
+
+    Raises:
+        ValueError: fewer than 3 steps, or a step of no time.
+    """
+    if len(steps.seconds) < 3 or np.any(steps.seconds <= 0):
+        raise ValueError(f"need >= 3 steps of positive time to fit 3 numbers, got "
+                         f"{len(steps.seconds)} (shortest {steps.seconds.min(initial=0):g} s)")
+    moved, flops = _work(config, steps, dtype)
+
+    def errors(theta):
+        flop_rate, bandwidth, overhead = np.exp(theta)
+        return np.log((np.maximum(moved / bandwidth, flops / flop_rate) + overhead)
+                      / steps.seconds)
+
+    theta = levenberg_marquardt(errors, np.log([1e10, 1e10, 1e-3]), iterations=100)
+    flop_rate, bandwidth, overhead = (float(v) for v in np.exp(theta))
+    return CpuClock(flop_rate, bandwidth, overhead, dtype=dtype,
+                    measured={"steps": len(steps.seconds),
+                              "errors": np.round(np.expm1(errors(theta)), 4).tolist()})
+
+
+def predict_comparison(stored: dict, workload: Workload, cost: CostModel) -> dict:
+    """A stored `kvlab compare-vllm --json` run replayed in simulation mode at `cost`'s clock.
+
+    Returns:
+        {'predicted': `timing` of the simulated run, 'vllm': `timing` of vLLM's measured one,
+        'steps_equal': the running count after every decision equals vLLM's (bool),
+        'steps': (simulated, vLLM's) step counts}.
+
+    Raises:
+        ValueError: `workload` is not the stored one (prompt lengths or output tokens differ).
+    """
+    lengths = [len(p) for p in workload.prompts]
+    if (lengths != stored["workload"]["prompt_lengths"]
+            or workload.max_tokens != stored["workload"]["max_tokens"]):
+        raise ValueError(f"the {workload.name} workload built here ({sum(lengths):,} prompt "
+                         f"tokens, {sum(workload.max_tokens):,} output) is not the stored one "
+                         f"({sum(stored['workload']['prompt_lengths']):,}, "
+                         f"{sum(stored['workload']['max_tokens']):,})")
+    settings = EngineSettings(**stored["settings"])
+    kv = paged_manager(_blocks(settings, cost.config), settings.block_size, settings.max_model_len,
+                       settings.enable_prefix_caching)
+    simulated = run_batch(_requests(workload), kv, SimulatedExecutor(cost),
+                          _scheduler_config(settings))
+    ours, theirs = simulated["steps"]["running"], stored["vllm"]["steps"]["running"]
+    return {"predicted": timing(simulated), "vllm": timing(stored["vllm"]),
+            "steps_equal": first_difference(ours, theirs) is None,
+            "steps": (len(ours), len(theirs))}
+
+
+def stored_workload(stored: dict, vocab_size: int) -> Workload:
+    """The workload of a stored comparison, built again (chats need SmolLM2's tokenizer)."""
+    from ..vllm_compare.workloads import chat_workload, mooncake_workload
+
+    w = stored["workload"]
+    if w["name"] == "chats":
+        from ..checkpoint import load_chat_template, load_tokenizer
+
+        return chat_workload(load_tokenizer("smollm2-135m"), load_chat_template("smollm2-135m"),
+                             w["num_chats"], max(w["max_tokens"]))
+    return mooncake_workload(vocab_size, w["num_requests"], w["shrink"], w["max_prompt_tokens"],
+                             max(w["max_tokens"]), w["start"], w["seed"])
+
+
+def _load_average() -> str:
+    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kvlab.calibration.cpu_clock [--time]`: time and fit the CPU clock (--time), then
+    print the prediction of every stored comparison beside vLLM's measured figures."""
+    import argparse
+
+    import torch
+
+    from ..checkpoint import load_model
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--time", action="store_true", help="time kvlab's model mode, fit, store")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clock-file", default="results/cpu-vllm/cpu_clock.json")
+    parser.add_argument("--results", default="results/cpu-vllm")
+    args = parser.parse_args(argv)
+    model = load_model("smollm2-135m", dtype=torch.float32)
+    if args.time:
+        load = _load_average()
+        started = time.perf_counter()
+        steps = time_steps(model, probe_workloads(model.config.vocab_size), repeats=args.repeats)
+        fitted = fit_cpu_clock(model.config, steps)
+        errors = fitted.measured["errors"]
+        fitted = dataclasses.replace(fitted, measured={
+            **fitted.measured, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "load_average_before": load, "load_average_after": _load_average(),
+            "wall_s": round(time.perf_counter() - started, 1), "repeats": args.repeats,
+            "median_abs_error": round(statistics.median(abs(e) for e in errors), 4)})
+        Path(args.clock_file).write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
+    clock = CpuClock.load(args.clock_file)
+    cost = clock.cost_model(model.config)
+    print(f"CPU clock ({args.clock_file}): {clock.flops_per_s / 1e9:.1f} GFLOP/s, "
+          f"{clock.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {clock.step_overhead_s * 1e3:.1f} ms a "
+          f"step; fit over {clock.measured['steps']} steps, median |error| "
+          f"{clock.measured['median_abs_error']:.0%}")
+    print("| run | steps equal | tokens/s: vLLM / simulated (error) | TTFT p50 ms | TPOT p50 ms |")
+    print("|---|---|---|---|---|")
+    for path in sorted(Path(args.results).glob("parity_*.json")):
+        stored = json.loads(path.read_text())
+        figures = predict_comparison(stored, stored_workload(stored, model.config.vocab_size),
+                                     cost)
+        p, v = figures["predicted"], figures["vllm"]
+        cells = [f"{a:,.{d}f} / {b:,.{d}f} ({b / a - 1:+.0%})" for a, b, d in (
+            (v.tokens_per_s, p.tokens_per_s, 1), (1e3 * v.ttft_p50_s, 1e3 * p.ttft_p50_s, 0),
+            (1e3 * v.tpot_p50_s, 1e3 * p.tpot_p50_s, 0))]
+        print(f"| {path.stem} | {figures['steps_equal']} ({figures['steps'][0]}) | "
+              + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

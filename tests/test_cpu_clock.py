@@ -100,3 +100,13 @@ def test_a_clock_round_trips_through_its_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="--time"):
         cc.CpuClock.load(tmp_path / "none.json")
     assert "+4.00 ms a step" in CLOCK.cost_model(SMOLLM).describe_clock()
+
+
+@pytest.mark.skipif(not (ROOT / "results/cpu-vllm/cpu_clock.json").exists(),
+                    reason="no CPU clock timed yet (python -m kvlab.calibration.cpu_clock --time)")
+def test_the_stored_cpu_clock_is_the_fit_of_its_stored_steps():
+    stored = cc.CpuClock.load(ROOT / "results/cpu-vllm/cpu_clock.json")
+    refitted = cc.fit_cpu_clock(SMOLLM, stored.timed_steps())
+    for name in ("flops_per_s", "bandwidth_bytes_per_s", "step_overhead_s"):
+        assert getattr(refitted, name) == pytest.approx(getattr(stored, name), rel=1e-6)
+    assert refitted.measured["errors"] == stored.measured["errors"]

@@ -76,7 +76,13 @@ class CpuClock:
     model: str = "smollm2-135m"
     dtype: str = "fp32"
     threads: int = 1
-    measured: dict = dataclasses.field(default_factory=dict)  # date, machine, load, steps, errors
+    # date, machine, load, the timed steps (step_sizes, step_seconds) and the fit's errors
+    measured: dict = dataclasses.field(default_factory=dict)
+
+    def timed_steps(self) -> StepTimes:
+        """The steps the clock was fitted to (stored with it)."""
+        return StepTimes(np.array(self.measured["step_sizes"], dtype=np.float64),
+                         np.array(self.measured["step_seconds"]))
 
     def cost_model(self, config: LlamaConfig) -> CostModel:
         """The simulator's clock for `config` on this CPU (one 'GPU', tp 1)."""
@@ -297,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.time:
         load = _load_average()
         started = time.perf_counter()
-        steps = time_steps(model, probe_workloads(model.config.vocab_size), repeats=args.repeats)
+        timed = time_steps(model, probe_workloads(model.config.vocab_size), repeats=args.repeats)
+        steps = StepTimes(timed.sizes, np.round(timed.seconds, 6))  # as stored
         fitted = fit_cpu_clock(model.config, steps)
         errors = fitted.measured["errors"]
         fitted = dataclasses.replace(fitted, measured={
@@ -305,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timespec="seconds"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "load_average_before": load, "load_average_after": _load_average(),
             "wall_s": round(time.perf_counter() - started, 1), "repeats": args.repeats,
-            "median_abs_error": round(statistics.median(abs(e) for e in errors), 4)})
+            "median_abs_error": round(statistics.median(abs(e) for e in errors), 4),
+            "step_sizes": steps.sizes.astype(int).tolist(), "step_seconds": steps.seconds.tolist()})
         Path(args.clock_file).write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
     clock = CpuClock.load(args.clock_file)
     cost = clock.cost_model(model.config)

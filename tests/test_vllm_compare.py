@@ -191,6 +191,30 @@ def test_cli_without_vllm_prints_kvlab_and_one_line_exit_2(capsys, tmp_path):
     assert (tmp_path / "out.json").is_file()
 
 
+def test_transformers_generate_gives_kvlab_s_tokens(tiny, tmp_path):
+    """The no-server baseline: the same batch, left-padded, through transformers' generate."""
+    from kvlab.vllm_compare.export import export_hf_folder
+    from kvlab.vllm_compare.transformers_side import run_transformers
+
+    model, tokenizer = tiny
+    work = chat_workload(tokenizer, None, num_chats=3, max_tokens=6)
+    got = run_transformers(export_hf_folder("tiny", tmp_path / "hf"), work, threads=1)
+    reference = generate_batch(model, work.prompts, 6, block_size=32, num_blocks=16,
+                               max_model_len=256)
+    assert got["outputs"] == reference.token_ids
+    assert got["tokens_per_s"] > 0 and got["engine"] == "transformers"
+
+
+def test_cli_prints_the_transformers_line_when_asked(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))  # the tiny model's export goes here
+    code, out, _ = run(capsys, "compare-vllm", "--model", "tiny", "--num-requests", "2",
+                       "--max-tokens", "3", "--vllm-python", str(tmp_path / "missing"),
+                       "--transformers")
+    assert code == 2
+    assert "generate (one static batch, left-padded)" in out
+    assert "tokens identical to kvlab's 2/2" in out
+
+
 def test_cli_refuses_a_block_size_vllm_refuses(capsys):
     code, _, err = run(capsys, "compare-vllm", "--model", "tiny", "--block-size", "16")
     assert code == 2 and "multiple of 32" in err

@@ -90,15 +90,25 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
         return 1.0 / (self.rope_theta ** exponents)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, num_heads, head_dim], positions [num_tokens] -> rotated x, same shape."""
-        angles = positions.float()[:, None] * self.inv_freq(x.device)[None, :]  # [T, D/2]
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [num_tokens, 1, head_dim] of positions [num_tokens]: the same for
+        every layer, so a forward pass computes them once (as HF's `LlamaModel` does)."""
+        angles = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]  # [T, D/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]      # [T, 1, D]
-        cos, sin = angles.cos(), angles.sin()
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [num_tokens, num_heads, head_dim] rotated by `cos_sin(positions)`, same shape."""
+        cos, sin = cos_sin
         x32 = x.float()
         first, second = x32.chunk(2, dim=-1)
         rotated_half = torch.cat([-second, first], dim=-1)
         return (x32 * cos + rotated_half * sin).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, num_heads, head_dim], positions [num_tokens] -> rotated x, same shape."""
+        return self.rotate(x, self.cos_sin(positions))
 
 
 class Attention(nn.Module):
@@ -117,12 +127,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """cos_sin: `rope.cos_sin(positions)`, if the caller computed it once for every layer."""
         num_tokens = x.shape[0]
         query = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = self.rope(query, positions), self.rope(key, positions)
+        if cos_sin is None:
+            cos_sin = self.rope.cos_sin(positions)
+        query, key = self.rope.rotate(query, cos_sin), self.rope.rotate(key, cos_sin)
         out = kv.attend(self.layer_index, query, key, value, positions)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -150,8 +164,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -160,7 +175,7 @@ class LlamaBody(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rope = rope = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rope)
                                     for i in range(config.num_hidden_layers))
@@ -168,8 +183,9 @@ class LlamaBody(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
+        cos_sin = self.rope.cos_sin(positions)  # one rotation table for all layers
         for layer in self.layers:
-            x = layer(x, positions, kv)
+            x = layer(x, positions, kv, cos_sin)
         return self.norm(x)
 
 

@@ -60,6 +60,8 @@ def register(commands) -> None:
     p.add_argument("--vllm-python", default=os.environ.get("KVLAB_VLLM_PYTHON"),
                    help="python of vLLM's own venv (default $KVLAB_VLLM_PYTHON)")
     p.add_argument("--vllm-log", default=None, help="write vLLM's log to this file")
+    p.add_argument("--transformers", action="store_true",
+                   help="also time transformers' own generate on the same batch (static, padded)")
     p.add_argument("--plot", default=None, help="save running/waiting per step to this image")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write both results and the table as JSON to FILE")
@@ -75,7 +77,8 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
                               args.enable_prefix_caching, args.kvlab_num_blocks, args.threads,
                               args.kv_cache_memory_bytes)
     result = run_comparison(args.model, args.workload, settings, args.vllm_python,
-                            args.num_requests, args.max_tokens, args.vllm_log)
+                            args.num_requests, args.max_tokens, args.vllm_log,
+                            with_transformers=args.transformers)
     work = result.workload
     title = (f"{work.name}: {len(work.prompts)} requests, "
              f"{sum(map(len, work.prompts)):,} prompt tokens, {sum(work.max_tokens):,} output "
@@ -91,14 +94,27 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
     if result.vllm is None:
         print(title)
         print(_kvlab_alone(result.kvlab))
+        if result.transformers:
+            print(_baseline(result.transformers, result.kvlab, "kvlab's"))
         print(f"kvlab compare-vllm: error: {result.vllm_error}", file=sys.stderr)
         return 2
     print(format_table(result.rows, title))
     print(f"torch threads: kvlab {result.kvlab.get('torch_threads')}, vLLM "
           f"{result.vllm.get('torch_threads')}")
+    if result.transformers:
+        print(_baseline(result.transformers, result.vllm, "vLLM's"))
     if args.plot:
         print(f"plot: {plot_steps(result.kvlab, result.vllm, args.plot, title)}")
     return 0
+
+
+def _baseline(baseline: dict, reference: dict, whose: str) -> str:
+    """transformers' line: its speed and how many requests match the reference's tokens."""
+    outputs = reference["outputs"]
+    same = sum(a == b for a, b in zip(baseline["outputs"], outputs))
+    return (f"transformers {baseline['version']} generate (one static batch, left-padded): "
+            f"{baseline['tokens_per_s']:.1f} tokens/s; tokens identical to {whose} "
+            f"{same}/{len(outputs)}")
 
 
 def _pool(settings) -> str:

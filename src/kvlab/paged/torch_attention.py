@@ -194,9 +194,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if scale is None:
         scale = head_dim ** -0.5
     scores = torch.matmul(grouped_q, keys.float().transpose(-1, -2)) * scale  # [S, H_kv, G, slots]
-    scores = scores.masked_fill(~holds_token[:, None, None, :], float("-inf"))
+    # In place: scores and the gathered values are this call's own copies, not the pool.
+    not_held = ~holds_token
+    scores.masked_fill_(not_held[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A weight of 0 times a NaN left in a slot the sequence does not own is still NaN: zero them.
-    values = values.float().masked_fill(~holds_token[:, None, :, None], 0.0)
+    values = values.float().masked_fill_(not_held[:, None, :, None], 0.0)
     out = torch.matmul(probs, values)  # [S, H_kv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

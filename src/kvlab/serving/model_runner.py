@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..cpu_linear import pack_linear_weights
 from ..paged.paged_cache import PagedKVCache
 from ..sampling import next_token
 from .cost_model import CostModel
@@ -54,6 +55,7 @@ class ModelRunner:
 
     def __init__(self, model, cache, cost_model: CostModel | None = None):
         self.model, self.cache, self.cost_model = model, cache, cost_model
+        pack_linear_weights(model)  # oneDNN on a CPU, as vLLM's CPU backend (kvlab.cpu_linear)
         self.paged = isinstance(cache, PagedKVCache)
         self.slab_of: dict[int, int] = {}  # contiguous only: request_id -> slab
         self.generators: dict[int, torch.Generator] = {}  # request_id -> its random stream

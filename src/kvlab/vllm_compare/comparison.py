@@ -32,6 +32,7 @@ class Comparison:
     vllm: dict | None
     vllm_error: str | None
     rows: list[Row]
+    transformers: dict | None = None  # transformers' generate on the same batch, if asked
 
     def to_json(self) -> dict:
         return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -40,7 +41,8 @@ class Comparison:
                              "prompt_lengths": [len(p) for p in self.workload.prompts],
                              "max_tokens": self.workload.max_tokens},
                 "settings": self.settings.to_json(), "kvlab": self.kvlab, "vllm": self.vllm,
-                "vllm_error": self.vllm_error, "rows": [dataclasses.asdict(r) for r in self.rows]}
+                "vllm_error": self.vllm_error, "rows": [dataclasses.asdict(r) for r in self.rows],
+                "transformers": self.transformers}
 
 
 def export_dir(model_name: str) -> Path:
@@ -76,9 +78,10 @@ def build_workload(name: str, model_name: str, num_requests: int | None = None,
 
 def run_comparison(model_name: str, workload_name: str, settings: EngineSettings,
                    vllm_python: str | Path | None, num_requests: int | None = None,
-                   max_tokens: int | None = None, vllm_log: str | Path | None = None
-                   ) -> Comparison:
+                   max_tokens: int | None = None, vllm_log: str | Path | None = None,
+                   with_transformers: bool = False) -> Comparison:
     """Both engines on one workload; vLLM's failure is kept in `vllm_error`, kvlab still runs.
+    with_transformers: also time transformers' `generate` on the batch (`transformers_side`).
 
     Raises:
         ValueError: bad workload, or a request longer than settings.max_model_len.
@@ -91,13 +94,17 @@ def run_comparison(model_name: str, workload_name: str, settings: EngineSettings
     if workload.longest > settings.max_model_len:
         raise ValueError(f"the longest {workload.name} request holds {workload.longest} tokens > "
                          f"max_model_len={settings.max_model_len}; raise --max-model-len")
+
+    def hf_folder() -> Path:  # written only when vLLM or transformers will read it
+        source = gguf_file(model_name)
+        ids = special_token_ids(source) if source is not None else {}
+        return export_hf_folder(model_name, export_dir(model_name), ids.get("eos_token_id"),
+                                ids.get("bos_token_id"))
+
     vllm_result, error = None, None
     try:
         python = check_vllm_python(vllm_python)
-        source = gguf_file(model_name)
-        ids = special_token_ids(source) if source is not None else {}
-        folder = export_hf_folder(model_name, export_dir(model_name), ids.get("eos_token_id"),
-                                  ids.get("bos_token_id"))
+        folder = hf_folder()
         spec = {"model_dir": str(folder), "settings": settings.to_json(),
                 "workload": {"prompts": workload.prompts, "max_tokens": workload.max_tokens}}
         vllm_result = run_vllm(python, spec, log_path=vllm_log)
@@ -105,4 +112,9 @@ def run_comparison(model_name: str, workload_name: str, settings: EngineSettings
         error = str(failure)
     kvlab_result = run_kvlab(model, workload, settings)
     rows = compare(kvlab_result, vllm_result) if vllm_result is not None else []
-    return Comparison(workload, settings, kvlab_result, vllm_result, error, rows)
+    baseline = None
+    if with_transformers:
+        from .transformers_side import run_transformers
+
+        baseline = run_transformers(hf_folder(), workload, settings.threads)
+    return Comparison(workload, settings, kvlab_result, vllm_result, error, rows, baseline)

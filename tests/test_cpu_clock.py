@@ -88,7 +88,7 @@ def test_time_steps_gives_one_median_per_step_of_kvlabs_model_mode():
     model = load_model("tiny")
     workload = Workload("w", [[5, 6, 7, 8] * 10, [9, 10] * 30, [11] * 50], [4, 3, 6], {})
     settings = EngineSettings(num_blocks=12, max_num_batched_tokens=64, max_model_len=256)
-    steps = cc.time_steps(model, [workload], settings, repeats=2)
+    steps = cc.time_steps(model, [(workload, settings)], repeats=2)
     assert steps.sizes.shape == (len(steps.seconds), 3) and np.all(steps.seconds > 0)
     assert steps.sizes[:, 0].sum() == 40 + 60 + 50 + (3 + 2 + 5)  # prompts, then the decodes
 

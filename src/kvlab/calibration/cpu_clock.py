@@ -19,9 +19,9 @@ run by `kvlab compare-vllm` on the same workloads with the same settings (result
    tokens/s, TTFT and TPOT from the simulated token times with the comparison's own arithmetic
    (`kvlab.vllm_compare.table.timing`), to set beside vLLM's measured figures.
 
-The probes are not the compared workloads (a Mooncake slice from further down the trace, and short
-prompts of synthetic ids), so the prediction is out of sample twice: other requests, another
-engine. `python -m kvlab.calibration.cpu_clock --time` times, fits and stores the clock
+The probes (`probes`) are not the compared workloads (a Mooncake slice from further down the
+trace, and short prompts of synthetic ids), so the prediction is out of sample twice: other
+requests, another engine. `python -m kvlab.calibration.cpu_clock --time` times, fits and stores the clock
 (results/cpu-vllm/cpu_clock.json); without `--time` it prints the prediction table.
 """
 
@@ -50,11 +50,9 @@ from ..vllm_compare.workloads import Workload
 from .clock import levenberg_marquardt
 
 __all__ = ["StepTimes", "CpuClock", "run_batch", "time_steps", "fit_cpu_clock",
-           "predict_comparison", "stored_workload", "probe_workloads", "PROBE_SETTINGS"]
+           "predict_comparison", "stored_workload", "probes"]
 
 CARD_NAME = "this CPU, 1 thread (fitted)"
-# Both probes run with the compared runs' settings but a pool that never preempts.
-PROBE_SETTINGS = EngineSettings(num_blocks=96, max_num_batched_tokens=512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,22 +162,26 @@ def _blocks(settings: EngineSettings, config: LlamaConfig) -> int:
     return settings.kvlab_blocks(kv_block_bytes(config, settings.block_size, "fp32"))
 
 
-def probe_workloads(vocab_size: int) -> list[Workload]:
-    """The workloads timed for the fit: 12 Mooncake requests from line 400 of the trace (long
-    prompts, prefilled in chunks of PROBE_SETTINGS' 512 tokens), and 16 prompts of 48 synthetic
-    ids generating 24 tokens each (decode batches of up to 16)."""
+def probes(vocab_size: int) -> list[tuple[Workload, EngineSettings]]:
+    """The workloads timed for the fit, with the compared runs' settings but a pool of 96 blocks:
+    12 Mooncake requests from line 400 of the trace (long prompts), prefilled whole (2,048 tokens
+    a step) and in chunks of 256; and 16 prompts of 48 synthetic ids generating 9, 11 .. 39 tokens,
+    so that decode batches shrink from 16 requests to 1."""
     from ..vllm_compare.workloads import mooncake_workload
 
     rng = np.random.default_rng(0)
     short = Workload("short", [rng.integers(0, vocab_size, 48).tolist() for _ in range(16)],
-                     [24] * 16, {"prompt_tokens": 48, "max_tokens": 24, "seed": 0})
-    return [mooncake_workload(vocab_size, 12, start=400, max_tokens=16), short]
+                     [9 + 2 * i for i in range(16)], {"prompt_tokens": 48, "seed": 0})
+    mooncake = mooncake_workload(vocab_size, 12, start=400, max_tokens=16)
+    return [(mooncake, EngineSettings(num_blocks=96)),
+            (mooncake, EngineSettings(num_blocks=96, max_num_batched_tokens=256)),
+            (short, EngineSettings(num_blocks=96))]
 
 
-def time_steps(model, workloads: Sequence[Workload], settings: EngineSettings = PROBE_SETTINGS,
+def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
                repeats: int = 3) -> StepTimes:
-    """Every step of `workloads` through kvlab's model mode, each step's seconds the median of
-    `repeats` runs (1 torch thread).
+    """Every step of each (workload, settings) through kvlab's model mode, each step's seconds
+    the median of `repeats` runs (`settings.threads` torch threads).
 
     Raises:
         RuntimeError: two repeats made different steps (they cannot: the batch arrives at once).
@@ -189,10 +191,10 @@ def time_steps(model, workloads: Sequence[Workload], settings: EngineSettings = 
     from ..serving.engine_core import model_strategy
     from ..sizing import kv_bytes_per_token
 
-    torch.set_num_threads(settings.threads)
     per_token = kv_bytes_per_token(model.config, model.dtype)
     sizes, seconds = [], []
-    for workload in workloads:
+    for workload, settings in timed:
+        torch.set_num_threads(settings.threads)
         runs = []
         for _ in range(repeats):
             budget = _blocks(settings, model.config) * settings.block_size * per_token
@@ -303,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.time:
         load = _load_average()
         started = time.perf_counter()
-        timed = time_steps(model, probe_workloads(model.config.vocab_size), repeats=args.repeats)
+        timed = time_steps(model, probes(model.config.vocab_size), repeats=args.repeats)
         steps = StepTimes(timed.sizes, np.round(timed.seconds, 6))  # as stored
         fitted = fit_cpu_clock(model.config, steps)
         errors = fitted.measured["errors"]

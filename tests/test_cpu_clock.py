@@ -38,6 +38,11 @@ def test_fit_recovers_the_clock_that_made_the_step_times():
     assert fitted.bandwidth_bytes_per_s == pytest.approx(12e9, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(4e-3, rel=1e-3)
     assert max(map(abs, fitted.measured["errors"])) < 1e-3
+    given = cc.fit_cpu_clock(SMOLLM, cc.StepTimes(sizes.astype(np.float64), seconds),
+                             bandwidth_bytes_per_s=12e9)  # measured: the other two are fitted
+    assert (given.flops_per_s, given.step_overhead_s) == (pytest.approx(30e9, rel=1e-3),
+                                                          pytest.approx(4e-3, rel=1e-3))
+    assert given.bandwidth_bytes_per_s == 12e9
     with pytest.raises(ValueError, match="need >= 3 steps"):
         cc.fit_cpu_clock(SMOLLM, cc.StepTimes(sizes[:2], seconds[:2]))
 
@@ -93,6 +98,16 @@ def test_time_steps_gives_one_median_per_step_of_kvlabs_model_mode():
     assert steps.sizes[:, 0].sum() == 40 + 60 + 50 + (3 + 2 + 5)  # prompts, then the decodes
 
 
+def test_the_read_bandwidth_is_the_weights_bytes_over_the_median_pass(monkeypatch):
+    from kvlab.checkpoint import load_model
+
+    model = load_model("tiny")
+    clock = iter([0.0, 2.0, 10.0, 11.0, 20.0, 24.0])  # passes of 2, 1 and 4 s: the median is 2
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert cc.measure_read_bandwidth(model, repeats=3) == weights / 2
+
+
 def test_a_clock_round_trips_through_its_file(tmp_path):
     path = tmp_path / "cpu_clock.json"
     path.write_text(json.dumps(CLOCK.to_json()))
@@ -106,7 +121,9 @@ def test_a_clock_round_trips_through_its_file(tmp_path):
                     reason="no CPU clock timed yet (python -m kvlab.calibration.cpu_clock --time)")
 def test_the_stored_cpu_clock_is_the_fit_of_its_stored_steps():
     stored = cc.CpuClock.load(ROOT / "results/cpu-vllm/cpu_clock.json")
-    refitted = cc.fit_cpu_clock(SMOLLM, stored.timed_steps())
+    measured = stored.measured["bandwidth"].startswith("measured")
+    refitted = cc.fit_cpu_clock(SMOLLM, stored.timed_steps(), bandwidth_bytes_per_s=(
+        stored.bandwidth_bytes_per_s if measured else None))
     for name in ("flops_per_s", "bandwidth_bytes_per_s", "step_overhead_s"):
         assert getattr(refitted, name) == pytest.approx(getattr(stored, name), rel=1e-6)
     assert refitted.measured["errors"] == stored.measured["errors"]

@@ -10,10 +10,12 @@ run by `kvlab compare-vllm` on the same workloads with the same settings (result
    `CostModel.step_sizes`) and its wall seconds (the whole step: schedule, forward pass, sampling,
    update), the median of a few repeats. Every request arrives at once, so no decision depends on
    the clock and the repeats' steps line up.
-2. `fit_cpu_clock` chooses the cost model's three numbers for this CPU, an effective FLOP rate, an
-   effective memory bandwidth and a per-step overhead, by least squares on log step time
-   (`clock.levenberg_marquardt`). There is no datasheet peak to derate: the fitted rates are the
-   card's (`Card`), reached at 100 %.
+2. `fit_cpu_clock` chooses the cost model's numbers for this CPU: its memory bandwidth is measured
+   (`measure_read_bandwidth`: one pass over the weights, the read a decode step makes), its
+   effective FLOP rate and a per-step overhead are fitted by least squares on log step time
+   (`clock.levenberg_marquardt`). Left free, the bandwidth is not pinned by these steps (every
+   decode step reads about the same bytes, so the fit trades the weights' read against the
+   overhead). There is no datasheet peak to derate: the rates are the card's (`Card`), at 100 %.
 3. `predict_comparison` replays a stored comparison's workload in simulation mode at that clock
    (kvlab's scheduler, which made vLLM's decisions at every step of those runs) and computes
    tokens/s, TTFT and TPOT from the simulated token times with the comparison's own arithmetic
@@ -50,7 +52,7 @@ from ..vllm_compare.workloads import Workload
 from .clock import levenberg_marquardt
 
 __all__ = ["StepTimes", "CpuClock", "run_batch", "time_steps", "fit_cpu_clock",
-           "predict_comparison", "stored_workload", "probes"]
+           "measure_read_bandwidth", "predict_comparison", "stored_workload", "probes"]
 
 CARD_NAME = "this CPU, 1 thread (fitted)"
 
@@ -215,9 +217,28 @@ def _work(config: LlamaConfig, steps: StepTimes, dtype: str) -> tuple[np.ndarray
     return unit.step_work(*steps.sizes.T)
 
 
-def fit_cpu_clock(config: LlamaConfig, steps: StepTimes, dtype: str = "fp32") -> CpuClock:
+def measure_read_bandwidth(model, repeats: int = 5) -> float:
+    """Bytes/s of reading every weight of `model` once (a sum over each parameter), the median of
+    `repeats` passes, on torch's current threads: what a decode step pays to stream the weights."""
+    import torch
+
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    passes = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for p in params:
+                p.sum()
+            passes.append(time.perf_counter() - started)
+    return total / statistics.median(passes)
+
+
+def fit_cpu_clock(config: LlamaConfig, steps: StepTimes, dtype: str = "fp32",
+                  bandwidth_bytes_per_s: float | None = None) -> CpuClock:
     """The FLOP rate, bandwidth and per-step overhead that best explain `steps` (least squares on
-    log(predicted / measured)); `measured['errors']` holds each step's error.
+    log(predicted / measured)); with `bandwidth_bytes_per_s` (measured) only the other two are
+    fitted. `measured['errors']` holds each step's error (predicted / measured - 1).
 
     Raises:
         ValueError: fewer than 3 steps, or a step of no time.
@@ -227,15 +248,24 @@ def fit_cpu_clock(config: LlamaConfig, steps: StepTimes, dtype: str = "fp32") ->
                          f"{len(steps.seconds)} (shortest {steps.seconds.min(initial=0):g} s)")
     moved, flops = _work(config, steps, dtype)
 
+    def unpack(theta):
+        if bandwidth_bytes_per_s is None:
+            return np.exp(theta)
+        flop_rate, overhead = np.exp(theta)
+        return flop_rate, bandwidth_bytes_per_s, overhead
+
     def errors(theta):
-        flop_rate, bandwidth, overhead = np.exp(theta)
+        flop_rate, bandwidth, overhead = unpack(theta)
         return np.log((np.maximum(moved / bandwidth, flops / flop_rate) + overhead)
                       / steps.seconds)
 
-    theta = levenberg_marquardt(errors, np.log([1e10, 1e10, 1e-3]), iterations=100)
-    flop_rate, bandwidth, overhead = (float(v) for v in np.exp(theta))
+    start = [1e10, 1e-3] if bandwidth_bytes_per_s is not None else [1e10, 1e10, 1e-3]
+    theta = levenberg_marquardt(errors, np.log(start), iterations=100)
+    flop_rate, bandwidth, overhead = (float(v) for v in unpack(theta))
     return CpuClock(flop_rate, bandwidth, overhead, dtype=dtype,
                     measured={"steps": len(steps.seconds),
+                              "bandwidth": "fitted" if bandwidth_bytes_per_s is None else
+                              "measured (measure_read_bandwidth)",
                               "errors": np.round(np.expm1(errors(theta)), 4).tolist()})
 
 
@@ -243,8 +273,8 @@ def predict_comparison(stored: dict, workload: Workload, cost: CostModel) -> dic
     """A stored `kvlab compare-vllm --json` run replayed in simulation mode at `cost`'s clock.
 
     Returns:
-        {'predicted': `timing` of the simulated run, 'vllm': `timing` of vLLM's measured one,
-        'steps_equal': the running count after every decision equals vLLM's (bool),
+        {'predicted': `timing` of the simulated run, 'vllm' and 'kvlab': `timing` of each engine's
+        measured one, 'steps_equal': the running count after every decision equals vLLM's (bool),
         'steps': (simulated, vLLM's) step counts}.
 
     Raises:
@@ -264,6 +294,7 @@ def predict_comparison(stored: dict, workload: Workload, cost: CostModel) -> dic
                           _scheduler_config(settings))
     ours, theirs = simulated["steps"]["running"], stored["vllm"]["steps"]["running"]
     return {"predicted": timing(simulated), "vllm": timing(stored["vllm"]),
+            "kvlab": timing(stored["kvlab"]),
             "steps_equal": first_difference(ours, theirs) is None,
             "steps": (len(ours), len(theirs))}
 
@@ -288,7 +319,7 @@ def _load_average() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m kvlab.calibration.cpu_clock [--time]`: time and fit the CPU clock (--time), then
-    print the prediction of every stored comparison beside vLLM's measured figures."""
+    print the prediction of every stored comparison beside vLLM's and kvlab's measured figures."""
     import argparse
 
     import torch
@@ -305,9 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.time:
         load = _load_average()
         started = time.perf_counter()
+        torch.set_num_threads(1)
+        bandwidth = measure_read_bandwidth(model)
         timed = time_steps(model, probes(model.config.vocab_size), repeats=args.repeats)
         steps = StepTimes(timed.sizes, np.round(timed.seconds, 6))  # as stored
-        fitted = fit_cpu_clock(model.config, steps)
+        fitted = fit_cpu_clock(model.config, steps, bandwidth_bytes_per_s=bandwidth)
         errors = fitted.measured["errors"]
         fitted = dataclasses.replace(fitted, measured={
             **fitted.measured, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -323,18 +356,21 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{clock.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {clock.step_overhead_s * 1e3:.1f} ms a "
           f"step; fit over {clock.measured['steps']} steps, median |error| "
           f"{clock.measured['median_abs_error']:.0%}")
-    print("| run | steps equal | tokens/s: vLLM / simulated (error) | TTFT p50 ms | TPOT p50 ms |")
-    print("|---|---|---|---|---|")
+    rows = []
     for path in sorted(Path(args.results).glob("parity_*.json")):
         stored = json.loads(path.read_text())
-        figures = predict_comparison(stored, stored_workload(stored, model.config.vocab_size),
-                                     cost)
-        p, v = figures["predicted"], figures["vllm"]
-        cells = [f"{a:,.{d}f} / {b:,.{d}f} ({b / a - 1:+.0%})" for a, b, d in (
-            (v.tokens_per_s, p.tokens_per_s, 1), (1e3 * v.ttft_p50_s, 1e3 * p.ttft_p50_s, 0),
-            (1e3 * v.tpot_p50_s, 1e3 * p.tpot_p50_s, 0))]
-        print(f"| {path.stem} | {figures['steps_equal']} ({figures['steps'][0]}) | "
-              + " | ".join(cells) + " |")
+        rows.append((path.stem, predict_comparison(
+            stored, stored_workload(stored, model.config.vocab_size), cost)))
+    for engine in ("vllm", "kvlab"):
+        print(f"\n| run | steps equal | tokens/s: {engine} / simulated (error) | TTFT p50 ms | "
+              f"TPOT p50 ms |\n|---|---|---|---|---|")
+        for name, figures in rows:
+            p, m = figures["predicted"], figures[engine]
+            cells = [f"{a:,.{d}f} / {b:,.{d}f} ({b / a - 1:+.0%})" for a, b, d in (
+                (m.tokens_per_s, p.tokens_per_s, 1), (1e3 * m.ttft_p50_s, 1e3 * p.ttft_p50_s, 0),
+                (1e3 * m.tpot_p50_s, 1e3 * p.tpot_p50_s, 0))]
+            print(f"| {name} | {figures['steps_equal']} ({figures['steps'][0]}) | "
+                  + " | ".join(cells) + " |")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The CPU clock's machinery (never its timings): the fit recovers a clock from step times it
-made, the batch loop records what `serve` measures, the stored comparisons replay with vLLM's
-decisions at every step, and the prediction scales with the clock."""
+made (every step's, or only the intervals between sampled tokens), the batch loop records what
+`serve` measures, the stored comparisons replay with vLLM's decisions at every step, and the
+prediction scales with the clock."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlab.calibration import against_vllm as av
 from kvlab.calibration import cpu_clock as cc
 from kvlab.config import load_config
 from kvlab.serving import SchedulerConfig, SimulatedExecutor, serve
@@ -33,18 +35,23 @@ def test_fit_recovers_the_clock_that_made_the_step_times():
     sizes[:20, 0] = rng.integers(1, 4, 20)  # some decode steps: bandwidth-bound
     cost = CLOCK.cost_model(SMOLLM)
     seconds = np.array([cost.step_time(*map(int, row)) for row in sizes])
-    fitted = cc.fit_cpu_clock(SMOLLM, cc.StepTimes(sizes.astype(np.float64), seconds))
+    fitted = cc.fit_cpu_clock(SMOLLM, [cc.StepTimes.from_seconds(sizes, seconds)])
     assert fitted.flops_per_s == pytest.approx(30e9, rel=1e-3)
     assert fitted.bandwidth_bytes_per_s == pytest.approx(12e9, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(4e-3, rel=1e-3)
     assert max(map(abs, fitted.measured["errors"])) < 1e-3
-    given = cc.fit_cpu_clock(SMOLLM, cc.StepTimes(sizes.astype(np.float64), seconds),
-                             bandwidth_bytes_per_s=12e9)  # measured: the other two are fitted
+    seen = cc.StepTimes.from_seconds(sizes, seconds)
+    given = cc.fit_cpu_clock(SMOLLM, [seen], bandwidth_bytes_per_s=12e9)  # the other two fitted
     assert (given.flops_per_s, given.step_overhead_s) == (pytest.approx(30e9, rel=1e-3),
                                                           pytest.approx(4e-3, rel=1e-3))
     assert given.bandwidth_bytes_per_s == 12e9
-    with pytest.raises(ValueError, match="need >= 3 steps"):
-        cc.fit_cpu_clock(SMOLLM, cc.StepTimes(sizes[:2], seconds[:2]))
+    with pytest.raises(ValueError, match="need >= 3 intervals"):
+        cc.fit_cpu_clock(SMOLLM, [cc.StepTimes.from_seconds(sizes[:2], seconds[:2])])
+    # Only some step ends seen (as in an engine's token times): fitted on the intervals.
+    hidden = cc.StepTimes(seen.sizes, np.where(np.arange(60) % 3 == 1, np.nan, seen.ends))
+    group, durations = hidden.intervals()
+    assert len(durations) == 40 and durations.sum() == pytest.approx(seen.ends[-1])
+    assert cc.fit_cpu_clock(SMOLLM, [hidden]).flops_per_s == pytest.approx(30e9, rel=1e-3)
 
 
 def test_the_batch_loop_measures_what_serve_measures():
@@ -52,17 +59,17 @@ def test_the_batch_loop_measures_what_serve_measures():
     workload = Workload("w", [rng.integers(0, 1000, n).tolist() for n in (40, 300, 90, 700)],
                         [12, 5, 30, 8], {})
     cost, config = CLOCK.cost_model(SMOLLM), SchedulerConfig(256, 256)
-    recorded = cc.run_batch(cc._requests(workload), paged_manager(40, 32, 1024),
+    recorded = cc.run_batch(cc.batch_requests(workload), paged_manager(40, 32, 1024),
                             SimulatedExecutor(cost), config)
-    served = serve(cc._requests(workload), paged_manager(40, 32, 1024), SimulatedExecutor(cost),
-                   config)
+    served = serve(cc.batch_requests(workload), paged_manager(40, 32, 1024),
+                   SimulatedExecutor(cost), config)
     ours = timing(recorded)
     assert ours.output_tokens == served.output_tokens == sum(workload.max_tokens)
     assert ours.tokens_per_s == pytest.approx(served.output_tokens_per_s, rel=1e-12)
     assert ours.ttft_p50_s == pytest.approx(served.ttft_p50_s, rel=1e-12)
     assert ours.tpot_p50_s == pytest.approx(served.tpot_p50_s, rel=1e-12)
     steps = recorded["step_times"]
-    assert steps.seconds.sum() == pytest.approx(served.duration_s, rel=1e-12)
+    assert steps.ends[-1] == pytest.approx(served.duration_s, rel=1e-12)
     assert steps.sizes[:, 0].sum() == sum(len(p) for p in workload.prompts) + sum(
         n - 1 for n in workload.max_tokens) + served.recomputed_tokens
 
@@ -70,21 +77,26 @@ def test_the_batch_loop_measures_what_serve_measures():
 @pytest.mark.parametrize("path", MOONCAKE_RUNS, ids=lambda p: p.stem)
 def test_a_stored_comparison_replays_with_vllms_decisions_and_scales_with_the_clock(path):
     stored = json.loads(path.read_text())
-    workload = cc.stored_workload(stored, SMOLLM.vocab_size)
-    figures = cc.predict_comparison(stored, workload, CLOCK.cost_model(SMOLLM))
+    workload = av.stored_workload(stored, SMOLLM.vocab_size)
+    figures = av.predict_comparison(stored, workload, CLOCK.cost_model(SMOLLM))
     assert figures["steps_equal"] and figures["steps"][0] == len(stored["vllm"]["steps"]["running"])
     assert figures["vllm"] == timing(stored["vllm"])
     slower = dataclasses.replace(CLOCK, flops_per_s=15e9, bandwidth_bytes_per_s=6e9,
                                  step_overhead_s=8e-3)
-    twice = cc.predict_comparison(stored, workload, slower.cost_model(SMOLLM))["predicted"]
+    twice = av.predict_comparison(stored, workload, slower.cost_model(SMOLLM))["predicted"]
     once = figures["predicted"]
     # A batch given up front: the clock changes no decision, so every time doubles.
     assert twice.ttft_p50_s == pytest.approx(2 * once.ttft_p50_s, rel=1e-9)
     assert twice.tpot_p50_s == pytest.approx(2 * once.tpot_p50_s, rel=1e-9)
     assert twice.tokens_per_s == pytest.approx(once.tokens_per_s / 2, rel=1e-9)
-    shorter = dataclasses.replace(workload, max_tokens=[1] * len(workload.max_tokens))
+    # vLLM's step ends, read off its token times, line up with the simulated steps.
+    steps = av.engine_steps(stored, workload, CLOCK.cost_model(SMOLLM), "vllm")
+    seen = steps.ends[~np.isnan(steps.ends)]
+    assert np.all(np.diff(seen) > 0) and seen[-1] == figures["vllm"].duration_s
+    first, *rest = stored["workload"]["prompt_lengths"]
+    changed = {**stored, "workload": {**stored["workload"], "prompt_lengths": [first + 1, *rest]}}
     with pytest.raises(ValueError, match="is not the stored one"):
-        cc.predict_comparison(stored, shorter, CLOCK.cost_model(SMOLLM))
+        av.stored_workload(changed, SMOLLM.vocab_size)
 
 
 def test_time_steps_gives_one_median_per_step_of_kvlabs_model_mode():
@@ -93,8 +105,8 @@ def test_time_steps_gives_one_median_per_step_of_kvlabs_model_mode():
     model = load_model("tiny")
     workload = Workload("w", [[5, 6, 7, 8] * 10, [9, 10] * 30, [11] * 50], [4, 3, 6], {})
     settings = EngineSettings(num_blocks=12, max_num_batched_tokens=64, max_model_len=256)
-    steps = cc.time_steps(model, [(workload, settings)], repeats=2)
-    assert steps.sizes.shape == (len(steps.seconds), 3) and np.all(steps.seconds > 0)
+    (steps,) = cc.time_steps(model, [(workload, settings)], repeats=2)
+    assert steps.sizes.shape == (len(steps.ends), 3) and np.all(np.diff(steps.ends) > 0)
     assert steps.sizes[:, 0].sum() == 40 + 60 + 50 + (3 + 2 + 5)  # prompts, then the decodes
 
 
@@ -112,7 +124,7 @@ def test_a_clock_round_trips_through_its_file(tmp_path):
     path = tmp_path / "cpu_clock.json"
     path.write_text(json.dumps(CLOCK.to_json()))
     assert cc.CpuClock.load(path) == CLOCK
-    with pytest.raises(FileNotFoundError, match="--time"):
+    with pytest.raises(FileNotFoundError, match="python -m kvlab.calibration.cpu_clock"):
         cc.CpuClock.load(tmp_path / "none.json")
     assert "+4.00 ms a step" in CLOCK.cost_model(SMOLLM).describe_clock()
 

@@ -1,30 +1,27 @@
-"""A clock for this machine's CPU, fitted by timing kvlab's own engine, and what the simulator
-predicts of vLLM's CPU build with it.
+"""A clock for this machine's CPU, fitted by timing kvlab's own engine.
 
 The calibrated clock (`clock`) is fitted to published GPU figures that cannot be re-measured here.
 On this machine one real engine can be measured against the simulator end to end: vLLM's CPU build,
-run by `kvlab compare-vllm` on the same workloads with the same settings (results/cpu-vllm/). So:
+run by `kvlab compare-vllm` on the same workloads with the same settings (`against_vllm`). The
+simulator needs a clock for this CPU first:
 
-1. `time_steps` runs probe workloads through kvlab's model mode (SmolLM2-135M, fp32, 1 thread) and
-   keeps every engine step's sizes (tokens computed, cached tokens read, attention pairs:
-   `CostModel.step_sizes`) and its wall seconds (the whole step: schedule, forward pass, sampling,
-   update), the median of a few repeats. Every request arrives at once, so no decision depends on
-   the clock and the repeats' steps line up.
+1. `time_steps` runs probe workloads (`probes`) through kvlab's model mode (SmolLM2-135M, fp32,
+   1 thread) and keeps every engine step's sizes (tokens computed, cached tokens read, attention
+   pairs: `CostModel.step_sizes`) and wall seconds (the whole step: schedule, forward pass,
+   sampling, update), the median of a few repeats. Every request arrives at once, so no decision
+   depends on the clock and the repeats' steps line up.
 2. `fit_cpu_clock` chooses the cost model's numbers for this CPU: its memory bandwidth is measured
-   (`measure_read_bandwidth`: one pass over the weights, the read a decode step makes), its
+   (`measure_read_bandwidth`: one pass over the weights, the read a decode step makes); its
    effective FLOP rate and a per-step overhead are fitted by least squares on log step time
    (`clock.levenberg_marquardt`). Left free, the bandwidth is not pinned by these steps (every
    decode step reads about the same bytes, so the fit trades the weights' read against the
    overhead). There is no datasheet peak to derate: the rates are the card's (`Card`), at 100 %.
-3. `predict_comparison` replays a stored comparison's workload in simulation mode at that clock
-   (kvlab's scheduler, which made vLLM's decisions at every step of those runs) and computes
-   tokens/s, TTFT and TPOT from the simulated token times with the comparison's own arithmetic
-   (`kvlab.vllm_compare.table.timing`), to set beside vLLM's measured figures.
+   The fit also takes runs whose step ends are seen only where a token was sampled (an engine's
+   token times): it then matches the time between two seen ends (`StepTimes.intervals`).
 
-The probes (`probes`) are not the compared workloads (a Mooncake slice from further down the
-trace, and short prompts of synthetic ids), so the prediction is out of sample twice: other
-requests, another engine. `python -m kvlab.calibration.cpu_clock --time` times, fits and stores the clock
-(results/cpu-vllm/cpu_clock.json); without `--time` it prints the prediction table.
+The probes are not the compared workloads (a Mooncake slice from further down the trace, and short
+prompts of synthetic ids). `python -m kvlab.calibration.cpu_clock` times, fits and stores the
+clock in results/cpu-vllm/cpu_clock.json, with the steps it was fitted to.
 """
 
 from __future__ import annotations
@@ -43,27 +40,41 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..serving.cost_model import Card, CostModel
-from ..serving.engine_core import Executor, SimulatedExecutor, engine_step, paged_manager
+from ..serving.engine_core import Executor, engine_step
 from ..serving.request import Request
 from ..serving.scheduler import Scheduler, SchedulerConfig
 from ..vllm_compare.settings import EngineSettings
-from ..vllm_compare.table import first_difference, timing
 from ..vllm_compare.workloads import Workload
 from .clock import levenberg_marquardt
 
-__all__ = ["StepTimes", "CpuClock", "run_batch", "time_steps", "fit_cpu_clock",
-           "measure_read_bandwidth", "predict_comparison", "stored_workload", "probes"]
+__all__ = ["StepTimes", "CpuClock", "run_batch", "batch_requests", "scheduler_config",
+           "pool_blocks", "time_steps", "fit_cpu_clock", "measure_read_bandwidth", "probes",
+           "DEFAULT_FILE"]
 
 CARD_NAME = "this CPU, 1 thread (fitted)"
+DEFAULT_FILE = "results/cpu-vllm/cpu_clock.json"
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
-    """Engine steps: `sizes` (steps, 3): tokens computed, cached tokens read, attention pairs;
-    `seconds` (steps,): wall time of each."""
+    """One run's engine steps: `sizes` (steps, 3): tokens computed, cached tokens read, attention
+    pairs; `ends` (steps,): seconds from the run's start at which each step ended, nan where no
+    token was sampled (an engine's token times show only the ends of steps that sample)."""
 
     sizes: np.ndarray
-    seconds: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def from_seconds(cls, sizes, seconds) -> "StepTimes":
+        return cls(np.asarray(sizes, dtype=np.float64), np.cumsum(seconds))
+
+    def intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the interval of each step, or -1 after the last observed end; each interval's
+        seconds): an interval is the steps up to and including an observed end."""
+        observed = ~np.isnan(self.ends)
+        group = np.concatenate(([0], np.cumsum(observed)[:-1]))
+        durations = np.diff(np.concatenate(([0.0], self.ends[observed])))
+        return np.where(group < len(durations), group, -1), durations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +87,13 @@ class CpuClock:
     model: str = "smollm2-135m"
     dtype: str = "fp32"
     threads: int = 1
-    # date, machine, load, the timed steps (step_sizes, step_seconds) and the fit's errors
+    # date, machine, load, the timed steps ('probes': sizes and seconds) and the fit's errors
     measured: dict = dataclasses.field(default_factory=dict)
 
-    def timed_steps(self) -> StepTimes:
-        """The steps the clock was fitted to (stored with it)."""
-        return StepTimes(np.array(self.measured["step_sizes"], dtype=np.float64),
-                         np.array(self.measured["step_seconds"]))
+    def timed_steps(self) -> list[StepTimes]:
+        """The steps the clock was fitted to (stored with it), one `StepTimes` per probe."""
+        return [StepTimes.from_seconds(probe["sizes"], probe["seconds"])
+                for probe in self.measured["probes"]]
 
     def cost_model(self, config: LlamaConfig) -> CostModel:
         """The simulator's clock for `config` on this CPU (one 'GPU', tp 1)."""
@@ -90,6 +101,16 @@ class CpuClock:
                     self.bandwidth_bytes_per_s, self.flops_per_s)
         return CostModel(config, card, 1, self.dtype, step_overhead_s=self.step_overhead_s,
                          clock="cpu")
+
+    def describe(self) -> str:
+        """One line: the three numbers and the fit's typical error."""
+        errors = self.measured.get("errors", [])
+        typical = (f"; fit over {len(errors)} intervals, median |error| "
+                   f"{statistics.median(abs(e) for e in errors):.0%}" if errors else "")
+        return (f"CPU clock: {self.flops_per_s / 1e9:.1f} GFLOP/s, "
+                f"{self.bandwidth_bytes_per_s / 1e9:.1f} GB/s "
+                f"({self.measured.get('bandwidth', 'given')}), "
+                f"{self.step_overhead_s * 1e3:.1f} ms a step{typical}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,7 +121,7 @@ class CpuClock:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no CPU clock; time one with python -m "
-                                    f"kvlab.calibration.cpu_clock --time")
+                                    f"kvlab.calibration.cpu_clock")
         return cls(**json.loads(path.read_text()))
 
 
@@ -112,8 +133,9 @@ def run_batch(requests: Sequence[Request], kv, executor: Executor, config: Sched
 
     Returns:
         a result with 'steps' (running and waiting after each decision), 'token_times_s' (per
-        request, each output token's step end), 'num_preemptions', and 'step_times' (`StepTimes`
-        of the steps that ran).
+        request, each output token's step end), 'token_steps' (per request, the index of the step
+        that sampled each token), 'num_preemptions', and 'step_times' (`StepTimes` of the steps
+        that ran).
     """
     scheduler = Scheduler(kv, config)
     for request in requests:
@@ -122,6 +144,7 @@ def run_batch(requests: Sequence[Request], kv, executor: Executor, config: Sched
                              f"rejected: {request.reject_reason}")
     running, waiting, sizes, seconds = [], [], [], []
     times: dict[int, list[float]] = {r.request_id: [] for r in requests}
+    token_steps: dict[int, list[int]] = {r.request_id: [] for r in requests}
     before: dict[int, int] = {}
 
     def on_scheduled(output) -> None:
@@ -141,24 +164,29 @@ def run_batch(requests: Sequence[Request], kv, executor: Executor, config: Sched
         seconds.append(time.perf_counter() - started if wall_clock else step.seconds)
         now += seconds[-1]
         for request, _ in step.output.scheduled:
-            times[request.request_id] += [now] * (request.num_output_tokens
-                                                   - before[request.request_id])
+            new = request.num_output_tokens - before[request.request_id]
+            times[request.request_id] += [now] * new
+            token_steps[request.request_id] += [len(seconds) - 1] * new
     return {"steps": {"running": running, "waiting": waiting},
             "token_times_s": [times[r.request_id] for r in requests],
+            "token_steps": [token_steps[r.request_id] for r in requests],
             "num_preemptions": scheduler.num_preemptions,
-            "step_times": StepTimes(np.array(sizes, dtype=np.float64), np.array(seconds))}
+            "step_times": StepTimes.from_seconds(np.array(sizes).reshape(-1, 3), seconds)}
 
 
-def _requests(workload: Workload) -> list[Request]:
+def batch_requests(workload: Workload) -> list[Request]:
+    """The workload as requests arriving at t = 0, prompts as token ids."""
     return [Request(i, 0.0, len(prompt), n, prompt_token_ids=list(prompt))
             for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens))]
 
 
-def _scheduler_config(settings: EngineSettings) -> SchedulerConfig:
+def scheduler_config(settings: EngineSettings) -> SchedulerConfig:
+    """kvlab's step budgets under vLLM's settings of the same names."""
     return SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens)
 
 
-def _blocks(settings: EngineSettings, config: LlamaConfig) -> int:
+def pool_blocks(settings: EngineSettings, config: LlamaConfig) -> int:
+    """kvlab's pool in blocks for these settings (vLLM's usable pool: `kvlab_blocks`)."""
     from ..paged.budget import kv_block_bytes
 
     return settings.kvlab_blocks(kv_block_bytes(config, settings.block_size, "fp32"))
@@ -181,9 +209,9 @@ def probes(vocab_size: int) -> list[tuple[Workload, EngineSettings]]:
 
 
 def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
-               repeats: int = 3) -> StepTimes:
+               repeats: int = 3) -> list[StepTimes]:
     """Every step of each (workload, settings) through kvlab's model mode, each step's seconds
-    the median of `repeats` runs (`settings.threads` torch threads).
+    the median of `repeats` runs (`settings.threads` torch threads); one `StepTimes` each.
 
     Raises:
         RuntimeError: two repeats made different steps (they cannot: the batch arrives at once).
@@ -194,21 +222,21 @@ def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
     from ..sizing import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(model.config, model.dtype)
-    sizes, seconds = [], []
+    probes_timed = []
     for workload, settings in timed:
         torch.set_num_threads(settings.threads)
         runs = []
         for _ in range(repeats):
-            budget = _blocks(settings, model.config) * settings.block_size * per_token
+            budget = pool_blocks(settings, model.config) * settings.block_size * per_token
             kv, runner = model_strategy("paged", model, budget, settings.max_model_len,
                                         settings.block_size)
-            runs.append(run_batch(_requests(workload), kv, runner, _scheduler_config(settings),
+            runs.append(run_batch(batch_requests(workload), kv, runner, scheduler_config(settings),
                                   wall_clock=True)["step_times"])
         if any(not np.array_equal(run.sizes, runs[0].sizes) for run in runs):
             raise RuntimeError(f"{workload.name}: the repeats made different steps")
-        sizes.append(runs[0].sizes)
-        seconds.append(np.median([run.seconds for run in runs], axis=0))
-    return StepTimes(np.concatenate(sizes), np.concatenate(seconds))
+        seconds = np.median([np.diff(run.ends, prepend=0.0) for run in runs], axis=0)
+        probes_timed.append(StepTimes.from_seconds(runs[0].sizes, seconds))
+    return probes_timed
 
 
 def _work(config: LlamaConfig, steps: StepTimes, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -234,19 +262,24 @@ def measure_read_bandwidth(model, repeats: int = 5) -> float:
     return total / statistics.median(passes)
 
 
-def fit_cpu_clock(config: LlamaConfig, steps: StepTimes, dtype: str = "fp32",
+def fit_cpu_clock(config: LlamaConfig, runs: Sequence[StepTimes], dtype: str = "fp32",
                   bandwidth_bytes_per_s: float | None = None) -> CpuClock:
-    """The FLOP rate, bandwidth and per-step overhead that best explain `steps` (least squares on
-    log(predicted / measured)); with `bandwidth_bytes_per_s` (measured) only the other two are
-    fitted. `measured['errors']` holds each step's error (predicted / measured - 1).
+    """The FLOP rate, bandwidth and per-step overhead that best explain the runs' observed
+    intervals (least squares on log(predicted / measured)); with `bandwidth_bytes_per_s`
+    (measured) only the other two are fitted. `measured['errors']` holds each interval's error
+    (predicted / measured - 1): each step's, where every step end is observed.
 
     Raises:
-        ValueError: fewer than 3 steps, or a step of no time.
+        ValueError: fewer than 3 intervals, or one of no time.
     """
-    if len(steps.seconds) < 3 or np.any(steps.seconds <= 0):
-        raise ValueError(f"need >= 3 steps of positive time to fit 3 numbers, got "
-                         f"{len(steps.seconds)} (shortest {steps.seconds.min(initial=0):g} s)")
-    moved, flops = _work(config, steps, dtype)
+    parts = []  # (bytes, FLOPs, interval of each step, interval seconds) per run
+    for run in runs:
+        group, durations = run.intervals()
+        parts.append((*_work(config, run, dtype), group, durations))
+    durations = np.concatenate([part[3] for part in parts])
+    if len(durations) < 3 or np.any(durations <= 0):
+        raise ValueError(f"need >= 3 intervals of positive time to fit 3 numbers, got "
+                         f"{len(durations)} (shortest {durations.min(initial=0):g} s)")
 
     def unpack(theta):
         if bandwidth_bytes_per_s is None:
@@ -256,61 +289,21 @@ def fit_cpu_clock(config: LlamaConfig, steps: StepTimes, dtype: str = "fp32",
 
     def errors(theta):
         flop_rate, bandwidth, overhead = unpack(theta)
-        return np.log((np.maximum(moved / bandwidth, flops / flop_rate) + overhead)
-                      / steps.seconds)
+        predicted = []
+        for moved, flops, group, seconds in parts:
+            steps = np.maximum(moved / bandwidth, flops / flop_rate) + overhead
+            kept = group >= 0
+            predicted.append(np.bincount(group[kept], steps[kept], minlength=len(seconds)))
+        return np.log(np.concatenate(predicted) / durations)
 
     start = [1e10, 1e-3] if bandwidth_bytes_per_s is not None else [1e10, 1e10, 1e-3]
     theta = levenberg_marquardt(errors, np.log(start), iterations=100)
     flop_rate, bandwidth, overhead = (float(v) for v in unpack(theta))
     return CpuClock(flop_rate, bandwidth, overhead, dtype=dtype,
-                    measured={"steps": len(steps.seconds),
+                    measured={"intervals": len(durations),
                               "bandwidth": "fitted" if bandwidth_bytes_per_s is None else
                               "measured (measure_read_bandwidth)",
                               "errors": np.round(np.expm1(errors(theta)), 4).tolist()})
-
-
-def predict_comparison(stored: dict, workload: Workload, cost: CostModel) -> dict:
-    """A stored `kvlab compare-vllm --json` run replayed in simulation mode at `cost`'s clock.
-
-    Returns:
-        {'predicted': `timing` of the simulated run, 'vllm' and 'kvlab': `timing` of each engine's
-        measured one, 'steps_equal': the running count after every decision equals vLLM's (bool),
-        'steps': (simulated, vLLM's) step counts}.
-
-    Raises:
-        ValueError: `workload` is not the stored one (prompt lengths or output tokens differ).
-    """
-    lengths = [len(p) for p in workload.prompts]
-    if (lengths != stored["workload"]["prompt_lengths"]
-            or workload.max_tokens != stored["workload"]["max_tokens"]):
-        raise ValueError(f"the {workload.name} workload built here ({sum(lengths):,} prompt "
-                         f"tokens, {sum(workload.max_tokens):,} output) is not the stored one "
-                         f"({sum(stored['workload']['prompt_lengths']):,}, "
-                         f"{sum(stored['workload']['max_tokens']):,})")
-    settings = EngineSettings(**stored["settings"])
-    kv = paged_manager(_blocks(settings, cost.config), settings.block_size, settings.max_model_len,
-                       settings.enable_prefix_caching)
-    simulated = run_batch(_requests(workload), kv, SimulatedExecutor(cost),
-                          _scheduler_config(settings))
-    ours, theirs = simulated["steps"]["running"], stored["vllm"]["steps"]["running"]
-    return {"predicted": timing(simulated), "vllm": timing(stored["vllm"]),
-            "kvlab": timing(stored["kvlab"]),
-            "steps_equal": first_difference(ours, theirs) is None,
-            "steps": (len(ours), len(theirs))}
-
-
-def stored_workload(stored: dict, vocab_size: int) -> Workload:
-    """The workload of a stored comparison, built again (chats need SmolLM2's tokenizer)."""
-    from ..vllm_compare.workloads import chat_workload, mooncake_workload
-
-    w = stored["workload"]
-    if w["name"] == "chats":
-        from ..checkpoint import load_chat_template, load_tokenizer
-
-        return chat_workload(load_tokenizer("smollm2-135m"), load_chat_template("smollm2-135m"),
-                             w["num_chats"], max(w["max_tokens"]))
-    return mooncake_workload(vocab_size, w["num_requests"], w["shrink"], w["max_prompt_tokens"],
-                             max(w["max_tokens"]), w["start"], w["seed"])
 
 
 def _load_average() -> str:
@@ -318,8 +311,8 @@ def _load_average() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kvlab.calibration.cpu_clock [--time]`: time and fit the CPU clock (--time), then
-    print the prediction of every stored comparison beside vLLM's and kvlab's measured figures."""
+    """`python -m kvlab.calibration.cpu_clock`: time kvlab's model mode on the probes, fit the
+    CPU clock and store it (with the steps it was fitted to); `against_vllm` then uses it."""
     import argparse
 
     import torch
@@ -327,50 +320,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..checkpoint import load_model
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--time", action="store_true", help="time kvlab's model mode, fit, store")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--clock-file", default="results/cpu-vllm/cpu_clock.json")
-    parser.add_argument("--results", default="results/cpu-vllm")
+    parser.add_argument("--out", default=DEFAULT_FILE)
     args = parser.parse_args(argv)
     model = load_model("smollm2-135m", dtype=torch.float32)
-    if args.time:
-        load = _load_average()
-        started = time.perf_counter()
-        torch.set_num_threads(1)
-        bandwidth = measure_read_bandwidth(model)
-        timed = time_steps(model, probes(model.config.vocab_size), repeats=args.repeats)
-        steps = StepTimes(timed.sizes, np.round(timed.seconds, 6))  # as stored
-        fitted = fit_cpu_clock(model.config, steps, bandwidth_bytes_per_s=bandwidth)
-        errors = fitted.measured["errors"]
-        fitted = dataclasses.replace(fitted, measured={
-            **fitted.measured, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "load_average_before": load, "load_average_after": _load_average(),
-            "wall_s": round(time.perf_counter() - started, 1), "repeats": args.repeats,
-            "median_abs_error": round(statistics.median(abs(e) for e in errors), 4),
-            "step_sizes": steps.sizes.astype(int).tolist(), "step_seconds": steps.seconds.tolist()})
-        Path(args.clock_file).write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
-    clock = CpuClock.load(args.clock_file)
-    cost = clock.cost_model(model.config)
-    print(f"CPU clock ({args.clock_file}): {clock.flops_per_s / 1e9:.1f} GFLOP/s, "
-          f"{clock.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {clock.step_overhead_s * 1e3:.1f} ms a "
-          f"step; fit over {clock.measured['steps']} steps, median |error| "
-          f"{clock.measured['median_abs_error']:.0%}")
-    rows = []
-    for path in sorted(Path(args.results).glob("parity_*.json")):
-        stored = json.loads(path.read_text())
-        rows.append((path.stem, predict_comparison(
-            stored, stored_workload(stored, model.config.vocab_size), cost)))
-    for engine in ("vllm", "kvlab"):
-        print(f"\n| run | steps equal | tokens/s: {engine} / simulated (error) | TTFT p50 ms | "
-              f"TPOT p50 ms |\n|---|---|---|---|---|")
-        for name, figures in rows:
-            p, m = figures["predicted"], figures[engine]
-            cells = [f"{a:,.{d}f} / {b:,.{d}f} ({b / a - 1:+.0%})" for a, b, d in (
-                (m.tokens_per_s, p.tokens_per_s, 1), (1e3 * m.ttft_p50_s, 1e3 * p.ttft_p50_s, 0),
-                (1e3 * m.tpot_p50_s, 1e3 * p.tpot_p50_s, 0))]
-            print(f"| {name} | {figures['steps_equal']} ({figures['steps'][0]}) | "
-                  + " | ".join(cells) + " |")
+    load, started = _load_average(), time.perf_counter()
+    torch.set_num_threads(1)
+    bandwidth = measure_read_bandwidth(model)
+    timed = time_steps(model, probes(model.config.vocab_size), repeats=args.repeats)
+    stored = [{"sizes": run.sizes.astype(int).tolist(),
+               "seconds": np.round(np.diff(run.ends, prepend=0.0), 6).tolist()} for run in timed]
+    fitted = fit_cpu_clock(model.config, [StepTimes.from_seconds(p["sizes"], p["seconds"])
+                                          for p in stored], bandwidth_bytes_per_s=bandwidth)
+    errors = fitted.measured["errors"]
+    fitted = dataclasses.replace(fitted, measured={
+        **fitted.measured, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load_average_before": load, "load_average_after": _load_average(),
+        "wall_s": round(time.perf_counter() - started, 1), "repeats": args.repeats,
+        "median_abs_error": round(statistics.median(abs(e) for e in errors), 4),
+        "probes": stored})
+    Path(args.out).write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
+    print(f"{fitted.describe()}\nstored in {args.out}")
     return 0
 
 

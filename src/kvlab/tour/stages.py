@@ -100,11 +100,12 @@ def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | Non
                     [*python, "kvlab.tour.environment", "--out", str(out / "environment"), *dry],
                     out / "environment", _limit("environment", dry_run))]
     tests = cuda_test_files(repo)
-    if tests:  # -p no:nbval: the notebooks' pytest plugin needs Jupyter, and is not for this
+    if tests:  # -v: a stage killed at its limit still shows each test done; -p no:nbval: the
+        # notebooks' pytest plugin needs Jupyter, and is not for this
         stages.append(Stage(
             "cuda_tests", "tests",
             [*python, "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:nbval",
-             "-q", "-m", "cuda", "-rs", f"--junitxml={out / 'tests' / 'junit.xml'}",
+             "-v", "-m", "cuda", "-rs", f"--junitxml={out / 'tests' / 'junit.xml'}",
              *map(str, tests)],
             out / "tests", _limit("tests", dry_run)))
     for module in benchmark_modules(repo):

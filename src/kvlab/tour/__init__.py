@@ -1,6 +1,6 @@
 """The GPU tour: one prepared command that runs everything in the course that needs a GPU.
 
-    python scripts/gpu_tour.py --pack "$OUT"   # on a CUDA machine: 7 minutes at most (a watchdog)
+    python scripts/gpu_tour.py --pack "$OUT"   # on a CUDA machine: 440 s at most (a watchdog)
     python scripts/gpu_tour.py --dry-run       # CPU, toy sizes, Triton's interpreter (tested in CI)
 
 Stages, each in its own process so one failure or timeout never stops the others:

@@ -6,7 +6,7 @@ On a CUDA machine the default folder is results/<card>/gpu-tour-<date>-<time>/ (
 run writes to <tmp>/kvlab-gpu-tour-dry-run/. Built for a lent machine that may be taken away at any
 moment and hands back only a few files:
 
-* the whole tour has a budget (default `stages.BUDGET_S`, 7 minutes), held by a watchdog
+* the whole tour has a budget (default `stages.BUDGET_S`, 440 s), held by a watchdog
   (`stage_process.Watchdog`); each stage's own limit is cut to what is left, holds whether or not
   the stage prints, and a stage that no longer fits is recorded as skipped, never dropped;
 * SUMMARY.md is written before and after every stage, and the archive repacked after every stage,
@@ -230,10 +230,12 @@ def run_tour(repo: Path, out: Path, stages: list[Stage], dry_run: bool = False,
                 (pack_dir / "SUMMARY.md").write_text(text)
             return dest / f"{out.name}.tar.gz"
         path, left_out = pack(out, dest, "SUMMARY.md" if pack_dir is not None else None)
-        for file in left_out:
-            note = f"- left out of the archive (over its size limit): {file.relative_to(out)}"
-            if note not in notes:
-                notes.append(note)
+        new = [f"- left out of the archive (over its size limit): {file.relative_to(out)}"
+               for file in left_out]
+        notes.extend(note for note in new if note not in notes)
+        if new and pack_dir is not None:  # the summary that travels names what did not
+            (pack_dir / "SUMMARY.md").write_text(write_summary(
+                out, stages, dry_run, time.perf_counter() - start, tuple(notes), budget_s))
         return path
 
     watchdog = Watchdog(budget_s, lambda: current.kill(

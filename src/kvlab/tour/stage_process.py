@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["StageProcess", "run_with_limit", "Watchdog", "WATCHDOG_EXIT"]
+__all__ = ["StageProcess", "run_with_limit", "Watchdog", "WATCHDOG_EXIT", "WATCHDOG_GRACE_S"]
 
 WATCHDOG_EXIT = 3  # the exit status when the watchdog had to end the tour itself
+WATCHDOG_GRACE_S = 10  # after the budget, before the watchdog ends a tour that is stuck
 
 
 def _group_kwargs() -> dict:
@@ -106,7 +107,8 @@ class Watchdog:
     running stage there); `grace_s` later, if stop() was not called, it prints why and ends the
     process with WATCHDOG_EXIT."""
 
-    def __init__(self, budget_s: float, on_budget: Callable[[], None], grace_s: float = 20) -> None:
+    def __init__(self, budget_s: float, on_budget: Callable[[], None],
+                 grace_s: float = WATCHDOG_GRACE_S) -> None:
         self.deadline = time.monotonic() + budget_s
         self._on_budget, self._grace_s = on_budget, grace_s
         self._stopped = threading.Event()

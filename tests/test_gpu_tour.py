@@ -1,7 +1,8 @@
 """The GPU tour harness: notebook cells run without Jupyter, and the whole dry run end to end.
 
-The dry run is the same harness as the GPU tour (every stage, every notebook, one archive) on the
-CPU with toy sizes and Triton's interpreter, so it cannot rot between GPU runs.
+The dry run is the same harness as the GPU tour (every stage, the notebooks with GPU cells, one
+archive plus SUMMARY.md) on the CPU with toy sizes and Triton's interpreter, without Jupyter as on
+the GPU machine, so it cannot rot between GPU runs.
 """
 
 from __future__ import annotations

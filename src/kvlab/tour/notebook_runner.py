@@ -17,7 +17,8 @@ namespace, as a kernel would:
 The executed copy (outputs in nbformat, so Jupyter can open it) and a Markdown summary go to DIR.
 `--dry-run` runs only the setup cells (the first code cell; and the second too when the first is the
 course's install-and-setup cell, docs/colab.md, so the imports follow it) and the cells that mention
-`cuda` (the GPU paths), which on a CPU take their no-GPU branch. `--reuse NAME=JSON` makes
+`cuda` (the GPU paths, `is_gpu_cell`), which on a CPU take their no-GPU branch; the tour runs only
+the notebooks that have such a cell (`has_gpu_cells`). `--reuse NAME=JSON` makes
 `kvlab.kernels.NAME.main` return that JSON instead of running again (the tour runs each benchmark
 once, as its own stage, before the notebooks that call it).
 """

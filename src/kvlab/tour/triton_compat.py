@@ -48,7 +48,10 @@ def fix_interpreter_index() -> bool:
     """
     if not needs_fix():
         return False
-    from triton.runtime import interpreter
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no Triton here: the stages that need it say so themselves
+        return False
 
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None or getattr(original, "kvlab_fixed", False):

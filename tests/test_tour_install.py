@@ -50,3 +50,24 @@ def test_without_the_install_the_tour_says_how_to_install(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "kvlab.kernels cannot be imported" in done.stderr and INSTALL_HINT in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_documented_command_installs_first_then_tours_into_out():
+    """docs/gpu_tour.md's one command, as pasted into the device tool: at most 2,000 characters,
+    the offline install before the tour, the tour packed into $OUT, and its outer `timeout`
+    behind the watchdog (budget + grace), within the 8 minutes planned."""
+    import re
+
+    from kvlab.tour.stage_process import WATCHDOG_GRACE_S
+    from kvlab.tour.stages import BUDGET_S
+
+    text = (ROOT / "docs" / "gpu_tour.md").read_text()
+    section = text.split("## The one command for a lent GPU machine", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert "\n" not in command and len(command) <= 2000
+    assert command.index(INSTALL_HINT.replace("pip", "python3 -m pip", 1)) < \
+        command.index("scripts/gpu_tour.py")
+    assert 'scripts/gpu_tour.py --pack "$OUT"' in command
+    outer = int(re.search(r"timeout -k (\d+) (\d+) python3 scripts/gpu_tour.py", command)[2])
+    assert BUDGET_S + WATCHDOG_GRACE_S < outer <= 8 * 60 - 15
+    assert "--dry-run" not in command

@@ -1,4 +1,4 @@
-"""One stage's process under a hard time limit, and the watchdog that holds the whole tour to its budget.
+"""One stage's process under a hard time limit, and the watchdog that holds the tour to its budget.
 
 A stage may print nothing for minutes (a silent `torch.compile`, a hang in a driver call), so its
 limit cannot be checked when a line arrives: a reader thread copies the output while the tour

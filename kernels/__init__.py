@@ -9,6 +9,8 @@ reading order (the first three need no Triton):
 * `validate`: input checks with the numbers in every message.
 * `paged_attention`: the decode kernel (GQA-aware, online softmax, split-KV + reduce).
 * `write_kv`: the kernel that stores new K/V at the slot mapping.
+* `compiled`: the decode kernel compiled for a GPU target without one (sm_90: the loop's K/V
+  buffers and wait, registers, shared memory).
 * `bench_paged_attention`: the GPU benchmark (`python -m kvlab.kernels.bench_paged_attention`).
 
 Without a GPU, set TRITON_INTERPRET=1 before Triton is first imported: the kernels then run in

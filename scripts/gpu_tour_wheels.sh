@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Wheels the GPU tour needs beyond what the reference GPU machine has (Python 3.12, torch, Triton,
-# pytest, matplotlib; no network there): kvlab's own runtime packages that are not on it.
+# Wheels of kvlab's small runtime packages (tokenizers, safetensors, tqdm), for a GPU machine without
+# network that lacks them. The lent H200's image has all three: it needs none of this.
 # Run this on a machine WITH network; it writes .whl/ (ignored by git, ~4 MB), which travels with the
 # working tree to the GPU machine. There: python scripts/gpu_tour.py --wheels .whl
 # Usage: bash scripts/gpu_tour_wheels.sh [PYTHON_VERSION (3.12)] [PLATFORM (manylinux2014_x86_64)]

@@ -1,12 +1,15 @@
 """The GPU tour harness: notebook cells run without Jupyter, and the whole dry run end to end.
 
-The dry run is the same harness as the GPU tour (every stage, every notebook, one archive) on the
-CPU with toy sizes and Triton's interpreter, so it cannot rot between GPU runs.
+The dry run is the same harness as the GPU tour (every stage, the notebooks with GPU cells, one
+archive plus SUMMARY.md) on the CPU with toy sizes and Triton's interpreter, without Jupyter as on
+the GPU machine, so it cannot rot between GPU runs.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -17,9 +20,40 @@ import pytest
 from kvlab.tour import notebook_runner
 from kvlab.tour.notebook_runner import (code_cells, executed_notebook, format_notebook_summary,
                                         run_notebook, strip_magics)
-from kvlab.tour.stages import benchmark_modules, cuda_test_files, notebook_files, plan_stages
+from kvlab.tour.packing import returnable_problems
+from kvlab.tour.stage_process import WATCHDOG_GRACE_S
+from kvlab.tour.stages import (BUDGET_S, DRY_RUN_SCALE, benchmark_modules, cuda_test_files,
+                               notebook_files, plan_stages)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The lent GPU machine has no Jupyter packages; a `sitecustomize` on PYTHONPATH makes them
+# unimportable here too, in the tour and every process it starts.
+NO_JUPYTER = """
+import sys
+
+BLOCKED = {"ipywidgets", "IPython", "ipykernel", "comm", "nbformat", "nbconvert", "nbclient",
+           "nbval", "notebook", "widgetsnbextension"}
+
+
+class NoJupyter:
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in BLOCKED or top.startswith("jupyter"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoJupyter())
+"""
+
+
+def without_jupyter(folder: Path) -> dict[str, str]:
+    """An environment for subprocesses in which no Jupyter package can be imported."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(NO_JUPYTER)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
 
 
 def write_notebook(path: Path, *sources: str) -> Path:
@@ -119,10 +153,13 @@ def test_benchmark_results_are_reused_not_rerun(tmp_path, monkeypatch):
 def test_stages_are_found_from_the_repository(tmp_path):
     assert ROOT / "tests" / "test_triton_paged_attention.py" in cuda_test_files(ROOT)
     assert "kvlab.kernels.bench_paged_attention" in benchmark_modules(ROOT)
-    names = [path.name for path in notebook_files(ROOT)]
-    assert names == sorted(names) and names[0].startswith("00_")
-    assert [p.name for p in notebook_files(ROOT, ["02", "04"])] == \
-        [n for n in names if n[:2] in ("02", "04")]
+    every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    # Only the notebooks with a GPU cell (a cell past the setup that names CUDA): read from them.
+    with_gpu = [path.name for path in every if any(
+        "cuda" in source for source in code_cells(json.loads(path.read_text()))[2:])]
+    assert [path.name[:2] for path in notebook_files(ROOT)] == ["02", "04", "05"]
+    assert [path.name for path in notebook_files(ROOT)] == with_gpu
+    assert [p.name[:2] for p in notebook_files(ROOT, ["00", "04"])] == ["00", "04"]  # by choice
     stages = plan_stages(ROOT, tmp_path, dry_run=True)
     assert [stage.kind for stage in stages[:2]] == ["environment", "tests"]
     kinds = [stage.kind for stage in stages]
@@ -131,8 +168,16 @@ def test_stages_are_found_from_the_repository(tmp_path):
     assert "--expandable-segments" in stages[-1].command
     assert all("--dry-run" in s.command or "--toy" in s.command for s in stages
                if s.kind != "tests")
+    assert all(s.command[1:3] == ["-m", "kvlab.tour.triton_compat"] for s in stages)
     assert {stage.name for stage in stages if stage.kind == "notebook"} == \
-        {Path(n).stem for n in names}
+        {Path(n).stem for n in with_gpu}
+    # Every name travels back from the device (no spaces), and the limits fit the budget.
+    assert all(re.fullmatch(r"[A-Za-z0-9_]+", stage.name) for stage in stages)
+    for dry_run, budget in ((False, BUDGET_S), (True, BUDGET_S * DRY_RUN_SCALE)):
+        planned = plan_stages(ROOT, tmp_path, dry_run)
+        assert sum(stage.timeout_s for stage in planned) <= budget, dry_run
+    # The command (install ~15 s, the tour, the watchdog's grace) ends within 8 minutes.
+    assert BUDGET_S + WATCHDOG_GRACE_S <= 8 * 60 - 30
 
 
 def test_tour_and_benchmark_share_one_environment_record():
@@ -153,15 +198,34 @@ def test_tour_and_benchmark_share_one_environment_record():
     assert "Not measured on a GPU" in text
 
 
+def test_without_jupyter_notebook_00_runs_every_cell(tmp_path):
+    """Its calculator cell imports ipywidgets: without it the sliders are left out, and the
+    presets, the calculator and every later cell still run."""
+    env = without_jupyter(tmp_path / "site")
+    done = subprocess.run([sys.executable, "-m", "kvlab.tour.notebook_runner",
+                           str(ROOT / "notebooks" / "00_the_oom_story.ipynb"), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (tmp_path / "out" / "00_the_oom_story.md").read_text()
+    assert "error" not in summary and "skipped" not in summary
+    assert "ipywidgets is not installed: no sliders here" in summary
+    executed = json.loads((tmp_path / "out" / "00_the_oom_story.ipynb").read_text())
+    assert all(cell["execution_count"] for cell in executed["cells"]
+               if cell["cell_type"] == "code")
+
+
 def test_dry_run_end_to_end(tmp_path):
-    """The prepared command, as CI runs it: every stage ok, every summary written, one archive."""
-    out = tmp_path / "tour"
+    """The prepared command, as CI runs it, without Jupyter as on the GPU machine: every stage ok,
+    every summary written, and in the pack folder only what the device hands back."""
+    out, pack = tmp_path / "tour", tmp_path / "OUT"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tour.py"), "--dry-run",
-                           "--out", str(out)], capture_output=True, text=True, timeout=1200)
+                           "--out", str(out), "--pack", str(pack)], capture_output=True,
+                          text=True, timeout=1500, env=without_jupyter(tmp_path / "site"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = (out / "SUMMARY.md").read_text()
     assert "not measured on a GPU" in summary
-    assert "| environment | ok |" in summary and "| cuda tests | ok |" in summary
+    assert "| environment | ok |" in summary and "| cuda_tests | ok |" in summary
     assert "| bench_paged_attention | ok |" in summary
     # Stage 7's out-of-memory story, on the CPU: the naive run met the (emulated) limit, every
     # request of both runs finished, and the headline says it is a dry run.
@@ -182,15 +246,21 @@ def test_dry_run_end_to_end(tmp_path):
         executed = json.loads((out / "notebooks" / path.name).read_text())
         assert len(code_cells(executed)) == len(code_cells(json.loads(path.read_text())))
         assert (out / "notebooks" / f"{path.stem}.md").is_file()
+    assert "| 00_the_oom_story |" not in summary  # no GPU cell: not part of the tour
     environment = json.loads((out / "environment" / "environment.json").read_text())
     assert environment["device"] == "cpu" and environment["copy_gb_s"] > 0
     assert "passed" in (out / "tests" / "tests.md").read_text()
     assert "== 1/" in done.stdout and "archive:" in done.stdout  # progress printed
-    with tarfile.open(tmp_path / "tour.tar.gz") as archive:
+    # What the device would hand back from $OUT: the summary and one archive, nothing lost.
+    assert sorted(path.name for path in pack.iterdir()) == ["SUMMARY.md", "tour.tar.gz"]
+    assert returnable_problems(pack) == []
+    assert (pack / "SUMMARY.md").read_text() == summary
+    with tarfile.open(pack / "tour.tar.gz") as archive:
         names = archive.getnames()
     assert "tour/SUMMARY.md" in names and "tour/environment/environment.json" in names
     assert "tour/benchmarks/bench_paged_attention.json" in names
-    assert "tour/oom_story/oom_story.md" in names
+    assert "tour/oom_story/oom_story.md" in names and "tour/tests/cuda_tests.log" in names
+    assert all(" " not in name for name in names)
 
 
 def test_gpu_mode_refuses_without_a_gpu(tmp_path):

@@ -1,10 +1,15 @@
 """The stage-5 kernels go through Triton's real GPU compiler, down to a cubin, on a machine without
-a GPU: the interpreter (every other CPU test) does not type-check, lay out or allocate shared memory
-the way a GPU compile does, so this catches what would only fail on a card.
+a GPU: the interpreter (every other CPU test) does not type-check, lay out, pipeline or allocate
+registers and shared memory the way a GPU compile does, so this catches what would only show on a
+card.
 
 Compiled ahead of time for NVIDIA targets (sm_75 = T4, sm_80 = A100, sm_90 = H100/H200) with the
-compile-time choices `paged_attention_decode` makes for that card (`kernel_constants`); each must fit
-the card's shared memory per block. Runs in a subprocess: this test process uses the interpreter.
+arguments `paged_attention_decode` launches with, specialised as the JIT specialises a launch
+(`kvlab.kernels.compiled`). At the headline shape (batch 64 x 4,096 tokens, 32 query / 8 KV heads,
+head_dim 128, bf16, block 16) on sm_90 the decode loop must keep 2+ K/V tiles in shared memory
+and not wait for every copy, with <= 128 registers per thread, so that PROGRAMS_PER_SM programs
+fit on each SM (one wave for the batch's 512 programs). Runs in a subprocess: this test process
+uses the interpreter.
 """
 
 from __future__ import annotations
@@ -18,59 +23,91 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import json, os, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-if "nvidia" not in triton.backends.backends:
-    print(json.dumps({"skip": "this Triton has no NVIDIA backend"})); sys.exit(0)
-from kvlab.kernels import paged_attention as pa, write_kv as wk
-
-POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64",
-            "partial_ptr": "*fp32", "lse_ptr": "*fp32"}
-NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-def compile_(fn, constants, dtype, arch):
-    consts = {k: v for k, v in constants.items() if k != "num_stages"}
-    options = {"num_stages": constants["num_stages"]} if "num_stages" in constants else {}
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = POINTERS.get(name, "*" + NAMES[dtype])
-        else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
-    if consts.get("SPLIT"):
-        sig["out_ptr"] = "*fp32"
-    kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                            options=options)
-    return kernel.metadata.shared
-
-results = []
-for arch, dtype in [(90, torch.bfloat16), (80, torch.float32), (75, torch.float16)]:
-    for head_dim, split in [(128, True), (80, False), (256, False)]:
-        constants = pa.kernel_constants(dtype, head_dim, group=4, block_size=16,
-                                        max_seq_len=4096, capability=(arch // 10, arch % 10))
-        constants["SPLIT"] = split
-        shared = compile_(pa._paged_decode_kernel, constants, dtype, arch)
-        results.append([f"decode sm_{arch} {NAMES[dtype]} head_dim {head_dim} split {split}",
-                         arch, shared])
-shared = compile_(pa._reduce_splits_kernel, dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64),
-                  torch.bfloat16, 90)
-results.append(["reduce sm_90", 90, shared])
-shared = compile_(wk._write_kv_kernel, dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128,
-                                            HEAD_DIM_PAD=128, BLOCK_SIZE=16), torch.bfloat16, 90)
-results.append(["write_kv sm_90", 90, shared])
-print(json.dumps({"results": results}))
-"""
+from kvlab.kernels.compiled import compile_in_subprocess  # noqa: E402
+from kvlab.kernels.split_kv import PROGRAMS_PER_SM, resident_programs  # noqa: E402
 
 # Shared memory per block a kernel may use (bytes): T4 64 KiB, A100 163 KiB, H100/H200 227 KiB.
 SHARED_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 90: 227 * 1024}
+MAX_REGISTERS = 128
+
+VARIANTS = [  # compile_decode keyword arguments
+    {},                                               # the headline launch
+    {"prefetch_ids": False},                          # block ids loaded in the same iteration
+    {"split": True},
+    {"head_dim": 80}, {"head_dim": 256},
+    {"block_size": 12}, {"block_size": 64},           # not a power of two; larger than the tile
+    {"arch": 80, "dtype": "float32"},
+    {"arch": 75, "dtype": "float16"}, {"arch": 75, "dtype": "float16", "head_dim": 256},
+]
 
 
-def test_kernels_compile_for_nvidia_gpus_within_shared_memory():
+@pytest.fixture(scope="module")
+def compiled():
+    results = compile_in_subprocess(VARIANTS)
+    if isinstance(results, str):
+        pytest.skip(results)
+    return dict(zip(map(json.dumps, VARIANTS), results))
+
+
+def test_every_decode_variant_fits_the_cards_shared_memory(compiled):
+    for variant, result in compiled.items():
+        shared = result["shared_bytes"] + result["static_shared_bytes"]
+        assert shared <= SHARED_LIMIT[result["arch"]], f"{variant}: {shared} B of shared memory"
+
+
+def test_headline_decode_loop_double_buffers_k_and_v_on_sm90(compiled):
+    headline = compiled[json.dumps({})]
+    assert headline["arch"] == 90 and headline["tile"] == 32
+    assert headline["kv_buffers"] >= 2, headline["buffer_line"]
+    assert headline["wait_num"] >= 1, headline["wait_line"]  # 0 would wait for every copy
+    assert headline["registers"] <= MAX_REGISTERS
+    shared = headline["shared_bytes"] + headline["static_shared_bytes"]
+    assert resident_programs(headline["registers"], shared, headline["num_warps"]) >= \
+        PROGRAMS_PER_SM
+
+
+def test_sm80_and_sm90_variants_pipeline_within_the_register_budget(compiled):
+    for variant, result in compiled.items():
+        if result["arch"] >= 80 and result["prefetch_ids"]:
+            assert result["kv_buffers"] >= 2, f"{variant}: {result['buffer_line']}"
+            assert result["registers"] <= MAX_REGISTERS, f"{variant}: {result['registers']}"
+
+
+def test_loading_block_ids_in_the_same_iteration_leaves_one_buffer(compiled):
+    # The loop before the prefetch: K/V addresses depend on a load made in the same iteration,
+    # so the pipeliner keeps one buffer and waits for every copy.
+    before = compiled[json.dumps({"prefetch_ids": False})]
+    assert (before["kv_buffers"], before["wait_num"]) == (1, 0), before["wait_line"]
+
+
+SCRIPT = r"""
+import json, sys, torch, triton
+if "nvidia" not in triton.backends.backends:
+    print(json.dumps({"skip": "this Triton has no NVIDIA backend"})); sys.exit(0)
+from kvlab.kernels import paged_attention as pa, write_kv as wk
+from kvlab.kernels.compiled import compile_launch
+
+meta = dict(device="meta")
+partial = torch.empty(64, 32, 64, 128, **meta)
+lse = torch.empty(64, 32, 64, **meta)
+out = torch.empty(64, 32, 128, dtype=torch.bfloat16, **meta)
+reduce = compile_launch(pa._reduce_splits_kernel,
+                        (out, partial, lse, 64, *out.stride(), *partial.stride(), *lse.stride()),
+                        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64), 90)
+pool = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16, **meta)
+key = torch.empty(64, 8, 128, dtype=torch.bfloat16, **meta)
+slots = torch.empty(64, dtype=torch.int64, **meta)
+write = compile_launch(wk._write_kv_kernel,
+                       (pool, pool, key, key, slots, *key.stride(), *key.stride(), *pool.stride(),
+                        *pool.stride()),
+                       dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                            BLOCK_SIZE=16), 90)
+print(json.dumps({"results": [["reduce", reduce.metadata.shared],
+                              ["write_kv", write.metadata.shared]]}))
+"""
+
+
+def test_reduce_and_write_kernels_compile_for_sm90_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default; set so Triton 3.9 does not warn
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
@@ -79,6 +116,5 @@ def test_kernels_compile_for_nvidia_gpus_within_shared_memory():
     report = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in report:
         pytest.skip(report["skip"])
-    assert len(report["results"]) == 11
-    for name, arch, shared in report["results"]:
-        assert shared <= SHARED_LIMIT[arch], f"{name}: {shared} B of shared memory"
+    for name, shared in report["results"]:
+        assert shared <= SHARED_LIMIT[90], f"{name}: {shared} B of shared memory"

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
-from kvlab.kernels.split_kv import choose_num_splits, tokens_per_split
+from kvlab.kernels.split_kv import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM,
+                                    choose_num_splits, resident_programs, tokens_per_split)
 from kvlab.oracles import sdpa_attention
 
 pa = pytest.importorskip("kvlab.kernels.paged_attention")  # needs Triton
@@ -178,6 +179,25 @@ def test_decode_matches_float64_reference_with_and_without_split(case_index):
 def test_large_scores_whose_max_grows_late_with_and_without_split(case_index):
     check_decode_with_and_without_split(LARGE_SCORE_CASES[case_index], seed=200 + case_index,
                                         num_splits=4, large=True)
+
+
+@pytest.mark.parametrize("prefetch_ids", [True, False], ids=["ids-ahead", "ids-same-tile"])
+def test_both_loops_of_the_compile_comparison_match_reference(prefetch_ids):
+    # plan_decode's prefetch_ids=False is the loop notebook 05 compiles as "before": the same
+    # arithmetic, so both must match. Block size 12 and 20 (not powers of two; 20 > the tile).
+    for block_size in (12, 20):
+        query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
+            [70, 3, 41], block_size, 2, 4, 64, torch.float32, seed=8)
+        expected = reference_decode(query, k_pool, v_pool, tables, [70, 3, 41], block_size)
+        query, k_pool, v_pool, block_tables, lens = on_device(query, k_pool, v_pool,
+                                                              block_tables, lens)
+        out = torch.full_like(query, float("nan"))
+        launch = pa.plan_decode(query, k_pool, v_pool, block_tables, lens, out, max_seq_len=70,
+                                num_splits=1, num_sms=1, capability=None, tile=16,
+                                prefetch_ids=prefetch_ids)
+        assert launch.constants["PREFETCH_IDS"] is prefetch_ids and launch.partial is None
+        pa._paged_decode_kernel[launch.grid](*launch.args, **launch.constants)
+        assert_matches(out, expected, torch.float32, f"block_size {block_size}")
 
 
 def test_default_tile_and_splits_match_reference():
@@ -397,15 +417,44 @@ def test_empty_batch_returns_an_empty_output():
     assert out.shape == (0, 4, 8)
 
 
-def test_split_heuristic_fills_the_card_only_when_needed():
-    # 1 sequence x 8 KV heads on 132 SMs: 8 programs, so cut 32K tokens into ceil(132/8) = 17.
-    assert choose_num_splits(1, 8, 32768, 132) == 17
-    assert choose_num_splits(64, 8, 4096, 132) == 1         # 512 programs fill the card already
+def test_split_heuristic_fills_one_wave_of_resident_programs():
+    # 132 SMs x 4 resident programs = 528 at once. 1 sequence x 8 KV heads: 528 // 8 = 66 splits
+    # would fit, capped at 64; 4 sequences: 16 (17 would start a second wave of 16 programs).
+    assert choose_num_splits(1, 8, 32768, 132) == 64
+    assert choose_num_splits(4, 8, 32768, 132) == 16
+    assert choose_num_splits(16, 8, 4096, 132) == 4
+    assert choose_num_splits(64, 8, 4096, 132) == 1         # 512 programs fill the wave already
+    assert choose_num_splits(1, 8, 32768, 132, programs_per_sm=1) == 16   # one per SM: 132 // 8
     assert choose_num_splits(1, 8, 600, 132) == 2            # too short for more than 2 splits
     assert choose_num_splits(1, 1, 10**6, 132) == 64         # capped
     assert tokens_per_split(100, 3, 16) == 48                # ceil(100/3) = 34 -> 3 tiles of 16
     with pytest.raises(ValueError, match="num_sms must be >= 1"):
         choose_num_splits(1, 8, 100, 0)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5, 16, 33, 66, 67, 200])
+@pytest.mark.parametrize("context", [256, 4096, 32768])
+def test_splitting_never_spills_into_a_second_wave(num_seqs, context):
+    programs = num_seqs * 8
+    splits = choose_num_splits(num_seqs, 8, context, 132)
+    one_wave = 132 * PROGRAMS_PER_SM
+    assert splits == 1 or programs * splits <= one_wave
+    assert splits == 1 or context // splits >= MIN_TOKENS_PER_SPLIT
+    more = splits + 1  # one more split would spill, run too short a split, or pass the cap
+    assert (programs * more > one_wave or context // more < MIN_TOKENS_PER_SPLIT
+            or more > MAX_SPLITS)
+
+
+def test_resident_programs_is_the_tightest_of_registers_shared_memory_and_slots():
+    # sm_90: 65,536 registers, 228 KiB of shared memory, 64 warps, 32 blocks per SM. 4 warps of
+    # 158 registers (rounded to 160 per thread) fit 3 times; 124 (128) 4 times.
+    assert resident_programs(158, 39_168 + 1024, 4) == 3
+    assert resident_programs(124, 39_168 + 1024, 4) == 4
+    assert resident_programs(32, 100_000, 4) == 2              # shared memory: 2 x 101 KB
+    assert resident_programs(16, 0, 32) == 2                   # warps: 64 // 32
+    assert resident_programs(8, 0, 1) == 32                    # blocks
+    with pytest.raises(ValueError, match="registers"):
+        resident_programs(0, 0, 4)
 
 
 def test_importing_kvlab_kernels_does_not_import_triton():

@@ -17,7 +17,8 @@ namespace, as a kernel would:
 The executed copy (outputs in nbformat, so Jupyter can open it) and a Markdown summary go to DIR.
 `--dry-run` runs only the setup cells (the first code cell; and the second too when the first is the
 course's install-and-setup cell, docs/colab.md, so the imports follow it) and the cells that mention
-`cuda` (the GPU paths), which on a CPU take their no-GPU branch. `--reuse NAME=JSON` makes
+`cuda` (the GPU paths, `is_gpu_cell`), which on a CPU take their no-GPU branch; the tour runs only
+the notebooks that have such a cell (`has_gpu_cells`). `--reuse NAME=JSON` makes
 `kvlab.kernels.NAME.main` return that JSON instead of running again (the tour runs each benchmark
 once, as its own stage, before the notebooks that call it).
 """
@@ -40,8 +41,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CellRun", "NotebookRun", "code_cells", "strip_magics", "run_notebook",
-           "format_notebook_summary", "main"]
+__all__ = ["CellRun", "NotebookRun", "code_cells", "strip_magics", "is_gpu_cell", "has_gpu_cells",
+           "run_notebook", "format_notebook_summary", "main"]
 
 
 @dataclasses.dataclass
@@ -190,6 +191,22 @@ def _cell_timeout(signum, frame):
     raise TimeoutError("the notebook ran past the tour's time limit for it")
 
 
+# A GPU cell names CUDA (its `torch.cuda.is_available()` branch): the dry run runs these, and the
+# tour runs only the notebooks that have one.
+GPU_CELL_MARK = "cuda"
+
+
+def is_gpu_cell(source: str) -> bool:
+    """True for a code cell that takes a GPU path when CUDA is there."""
+    return GPU_CELL_MARK in source
+
+
+def has_gpu_cells(path: Path) -> bool:
+    """True when one of the notebook's code cells after its setup cells is a GPU cell."""
+    sources = code_cells(json.loads(Path(path).read_text()))
+    return any(is_gpu_cell(source) for source in sources[setup_cells(sources):])
+
+
 # The first line of the course's first cell (docs/colab.md): install if needed, then setup().
 INSTALL_CELL_MARK = "# kvlab: install the course"
 
@@ -211,7 +228,7 @@ def run_notebook(path: Path, dry_run: bool = False, timeout_s: int | None = None
     selected = set(range(len(sources)))
     if dry_run:
         selected = set(range(setup_cells(sources))) | {i for i, source in enumerate(sources)
-                                                        if "cuda" in source}
+                                                        if is_gpu_cell(source)}
     cells = [CellRun(i, source) for i, source in enumerate(sources)]
     namespace: dict[str, Any] = {"__name__": "__main__"}
     magics: list[str] = []
@@ -274,7 +291,7 @@ def format_notebook_summary(run: NotebookRun) -> str:
         first = next((line for line in cell.text.splitlines() if line.strip()), "")
         first = first.replace("|", "\\|")[:100]
         lines.append(f"| {cell.index} | {cell.status} | {cell.seconds:.2f} | {first} |")
-    gpu_cells = [cell for cell in executed if "cuda" in cell.source and cell.index > 0]
+    gpu_cells = [cell for cell in executed if is_gpu_cell(cell.source) and cell.index > 0]
     if gpu_cells:
         lines += ["", "## GPU cells: what they printed", ""]
         for cell in gpu_cells:

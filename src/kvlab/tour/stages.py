@@ -6,10 +6,14 @@
 * stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
   `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.oom_story`,
   before the notebooks, and its naive run again with expandable segments after them;
-* notebooks: every `notebooks/NN_*.ipynb`, one process each (a notebook that fills the GPU never
-  starves the next one).
+* notebooks: the `notebooks/NN_*.ipynb` that have a GPU cell (`notebook_runner.has_gpu_cells`;
+  today 02, 04 and 05), one process each (a notebook that fills the GPU never starves the next).
 
-A stage is a command line plus a folder for its files and a time limit in seconds.
+A stage is a command line plus a folder for its files and a time limit in seconds. The limits are
+sized for a lent GPU machine's 10-minute command inside a 15-minute lease (docs/gpu_tour.md): they
+add up to the tour's default budget, so a tour whose every stage runs to its limit still ends in
+time. The dry run's are DRY_RUN_SCALE times longer (a busy CPU, Triton's interpreter), and it
+starts each stage through `kvlab.tour.triton_compat`.
 """
 
 from __future__ import annotations
@@ -20,27 +24,36 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
-__all__ = ["Stage", "cuda_test_files", "benchmark_modules", "notebook_files", "plan_stages",
-           "summarize_junit"]
+from .notebook_runner import has_gpu_cells
+
+__all__ = ["Stage", "TIMEOUTS", "BUDGET_S", "DRY_RUN_SCALE", "cuda_test_files", "benchmark_modules",
+           "notebook_files", "plan_stages", "summarize_junit"]
 
 _CUDA_MARK = re.compile(r"\bmark\.cuda\b")
 _MAIN = re.compile(r"^def main\(", re.MULTILINE)
-# Seconds per stage on a GPU (the whole tour is budgeted separately, see runner.plan).
-TIMEOUTS = {"environment": 60, "tests": 150, "benchmark": 240, "story": 100, "notebook": 150}
+# Seconds per stage on a GPU: a stage past its limit is killed, the next one starts. Notebooks by
+# their number (one with no entry gets "notebook"). They add up to BUDGET_S, the whole tour.
+# On the CPU 02 and 04 take 14 and 22 s (docs/instructor_notes.md); 05 compiles kernels on a GPU.
+TIMEOUTS = {"environment": 20, "tests": 70, "benchmark": 125, "oom_story": 70,
+            "oom_story_expandable": 30, "02": 30, "04": 40, "05": 55, "notebook": 30}
+BUDGET_S = 440  # with the watchdog's grace and the install, the command ends within 8 minutes
+DRY_RUN_SCALE = 3
 # (name, module, extra arguments, after the notebooks?). Each writes <out>/<name>/<name>.{json,md}.
-# The expandable-segments rerun of the naive server (the allocator's answer to fragmentation) runs
+# `--budget`: seconds per strategy, so each story ends inside its stage's limit. The
+# expandable-segments rerun of the naive server (the allocator's answer to fragmentation) runs
 # last, so it only takes time that the notebooks left over.
 STORIES = [
-    ("oom_story", "kvlab.oom_story", (), False),
+    ("oom_story", "kvlab.oom_story", ("--budget", "20"), False),
     ("oom_story_expandable", "kvlab.oom_story",
-     ("--strategies", "naive", "--expandable-segments", "--budget", "20"), True),
+     ("--strategies", "naive", "--expandable-segments", "--budget", "15"), True),
 ]
 
 
 @dataclasses.dataclass
 class Stage:
-    """name: shown in progress and the summary; command: argv; out: its folder; timeout_s: limit;
-    kind: 'environment', 'tests', 'benchmark' or 'notebook'."""
+    """name: shown in progress and the summary, and its log's name (letters, digits, '_', so
+    every file name travels); command: argv; out: its folder; timeout_s: limit; kind:
+    'environment', 'tests', 'benchmark', 'story' or 'notebook'."""
 
     name: str
     kind: str
@@ -64,45 +77,55 @@ def benchmark_modules(repo: Path) -> list[str]:
 
 
 def notebook_files(repo: Path, only: list[str] | None = None) -> list[Path]:
-    """notebooks/NN_*.ipynb in order; `only`: keep those whose name starts with one of these."""
+    """notebooks/NN_*.ipynb in order: those with GPU cells, or (`only`) those whose name starts
+    with one of these prefixes, GPU cells or not."""
     found = sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     if only:
-        found = [path for path in found if any(path.name.startswith(prefix) for prefix in only)]
-    return found
+        return [path for path in found if any(path.name.startswith(prefix) for prefix in only)]
+    return [path for path in found if has_gpu_cells(path)]
+
+
+def _limit(key: str, dry_run: bool) -> int:
+    return TIMEOUTS.get(key, TIMEOUTS["notebook"]) * (DRY_RUN_SCALE if dry_run else 1)
 
 
 def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | None = None,
                 skip: tuple[str, ...] = ()) -> list[Stage]:
     """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks,
     late stories."""
-    python = sys.executable
+    # The dry run starts each module through the launcher that fixes Triton's interpreter.
+    python = [sys.executable, "-m", "kvlab.tour.triton_compat"] if dry_run else \
+        [sys.executable, "-m"]
     dry = ["--dry-run"] if dry_run else []
     stages = [Stage("environment", "environment",
-                    [python, "-m", "kvlab.tour.environment", "--out", str(out / "environment"),
-                     *dry], out / "environment", TIMEOUTS["environment"])]
+                    [*python, "kvlab.tour.environment", "--out", str(out / "environment"), *dry],
+                    out / "environment", _limit("environment", dry_run))]
     tests = cuda_test_files(repo)
-    if tests:
+    if tests:  # -v: a stage killed at its limit still shows each test done; -p no:nbval: the
+        # notebooks' pytest plugin needs Jupyter, and is not for this
         stages.append(Stage(
-            "cuda tests", "tests",
-            [python, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-m", "cuda",
-             "-rs", f"--junitxml={out / 'tests' / 'junit.xml'}", *map(str, tests)],
-            out / "tests", TIMEOUTS["tests"]))
+            "cuda_tests", "tests",
+            [*python, "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:nbval",
+             "-v", "-m", "cuda", "-rs", f"--junitxml={out / 'tests' / 'junit.xml'}",
+             *map(str, tests)],
+            out / "tests", _limit("tests", dry_run)))
     for module in benchmark_modules(repo):
         stages.append(Stage(module.rsplit(".", 1)[1], "benchmark",
-                            [python, "-m", module, "--out", str(out / "benchmarks"),
+                            [*python, module, "--out", str(out / "benchmarks"),
                              *(["--toy"] if dry_run else [])],
-                            out / "benchmarks", TIMEOUTS["benchmark"]))
+                            out / "benchmarks", _limit("benchmark", dry_run)))
+
     def story_stages(late: bool) -> list[Stage]:
-        return [Stage(name, "story", [python, "-m", module, "--out", str(out / name), "--name",
-                                      name, *extra, *dry], out / name, TIMEOUTS["story"])
+        return [Stage(name, "story", [*python, module, "--out", str(out / name), "--name",
+                                      name, *extra, *dry], out / name, _limit(name, dry_run))
                 for name, module, extra, after_notebooks in STORIES if after_notebooks == late]
 
     stages += story_stages(late=False)
     for path in notebook_files(repo, notebooks):
         stages.append(Stage(path.stem, "notebook",
-                            [python, "-m", "kvlab.tour.notebook_runner", str(path),
+                            [*python, "kvlab.tour.notebook_runner", str(path),
                              "--out", str(out / "notebooks"), *dry],
-                            out / "notebooks", TIMEOUTS["notebook"]))
+                            out / "notebooks", _limit(path.name[:2], dry_run)))
     stages += story_stages(late=True)
     return [stage for stage in stages if stage.kind not in skip]
 

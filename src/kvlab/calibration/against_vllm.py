@@ -21,6 +21,7 @@ clock's job, and this module measures how well it does it:
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 from typing import Sequence
@@ -38,6 +39,7 @@ from .cpu_clock import (DEFAULT_FILE, CpuClock, StepTimes, batch_requests, fit_c
 __all__ = ["stored_workload", "replay", "predict_comparison", "engine_steps", "ENGINES"]
 
 ENGINES = ("vllm", "kvlab")
+RUNS = "results/cpu-vllm/cpu_clock_runs/*.json"  # compare-vllm runs made beside the clock
 
 
 def stored_workload(stored: dict, vocab_size: int) -> Workload:
@@ -140,13 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--clock-file", default=DEFAULT_FILE)
-    parser.add_argument("--results", default="results/cpu-vllm")
+    parser.add_argument("--runs", nargs="+", help=f"stored comparisons (default: {RUNS})")
     args = parser.parse_args(argv)
     config = load_config("smollm2-135m")
     clock = CpuClock.load(args.clock_file)
     cost = clock.cost_model(config)
     runs = []
-    for path in sorted(Path(args.results).glob("parity_*.json")):
+    for path in map(Path, args.runs or sorted(glob.glob(RUNS))):
         stored = json.loads(path.read_text())
         runs.append((path.stem, stored, stored_workload(stored, config.vocab_size)))
     print(f"{clock.describe()} ({args.clock_file}, {clock.measured.get('date', 'undated')})")
@@ -156,14 +158,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _table(f"CPU clock (kvlab's model mode timed) against {engine}'s measured figures",
                [(name, engine, predicted[name]) for name, _, _ in runs])
     rows = []
-    for name, stored, workload in runs:  # leave one out: a clock from vLLM's other runs
-        others = [engine_steps(s, w, cost, "vllm") for n, s, w in runs if n != name]
-        fitted = fit_cpu_clock(config, others, bandwidth_bytes_per_s=clock.bandwidth_bytes_per_s)
+    for name, stored, workload in runs:  # a clock from vLLM's runs of the other configurations
+        others = [engine_steps(s, w, cost, "vllm") for _, s, w in runs
+                  if (s["workload"], s["settings"]) != (stored["workload"], stored["settings"])]
+        fitted = fit_cpu_clock(config, others)
         rows.append((name, "vllm", predict_comparison(stored, workload,
                                                       fitted.cost_model(config))))
-        print(f"{name}: fitted to vLLM's other runs: {fitted.describe()}")
-    _table("Clock fitted to vLLM's other runs (same bandwidth) against vLLM's measured figures",
-           rows)
+        print(f"{name}: fitted to vLLM's runs of the other configurations: {fitted.describe()}")
+    _table("Clock fitted to vLLM's runs of the other configurations, against vLLM's measured "
+           "figures", rows)
     return 0
 
 

@@ -24,8 +24,9 @@ default) or "head-major", [num_blocks, num_key_value_heads, block_size, head_dim
 pool is read through its token-major view (`token_major_view`, a transpose: no copy).
 
 Slots a sequence does not own (past its seq_len in its last block, or in the padding of its block
-table) may hold anything another request left there, NaN included; they are masked out of both the
-scores and the values (see `grouped_attention`), so they can never reach the output.
+table) may hold anything another request left there, NaN included, so they can never reach the
+output: prefill masks them out of both the scores and the values (see `grouped_attention`), decode
+never reads them (`paged_decode_attention`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
     bad = (values < low) | (values > high)
     if bool(bad.any()):
         raise ValueError(f"{name} must be in [{low}, {high}], got {int(values[bad][0])}")
+
+
+def _pool_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int,
+               layout: str) -> torch.Tensor:
+    """Row of `pool.reshape(-1, head_dim)` holding (slot, KV head): slots [num_seqs, n] int64 ->
+    rows [num_seqs, num_key_value_heads, n]."""
+    heads = torch.arange(num_kv_heads, device=slots.device)[None, :, None]
+    if check_layout(layout) == TOKEN_MAJOR:  # [block, offset, head, :]: slot-major
+        return slots[:, None, :] * num_kv_heads + heads
+    blocks, offsets = slots // block_size, slots % block_size  # [block, head, offset, :]
+    return (blocks[:, None, :] * num_kv_heads + heads) * block_size + offsets[:, None, :]
 
 
 def token_major_view(pool: torch.Tensor, layout: str = TOKEN_MAJOR) -> torch.Tensor:
@@ -151,8 +163,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Block tables of different lengths are padded to one width. Padding entries are ordinary block
     ids (0 by the convention of `PagedKVCache.block_tables_tensor`) and block 0 is a real block
     holding some other sequence's tokens, NaN possibly, so padding cannot be recognised by its id:
-    only `seq_lens` says which slots belong to a sequence. Everything at or past seq_len is masked
-    out of the scores and its values are zeroed before the weighted sum.
+    only `seq_lens` says which slots belong to a sequence. A position at or past seq_len reads the
+    sequence's own first slot in place of the table's and is masked out of the scores, so no slot
+    the sequence does not own is read, and the padding weighs exactly 0.
 
     Args:
         query: [num_seqs, num_attention_heads, head_dim], the token at position seq_len - 1 of
@@ -170,23 +183,26 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ValueError: a block id outside the pool, or a seq_len outside [1, max_blocks_per_seq *
             block_size] (a sequence with no token has nothing to attend to).
     """
-    k_cache, v_cache = token_major_view(k_cache, layout), token_major_view(v_cache, layout)
     num_seqs, width = block_tables.shape
-    block_size = k_cache.shape[1]
-    _check_range("block_tables", block_tables, 0, k_cache.shape[0] - 1)
+    num_blocks, block_size, num_kv_heads, head_dim = token_major_view(k_cache, layout).shape
+    _check_range("block_tables", block_tables, 0, num_blocks - 1)
     _check_range("seq_lens", seq_lens, 1, width * block_size)
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = k_cache.shape[2]
+    num_heads = query.shape[1]
     group = kv_group_size(num_heads, num_kv_heads)
     num_slots = width * block_size
-    # Gather the whole padded batch at once, in the layout the matmuls read:
-    # [num_seqs, width, block_size, H_kv, D] -> [num_seqs, H_kv, width * block_size, D] (one copy).
-    keys = k_cache[block_tables].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads,
-                                                                 num_slots, head_dim)
-    values = v_cache[block_tables].permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads,
-                                                                   num_slots, head_dim)
-    holds_token = (torch.arange(num_slots, device=query.device)[None, :]
-                   < seq_lens[:, None])  # [num_seqs, num_slots]
+    positions = torch.arange(num_slots, device=query.device)
+    holds_token = positions[None, :] < seq_lens[:, None]  # [num_seqs, num_slots]
+    # Each position's slot through the block table. A position the sequence does not hold reads
+    # its own first slot instead, so no slot it does not own is ever read (another request's
+    # tokens, NaN perhaps); its score is masked to -inf below, so it weighs exactly 0.
+    slots = block_tables[:, positions // block_size] * block_size + positions % block_size
+    slots = torch.where(holds_token, slots, slots[:, :1])
+    # Gather K and V straight into the layout the matmuls read, [num_seqs, H_kv, num_slots, D]:
+    # one index_select of head_dim-long rows of the pool (one copy, no permute).
+    rows = _pool_rows(slots, num_kv_heads, block_size, layout).reshape(-1)
+    shape = (num_seqs, num_kv_heads, num_slots, head_dim)
+    keys = k_cache.reshape(-1, head_dim).index_select(0, rows).view(shape)
+    values = v_cache.reshape(-1, head_dim).index_select(0, rows).view(shape)
     # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
     # head h = kv * G + g reads KV head kv. The one query of a sequence sits at its last
     # position, so causality is just `holds_token`. Scores and softmax in float32.
@@ -194,11 +210,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if scale is None:
         scale = head_dim ** -0.5
     scores = torch.matmul(grouped_q, keys.float().transpose(-1, -2)) * scale  # [S, H_kv, G, slots]
-    # In place: scores and the gathered values are this call's own copies, not the pool.
-    not_held = ~holds_token
-    scores.masked_fill_(not_held[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~holds_token[:, None, None, :], float("-inf"))  # in place: our own copy
     probs = torch.softmax(scores, dim=-1)
-    # A weight of 0 times a NaN left in a slot the sequence does not own is still NaN: zero them.
-    values = values.float().masked_fill_(not_held[:, None, :, None], 0.0)
-    out = torch.matmul(probs, values)  # [S, H_kv, G, D]
+    out = torch.matmul(probs, values.float())  # [S, H_kv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

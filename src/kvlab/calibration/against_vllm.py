@@ -116,20 +116,36 @@ def engine_steps(stored: dict, workload: Workload, cost: CostModel, engine: str)
     return StepTimes(steps.sizes, ends)
 
 
-def _cells(measured, predicted) -> list[str]:
-    return [f"{a:,.{d}f} / {b:,.{d}f} ({b / a - 1:+.0%})" for a, b, d in (
-        (measured.tokens_per_s, predicted.tokens_per_s, 1),
-        (1e3 * measured.ttft_p50_s, 1e3 * predicted.ttft_p50_s, 0),
-        (1e3 * measured.tpot_p50_s, 1e3 * predicted.tpot_p50_s, 0))]
+def _configuration(stored: dict) -> str:
+    """A run's configuration, the same for its repeats: workload, prefix caching, pool, budget."""
+    w, st = stored["workload"], stored["settings"]
+    return (f"{w['name']}, prefix caching {'on' if st['enable_prefix_caching'] else 'off'}, "
+            f"{st['num_blocks']} blocks, {st['max_num_batched_tokens']:,} tokens a step")
 
 
-def _table(title: str, rows: Sequence[tuple[str, str, dict]]) -> None:
-    """rows: (run, engine measured, predict_comparison's figures)."""
-    print(f"\n{title}\n\n| run | steps equal | tokens/s: measured / simulated (error) | "
-          f"TTFT p50 ms | TPOT p50 ms |\n|---|---|---|---|---|")
-    for name, engine, figures in rows:
-        print(f"| {name} | {figures['steps_equal']} ({figures['steps'][0]}) | "
-              + " | ".join(_cells(figures[engine], figures["predicted"])) + " |")
+FIGURES = (("tokens/s", "tokens_per_s", 1, 1), ("TTFT p50 ms", "ttft_p50_s", 1e3, 0),
+           ("TPOT p50 ms", "tpot_p50_s", 1e3, 0))
+
+
+def _table(title: str, rows: Sequence[tuple[str, str, list[dict]]]) -> None:
+    """One row per configuration: (configuration, engine measured, `predict_comparison` of each
+    of its repeats); measured figures as the median [lowest, highest] over the repeats."""
+    print(f"\n{title}\n\n| configuration (repeats) | steps equal | "
+          + " | ".join(f"{name}: measured / simulated (error)" for name, *_ in FIGURES)
+          + " |\n|---|---|---|---|---|")
+    for configuration, engine, repeats in rows:
+        cells = []
+        for _, key, scale, digits in FIGURES:
+            measured = sorted(scale * getattr(r[engine], key) for r in repeats)
+            simulated = scale * getattr(repeats[0]["predicted"], key)
+            median = float(np.median(measured))
+            spread = (f" [{measured[0]:,.{digits}f}–{measured[-1]:,.{digits}f}]"
+                      if len(measured) > 1 else "")
+            cells.append(f"{median:,.{digits}f}{spread} / {simulated:,.{digits}f} "
+                         f"({simulated / median - 1:+.0%})")
+        equal = all(r["steps_equal"] for r in repeats)
+        print(f"| {configuration} ({len(repeats)}) | {equal} ({repeats[0]['steps'][0]}) | "
+              + " | ".join(cells) + " |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,19 +168,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         stored = json.loads(path.read_text())
         runs.append((path.stem, stored, stored_workload(stored, config.vocab_size)))
     print(f"{clock.describe()} ({args.clock_file}, {clock.measured.get('date', 'undated')})")
-    predicted = {name: predict_comparison(stored, workload, cost)
-                 for name, stored, workload in runs}
+    configurations: dict[str, list[tuple[dict, Workload]]] = {}
+    for _, stored, workload in runs:
+        configurations.setdefault(_configuration(stored), []).append((stored, workload))
     for engine in ENGINES:
         _table(f"CPU clock (kvlab's model mode timed) against {engine}'s measured figures",
-               [(name, engine, predicted[name]) for name, _, _ in runs])
+               [(name, engine, [predict_comparison(s, w, cost) for s, w in repeats])
+                for name, repeats in configurations.items()])
     rows = []
-    for name, stored, workload in runs:  # a clock from vLLM's runs of the other configurations
-        others = [engine_steps(s, w, cost, "vllm") for _, s, w in runs
-                  if (s["workload"], s["settings"]) != (stored["workload"], stored["settings"])]
+    for name, repeats in configurations.items():  # a clock from vLLM's other configurations
+        others = [engine_steps(s, w, cost, "vllm") for other, more in configurations.items()
+                  if other != name for s, w in more]
         fitted = fit_cpu_clock(config, others)
-        rows.append((name, "vllm", predict_comparison(stored, workload,
-                                                      fitted.cost_model(config))))
         print(f"{name}: fitted to vLLM's runs of the other configurations: {fitted.describe()}")
+        rows.append((name, "vllm", [predict_comparison(s, w, fitted.cost_model(config))
+                                    for s, w in repeats]))
     _table("Clock fitted to vLLM's runs of the other configurations, against vLLM's measured "
            "figures", rows)
     return 0

@@ -287,6 +287,7 @@ def fit_cpu_clock(config: LlamaConfig, runs: Sequence[StepTimes], dtype: str = "
         flop_rate, overhead = np.exp(theta)
         return flop_rate, bandwidth_bytes_per_s, overhead
 
+    @np.errstate(over="ignore", divide="ignore")  # a rate the steps do not pin may run off
     def errors(theta):
         flop_rate, bandwidth, overhead = unpack(theta)
         predicted = []
@@ -298,7 +299,8 @@ def fit_cpu_clock(config: LlamaConfig, runs: Sequence[StepTimes], dtype: str = "
 
     start = [1e10, 1e-3] if bandwidth_bytes_per_s is not None else [1e10, 1e10, 1e-3]
     theta = levenberg_marquardt(errors, np.log(start), iterations=100)
-    flop_rate, bandwidth, overhead = (float(v) for v in unpack(theta))
+    with np.errstate(over="ignore"):
+        flop_rate, bandwidth, overhead = (float(v) for v in unpack(theta))
     return CpuClock(flop_rate, bandwidth, overhead, dtype=dtype,
                     measured={"intervals": len(durations),
                               "bandwidth": "fitted" if bandwidth_bytes_per_s is None else

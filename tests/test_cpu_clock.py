@@ -129,10 +129,10 @@ def test_a_clock_round_trips_through_its_file(tmp_path):
     assert "+4.00 ms a step" in CLOCK.cost_model(SMOLLM).describe_clock()
 
 
-@pytest.mark.skipif(not (ROOT / "results/cpu-vllm/cpu_clock.json").exists(),
-                    reason="no CPU clock timed yet (python -m kvlab.calibration.cpu_clock --time)")
-def test_the_stored_cpu_clock_is_the_fit_of_its_stored_steps():
-    stored = cc.CpuClock.load(ROOT / "results/cpu-vllm/cpu_clock.json")
+@pytest.mark.parametrize("path", sorted((ROOT / "results/cpu-vllm").glob("cpu_clock*.json")),
+                         ids=lambda p: p.stem)
+def test_a_stored_cpu_clock_is_the_fit_of_its_stored_steps(path):
+    stored = cc.CpuClock.load(path)
     measured = stored.measured["bandwidth"].startswith("measured")
     refitted = cc.fit_cpu_clock(SMOLLM, stored.timed_steps(), bandwidth_bytes_per_s=(
         stored.bandwidth_bytes_per_s if measured else None))

@@ -108,12 +108,13 @@ def test_read_bandwidth_refuses_empty_reads(num_bytes, repeats):
 
 
 @pytest.mark.parametrize("card, gb_s", [
-    ("NVIDIA H200", 4800), ("NVIDIA H100 80GB HBM3", 3350), ("NVIDIA H100 PCIe", 2000),
-    ("NVIDIA A100-SXM4-80GB", 2039), ("NVIDIA A100-PCIE-40GB", 1555), ("NVIDIA A10G", 600),
-    ("NVIDIA L4", 300), ("NVIDIA L40S", 864), ("Tesla T4", 320), ("x86_64", None),
+    ("NVIDIA H200", 4800), ("NVIDIA H100 80GB HBM3", 3350), ("NVIDIA A100-SXM4-80GB", 2039),
+    ("NVIDIA A100-PCIE-40GB", 1555), ("NVIDIA L4", 300),
+    # Not in the cost model's presets, or another part of a listed chip: no figure, not a wrong one.
+    ("NVIDIA H100 PCIe", None), ("NVIDIA L40S", None), ("Tesla T4", None), ("x86_64", None),
 ])
 def test_datasheet_bandwidth_by_card_name(card, gb_s):
-    assert datasheet_bandwidth_gb_s(card) == gb_s
+    assert datasheet_bandwidth_gb_s(card) == (None if gb_s is None else pytest.approx(gb_s))
 
 
 def test_environment_record_on_the_cpu():

@@ -15,8 +15,8 @@ run, never a datasheet alone:
   kernel reads the cache and writes almost nothing, so this is its roof: DRAM serves reads
   alone faster than an even mix of reads and writes (no bus turnarounds).
 
-The datasheet figure (`datasheet_bandwidth_gb_s`, from NVIDIA's product pages) is printed beside
-them: the peak no measurement reaches.
+The datasheet figure (`datasheet_bandwidth_gb_s`, the serving cost model's card presets) is printed
+beside them: the peak no measurement reaches.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -40,23 +41,12 @@ BF16_MIN_CAPABILITY = (8, 0)
 # The copy a GPU's bandwidth is measured with: 2 GiB, so launch overhead is noise and no L2 cache
 # holds it (H100/H200: 50/60 MiB).
 GPU_COPY_BYTES = 1 << 31
-# Memory bandwidth on NVIDIA's datasheets, GB/s, by a piece of `torch.cuda.get_device_name`; the
-# first piece the name contains wins (so "H100 PCIe" before "H100", "A100" before "A10").
-DATASHEET_GB_S = (
-    ("H200", 4800),            # H200 SXM and NVL, HBM3e
-    ("H100 NVL", 3900),
-    ("H100 PCIe", 2000),
-    ("H100", 3350),            # H100 SXM5 80 GB, HBM3 ("NVIDIA H100 80GB HBM3")
-    ("A100-SXM4-80GB", 2039),
-    ("A100 80GB PCIe", 1935),
-    ("A100", 1555),            # the 40 GB A100, SXM4 or PCIe
-    ("L40S", 864),
-    ("A10G", 600),
-    ("A10", 600),
-    ("L4", 300),
-    ("T4", 320),
-    ("V100", 900),
-)
+# The datasheet cards of `kvlab.serving.cost_model.CARDS` (the one home of those figures) by a
+# pattern of `torch.cuda.get_device_name`. Other parts of the same chips (H100 PCIe or NVL, A100
+# 80GB PCIe) have other bandwidths, so they are not matched.
+_DATASHEET_CARDS = ((r"\bH200\b", "H200"), (r"H100 80GB HBM3|H100 SXM", "H100-80GB"),
+                    (r"A100-SXM4-80GB", "A100-80GB"), (r"A100-(SXM4|PCIE)-40GB", "A100-40GB"),
+                    (r"\bL4\b", "L4"), (r"\bMI300X\b", "MI300X"))
 # What `gpu_clocks` asks nvidia-smi for, and the key each answer is stored under.
 _CLOCK_FIELDS = (("clocks.sm", "sm_mhz"), ("clocks.mem", "memory_mhz"),
                  ("clocks.max.sm", "max_sm_mhz"), ("clocks.max.mem", "max_memory_mhz"),
@@ -144,9 +134,13 @@ def read_bandwidth_gb_s(device: torch.device | str, num_bytes: int, repeats: int
     return 4 * -(-num_bytes // 4) / seconds / 1e9
 
 
-def datasheet_bandwidth_gb_s(card: str) -> int | None:
-    """The card's memory bandwidth on its datasheet, GB/s (`DATASHEET_GB_S`); None if unlisted."""
-    return next((gb_s for piece, gb_s in DATASHEET_GB_S if piece in card), None)
+def datasheet_bandwidth_gb_s(card: str) -> float | None:
+    """The memory bandwidth on the datasheet of the card named `card` (as `card_name` gives it),
+    GB/s, from `kvlab.serving.cost_model.CARDS`; None for a card it does not list."""
+    from .serving.cost_model import CARDS
+
+    preset = next((name for pattern, name in _DATASHEET_CARDS if re.search(pattern, card)), None)
+    return None if preset is None else CARDS[preset].bandwidth_bytes_per_s / 1e9
 
 
 def card_name(device: torch.device | str) -> str:

@@ -52,7 +52,7 @@ from .pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
 
 __all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "run_id", "results_dir", "main"]
 
-# FlexAttention's default mask block: the load of a mask this coarse is recorded beside the fair one.
+# FlexAttention's default mask block; what a mask this coarse loads is recorded too.
 FLEX_DEFAULT_BLOCK = 128
 
 

@@ -3,8 +3,8 @@
 The dtype: fp16 on a T4 (sm_75), bf16 from Ampere on, fp32 on CPU. No GPU exists on CI, so CUDA is
 mocked: what is pinned is the choice made from the capability the card reports, including on a T4,
 where torch.cuda.is_bf16_supported() answers True (emulation). The environment record is checked on
-the CPU and on a mocked H200 (nvidia-smi's driver and clocks faked); the copy and read bandwidths' formulas with a
-faked clock (no wall-clock assert); the datasheet figure by card name.
+the CPU and on a mocked H200 (nvidia-smi's driver and clocks faked); the copy and read bandwidths'
+formulas with a faked clock (no wall-clock assert); the datasheet figure by card name.
 """
 
 import json
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvlab.device
-from kvlab.device import (copy_bandwidth_gb_s, datasheet_bandwidth_gb_s, default_device, default_dtype,
-                          describe_environment, gpu_clocks, read_bandwidth_gb_s)
+from kvlab.device import (copy_bandwidth_gb_s, datasheet_bandwidth_gb_s, default_device,
+                          default_dtype, describe_environment, gpu_clocks, read_bandwidth_gb_s)
 
 BASE_KEYS = {"date", "mode", "device", "card", "dtype", "python", "torch", "triton", "numpy",
              "cuda", "cpu", "cpu_count", "triton_interpret"}

@@ -46,6 +46,18 @@ def test_toy_benchmark_writes_json_markdown_and_roofline(tmp_path):
                        for c in TOY.contexts if b * c <= TOY.max_tokens]
     assert [(r["batch"], r["context"], r["block_size"]) for r in results["points"]] == \
         expected_points
+    assert set(results) == {"environment", "shape", "copy_gb_s", "read_gb_s", "datasheet_gb_s",
+                            "matmul_tflops", "flops_per_kv_byte", "points", "layouts", "goal",
+                            "clocks_after"}
+    flex_row = next(r for r in results["points"] if (r["batch"], r["context"]) in TOY.flex_points)
+    assert set(flex_row) == {
+        "batch", "context", "block_size", "bytes", "flops", "timing", "ms", "gb_s", "pct_of_read",
+        "pct_of_copy", "launch", "paging_overhead", "sdpa_backend", "max_abs_diff_vs_sdpa",
+        "sdpa_ms", "x_sdpa", "torch_ref_timing", "torch_ref_ms", "x_torch_ref",
+        "flex_default_visited_per_owned", "flex_mask_block", "flex_visited_per_owned",
+        "max_abs_diff_flex", "flex_ms", "x_flex"}
+    assert set(flex_row["launch"]) == {"grid", "num_splits", "tile", "registers", "spilled",
+                                       "shared_bytes", "num_warps", "num_stages"}
     assert results["read_gb_s"] == env["read_gb_s"] > 0
     assert results["datasheet_gb_s"] is None and results["clocks_after"] is None  # a CPU
     for row in results["points"]:

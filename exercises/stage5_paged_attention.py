@@ -7,20 +7,26 @@ One decode step: each sequence has one new query token (all its query heads) and
 own keys and values, which sit in a block pool [num_blocks, block_size, num_kv_heads, head_dim],
 scattered over the blocks its block table lists (vLLM paper, Kwon et al., SOSP 2023, section 4.1).
 `paged_decode_kernel` below gives one program one KV head of one sequence, and the query heads that
-share it (GQA) as the rows of one tile, and walks the sequence TILE tokens at a time. Two pieces
-of its loop are yours:
+share it (GQA) as the rows of one tile, and walks the sequence TILE tokens at a time. Like the
+library kernel, it looks each tile's rows up one tile ahead: the rows of the first tile before the
+loop, then in each iteration those of the next tile, kept for the next iteration (a loop-carried
+value). Compiled as a `for` loop, that lets the GPU copy the next tile's keys and values while it
+computes this one; looked up in the same iteration, their addresses would wait on the table load
+and nothing could be copied ahead (`kernels/paged_attention.py`, `_attend_step`; notebook 05,
+section 9, compiles both). Two pieces of the loop are yours:
 
 * `lookup_rows`: the block-table lookup. Position p lives in block `block_table[p // block_size]`
   at offset `p % block_size`; which row of the pool (seen flat, one row per token slot and KV
-  head) holds it?
+  head) holds it? The loop calls it for the next tile's positions, so the last call asks for
+  positions that are all past the sequence's end.
 * `online_softmax_update`: fold one tile of scores and values into the running max, running sum
   and running output (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1),
   so attention is computed in one pass without storing all the scores.
 
 `kvlab check 5` runs your kernel in Triton's CPU interpreter (TRITON_INTERPRET=1, set below when
 there is no GPU) against a float64 reference. Compare yours afterwards with the library kernel,
-`kernels/paged_attention.py` (`_attend_tile`, `_attend_tokens`), which adds split-KV, fp16/bf16 and
-two layouts.
+`kernels/paged_attention.py` (`_tile_block_ids`, `_attend_step`, `_attend_tile`, `_attend_tokens`),
+which carries block ids rather than rows, and adds split-KV, fp16/bf16 and two layouts.
 
 Units: positions and block_size are tokens; block ids index the pool's first axis; every float
 here is float32.
@@ -47,9 +53,10 @@ def lookup_rows(block_table_ptr, positions, owned, kv_head, BLOCK_SIZE: tl.const
 
     Args:
         block_table_ptr: pointer to the sequence's block table (int32 block ids, logical order).
-        positions: [TILE] int32 positions in the sequence.
+        positions: [TILE] int32 positions in the sequence (the loop asks for the next tile's, one
+            iteration before it reads them).
         owned: [TILE] bool, False for positions at or past the sequence's length (their block
-            table entries may not exist: do not read them).
+            table entries may not exist: do not read them). The loop's last call owns none.
         kv_head: the KV head this program reads.
 
     Returns:
@@ -94,20 +101,26 @@ def paged_decode_kernel(out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq * max_blocks
+    # The first tile's rows; each iteration then looks up the next tile's (see the docstring).
+    first = tl.arange(0, TILE)
+    rows = lookup_rows(table, first, first < seq_len, kv_head, BLOCK_SIZE, NUM_KV_HEADS)
     # A while loop, not `for start in range(0, seq_len, TILE)`: Triton 3.6's interpreter cannot
     # turn a bound read at run time into a Python int under NumPy >= 2.4; a while runs anywhere.
+    # (Compiled, only a `for` is software-pipelined: the library kernel keeps a `for` there.)
     start = 0
     while start < seq_len:
         positions = start + tl.arange(0, TILE)
         owned = positions < seq_len
-        rows = lookup_rows(block_tables_ptr + seq * max_blocks, positions, owned, kv_head,
-                           BLOCK_SIZE, NUM_KV_HEADS)
+        ahead = positions + TILE
+        next_rows = lookup_rows(table, ahead, ahead < seq_len, kv_head, BLOCK_SIZE, NUM_KV_HEADS)
         ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
         # Masked loads: a slot that is not this sequence's may hold NaN, and 0 x NaN = NaN.
         k = tl.load(k_pool_ptr + ptrs, mask=owned[:, None], other=0.0)
         v = tl.load(v_pool_ptr + ptrs, mask=owned[:, None], other=0.0)
         scores = tl.where(owned[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, scores, v)
+        rows = next_rows
         start += TILE
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None],
              mask=real_row[:, None])

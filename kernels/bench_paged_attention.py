@@ -1,24 +1,33 @@
-"""Benchmark of the stage-5 decode kernel: achieved bandwidth against the card's own copy bandwidth.
+"""Benchmark of the stage-5 decode kernel: achieved bandwidth against the card's own bandwidths.
 
 Decode attention reads every cached K/V byte once and does ~1 FLOP per byte per query head, so it is
 memory-bound: the question is how close it gets to the memory system's limit. That limit is
-measured in the same run (`kvlab.device.copy_bandwidth_gb_s`: a large device-to-device copy, bytes
-read + written / median time), never taken from a datasheet. Per point of a grid (batch x context
-x block_size, Llama-3.1-8B attention shape: 32 query / 8 KV heads, head_dim 128, bf16; fp16 below
+measured in the same run (`kvlab.device`): a large device-to-device copy (bytes read + written /
+median time) and, the kernel's own roof since it only reads, a large sum (bytes read / median
+time); the datasheet figure is printed beside them. Per point of a grid (batch x context x
+block_size, Llama-3.1-8B attention shape: 32 query / 8 KV heads, head_dim 128, bf16; fp16 below
 sm_80):
 
-* the kernel's median time (`triton.testing.do_bench`), achieved GB/s = (K/V bytes read + query
-  read + output written + block table read) / time, and % of the measured copy bandwidth;
+* the kernel's median time, achieved GB/s = (K/V bytes read + query read + output written + block
+  table read) / time, as % of the measured read and copy bandwidths; small points are timed from
+  a CUDA graph (`bench_timing`: launched from Python they would time the launch);
+* what ran: the launch's grid, splits and tile, and the binary's registers, spills and shared
+  memory (`bench_timing.kernel_record`);
 * how long the alternatives take, as t_alternative / t_kernel (> 1: the kernel is faster):
-  PyTorch SDPA over the same K/V laid out contiguously (the no-paging ideal), the stage-4 PyTorch
-  gather reference, and FlexAttention over the same paged pool where this torch has it;
+  PyTorch SDPA over the same K/V laid out contiguously (the no-paging ideal; the backend it
+  dispatched to is recorded, MATH would make the ratio meaningless), the stage-4 PyTorch gather
+  reference, and FlexAttention over the same paged pool with a block mask of the pool's block
+  size (`bench_flex`: it then loads only the tokens it owns; the default 128-slot mask's load is
+  recorded beside it);
 * paging overhead: the same pool read through a shuffled block table vs the identity table.
 
 Then the layout study at one point: both pool layouts x block sizes 1-128, next to stage 4's waste
 for those block sizes on the requests stage 4 replays (`bench_report.stage4_waste`). Writes JSON
-(the machine as `kvlab.device.describe_environment` records it, as the GPU tour does), a Markdown
-table and a roofline plot. `--toy` runs a tiny grid on the CPU interpreter (tested, so it cannot
-rot); its timings measure the interpreter, not a kernel.
+(the machine as `kvlab.device.describe_environment` records it, as the GPU tour does, and the
+clocks again after the grid), a Markdown table and a roofline plot, by default under
+results/<card>/bench-<UTC date and time>/ so a later run never overwrites an earlier one. `--toy`
+runs a tiny grid on the CPU interpreter (tested, so it cannot rot); its timings measure the
+interpreter, not a kernel.
 
 Usage: python -m kvlab.kernels.bench_paged_attention [--toy] [--out DIR]
 """
@@ -27,18 +36,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from ..device import GPU_COPY_BYTES, card_slug, default_dtype, describe_environment
+from ..device import (GPU_COPY_BYTES, card_slug, datasheet_bandwidth_gb_s, default_dtype,
+                      describe_environment, gpu_clocks)
+from .bench_flex import flex_paged, paged_block_mask, visited_per_owned
 from .bench_report import format_markdown, plot_roofline, stage4_waste
+from .bench_timing import kernel_record, median_ms, sdpa_backend, timing_for
 from .pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
 
-__all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "results_dir", "main"]
+__all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "run_id", "results_dir", "main"]
+
+# FlexAttention's default mask block; what a mask this coarse loads is recorded too.
+FLEX_DEFAULT_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +74,7 @@ class BenchConfig:
     headline: tuple = (64, 4096, 16)       # the issue's goal: batch 64 x 4K context
     copy_bytes: int = GPU_COPY_BYTES   # the GPU tour's environment stage copies the same
     matmul_size: int = 8192
+    graph_max_bytes: int = 2 ** 26     # 64 MiB: ~14 us at 4.8 TB/s, a few Python launches
 
 
 FULL = BenchConfig()
@@ -68,23 +84,12 @@ TOY = BenchConfig(num_heads=4, num_kv_heads=2, head_dim=16, batches=(1, 2), cont
                   headline=(2, 20, 4), copy_bytes=2 ** 20, matmul_size=64)
 
 
-def median_ms(fn, device: torch.device) -> float:
-    """Median milliseconds of fn(): do_bench on a GPU; on CPU (toy mode) one run after a warm-up,
-    since there it only shows that the code runs (the interpreter's speed is not the kernel's)."""
-    if device.type == "cuda":
-        import triton.testing
-        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
-    fn()  # warm-up (the interpreter's first call parses the kernel)
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int) -> float:
     """TFLOP/s of one square matmul: the compute roof of the roofline, measured now."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    return 2 * size ** 3 / (median_ms(lambda: a @ b, device) * 1e9)
+    timing = "do_bench" if device.type == "cuda" else "cpu_once"
+    return 2 * size ** 3 / (median_ms(lambda: a @ b, timing) * 1e9)
 
 
 def make_point(cfg: BenchConfig, batch: int, context: int, block_size: int, layout: str,
@@ -130,40 +135,42 @@ def contiguous_kv(point: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def flex_paged(point: dict, device: torch.device):
-    """FlexAttention over the same token-major pool: a mask of the slots each sequence owns.
+def launch_once(point: dict, device: torch.device) -> dict:
+    """One decode launch of the point's shuffled table, planned as `paged_attention_decode` plans
+    it, to read what ran (`kernel_record`): the binary a Triton launch returns."""
+    from . import paged_attention as pa
 
-    The pool is one long key/value sequence [1, H_kv, num_slots, D] shared by the batch; the
-    mask keeps slot s for sequence b when s's block is in b's table at a position < seq_len.
-    Returns a zero-argument callable, or raises if this torch has no FlexAttention.
-    """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    query = point["query"]
+    cuda = device.type == "cuda" and not pa.INTERPRETED
+    capability = torch.cuda.get_device_capability(device) if cuda else None
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+    launch = pa.plan_decode(query, point["k_cache"], point["v_cache"], point["shuffled"],
+                            point["seq_lens"], torch.empty_like(query), point["context"],
+                            None if cuda else 1, num_sms, capability, layout=point["layout"])
+    kernel = pa._paged_decode_kernel[launch.grid](*launch.args, **launch.constants)
+    return kernel_record(launch, kernel)
 
-    k_cache, table = point["k_cache"], point["shuffled"].long()
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    batch, width = table.shape
-    owner = torch.full((num_blocks,), -1, device=device, dtype=torch.long)
-    rank = torch.zeros(num_blocks, device=device, dtype=torch.long)
-    owner[table.flatten()] = torch.arange(batch, device=device).repeat_interleave(width)
-    rank[table.flatten()] = torch.arange(width, device=device).repeat(batch)
-    seq_lens = point["seq_lens"].long()
 
-    def owned(b, h, q_idx, kv_idx):
-        block = kv_idx // block_size
-        return (owner[block] == b) & (rank[block] * block_size + kv_idx % block_size < seq_lens[b])
-
-    slots = num_blocks * block_size
-    mask = create_block_mask(owned, B=batch, H=None, Q_LEN=1, KV_LEN=slots, device=device)
-    keys = k_cache.view(slots, num_kv_heads, head_dim).transpose(0, 1)[None]
-    values = point["v_cache"].view(slots, num_kv_heads, head_dim).transpose(0, 1)[None]
-    query = point["query"][:, :, None, :]
-    attend = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
-    return lambda: attend(query, keys, values, block_mask=mask, enable_gqa=True)[:, :, 0]
+def time_flex(row: dict, point: dict, kernel, timing: str, device: torch.device) -> None:
+    """FlexAttention's figures into row: its load per owned token under its default 128-slot mask
+    and under the timed mask of the pool's block size, agreement with the kernel, time, ratio."""
+    block_size = point["k_cache"].shape[1]
+    if FLEX_DEFAULT_BLOCK % block_size == 0:
+        coarse = paged_block_mask(point["shuffled"], point["seq_lens"], block_size,
+                                  point["k_cache"].shape[0], FLEX_DEFAULT_BLOCK)
+        row["flex_default_visited_per_owned"] = visited_per_owned(coarse, point["seq_lens"])
+    flex, mask = flex_paged(point, device)
+    row["flex_mask_block"] = mask.BLOCK_SIZE[1]
+    row["flex_visited_per_owned"] = visited_per_owned(mask, point["seq_lens"])
+    row["max_abs_diff_flex"] = (kernel().float() - flex().float()).abs().max().item()
+    row["flex_ms"] = median_ms(flex, timing)
+    row["x_flex"] = row["flex_ms"] / row["ms"]
 
 
 def bench_point(cfg: BenchConfig, batch: int, context: int, block_size: int, dtype, device,
-                copy_gbs: float, with_alternatives: bool = True) -> dict:
-    """Time the kernel (and, if asked, the alternatives) at one point; check it agrees with SDPA."""
+                roofs: dict, with_alternatives: bool = True) -> dict:
+    """Time the kernel (and, if asked, the alternatives) at one point; check it agrees with SDPA.
+    roofs: {"copy": GB/s, "read": GB/s} measured in this run."""
     from .paged_attention import paged_attention_decode
 
     layout = TOKEN_MAJOR
@@ -173,40 +180,44 @@ def bench_point(cfg: BenchConfig, batch: int, context: int, block_size: int, dty
     kernel = lambda: paged_attention_decode(*args, point["shuffled"], point["seq_lens"], **common)
     moved = bytes_moved(point)
     flops = 4 * batch * cfg.num_heads * context * cfg.head_dim  # q.k and p.v, 2 FLOPs per MAC
-    row = dict(batch=batch, context=context, block_size=block_size, bytes=moved, flops=flops)
-    row["ms"] = median_ms(kernel, device)
+    timing = timing_for(device, moved, cfg.graph_max_bytes)
+    row = dict(batch=batch, context=context, block_size=block_size, bytes=moved, flops=flops,
+               timing=timing)
+    row["ms"] = median_ms(kernel, timing)
     row["gb_s"] = moved / (row["ms"] * 1e6)
-    row["pct_of_copy"] = 100 * row["gb_s"] / copy_gbs
+    row["pct_of_read"] = 100 * row["gb_s"] / roofs["read"]
+    row["pct_of_copy"] = 100 * row["gb_s"] / roofs["copy"]
+    row["launch"] = launch_once(point, device)
     identity = lambda: paged_attention_decode(*args, point["identity"], point["seq_lens"], **common)
-    row["paging_overhead"] = row["ms"] / median_ms(identity, device)
+    row["paging_overhead"] = row["ms"] / median_ms(identity, timing)
     if not with_alternatives:
         return row
     keys, values = contiguous_kv(point)
     q4 = point["query"][:, :, None, :]
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values,
                                                                     enable_gqa=True)
+    row["sdpa_backend"] = sdpa_backend(q4, keys, values)
     row["max_abs_diff_vs_sdpa"] = (kernel().float() - sdpa()[:, :, 0].float()).abs().max().item()
-    row["sdpa_ms"] = median_ms(sdpa, device)
+    row["sdpa_ms"] = median_ms(sdpa, timing)
     row["x_sdpa"] = row["sdpa_ms"] / row["ms"]
     if batch * context <= cfg.reference_max_tokens:
         from ..paged import paged_decode_attention
         reference = lambda: paged_decode_attention(point["query"], point["k_cache"],
                                                    point["v_cache"], point["shuffled"].long(),
                                                    point["seq_lens"].long())
-        row["torch_ref_ms"] = median_ms(reference, device)
+        # Its input checks read seq_lens back to the host, which a graph capture cannot hold.
+        row["torch_ref_timing"] = "do_bench" if timing == "cuda_graph" else timing
+        row["torch_ref_ms"] = median_ms(reference, row["torch_ref_timing"])
         row["x_torch_ref"] = row["torch_ref_ms"] / row["ms"]
     if (batch, context) in cfg.flex_points:
         try:
-            flex = flex_paged(point, device)
-            row["max_abs_diff_flex"] = (kernel().float() - flex().float()).abs().max().item()
-            row["flex_ms"] = median_ms(flex, device)
-            row["x_flex"] = row["flex_ms"] / row["ms"]
+            time_flex(row, point, kernel, timing, device)
         except Exception as error:  # an older torch, or a shape FlexAttention refuses
             row["flex_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     return row
 
 
-def layout_study(cfg: BenchConfig, dtype, device, copy_gbs: float) -> list[dict]:
+def layout_study(cfg: BenchConfig, dtype, device, roofs: dict) -> list[dict]:
     """Both layouts x block sizes at cfg.layout_point: GB/s next to stage 4's waste."""
     from .paged_attention import paged_attention_decode
 
@@ -216,19 +227,29 @@ def layout_study(cfg: BenchConfig, dtype, device, copy_gbs: float) -> list[dict]
     for block_size in cfg.layout_block_sizes:
         for layout in LAYOUTS:
             point = make_point(cfg, batch, context, block_size, layout, dtype, device, seed=1)
+            timing = timing_for(device, bytes_moved(point), cfg.graph_max_bytes)
             ms = median_ms(lambda: paged_attention_decode(
                 point["query"], point["k_cache"], point["v_cache"], point["shuffled"],
-                point["seq_lens"], layout=layout, max_seq_len=context, validate=False), device)
+                point["seq_lens"], layout=layout, max_seq_len=context, validate=False), timing)
             gb_s = bytes_moved(point) / (ms * 1e6)
             rows.append(dict(layout=layout, block_size=block_size, ms=ms, gb_s=gb_s,
-                             pct_of_copy=100 * gb_s / copy_gbs, stage4_waste=waste[block_size]))
+                             pct_of_read=100 * gb_s / roofs["read"],
+                             pct_of_copy=100 * gb_s / roofs["copy"],
+                             stage4_waste=waste[block_size]))
             del point
     return rows
 
 
-def results_dir(device: torch.device) -> Path:
-    """results/<card>, relative to the working folder: where a run's files are committed."""
-    return Path("results") / card_slug(device)
+def run_id(when: datetime.datetime | None = None) -> str:
+    """A run's name from its UTC start time (default now): "bench-YYYYMMDD-HHMMSS"."""
+    when = when or datetime.datetime.now(datetime.timezone.utc)
+    return when.astimezone(datetime.timezone.utc).strftime("bench-%Y%m%d-%H%M%S")
+
+
+def results_dir(device: torch.device, run: str | None = None) -> Path:
+    """results/<card>/<run> (`run_id()` by default), relative to the working folder: where a
+    run's files are committed, one folder per run so that none overwrites another."""
+    return Path("results") / card_slug(device) / (run or run_id())
 
 
 def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False,
@@ -241,7 +262,7 @@ def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False,
     env = describe_environment(
         device, "toy (CPU interpreter: timings measure the interpreter)" if toy else "full",
         copy_bytes=cfg.copy_bytes)
-    copy_gbs = env["copy_gb_s"]
+    roofs = dict(copy=env["copy_gb_s"], read=env["read_gb_s"])
     tflops = matmul_tflops(device, dtype, cfg.matmul_size)
     rows = []
     for block_size in cfg.block_sizes:
@@ -249,32 +270,38 @@ def run_benchmark(cfg: BenchConfig, device: torch.device, toy: bool = False,
             for context in cfg.contexts:
                 if batch * context <= cfg.max_tokens:
                     rows.append(bench_point(cfg, batch, context, block_size, dtype, device,
-                                            copy_gbs))
+                                            roofs))
                     if progress is not None:
-                        progress(dict(environment=env, copy_gb_s=copy_gbs, points=rows))
+                        progress(dict(environment=env, copy_gb_s=roofs["copy"],
+                                      read_gb_s=roofs["read"], points=rows))
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    layouts = layout_study(cfg, dtype, device, copy_gbs)
+    layouts = layout_study(cfg, dtype, device, roofs)
     headline = next((r for r in rows if (r["batch"], r["context"], r["block_size"])
                      == cfg.headline), None)
     goal = None
     if headline is not None:
         goal = dict(point=list(cfg.headline), pct_of_copy=headline["pct_of_copy"],
-                    x_sdpa=headline["x_sdpa"], bandwidth_goal_met=headline["pct_of_copy"] >= 85,
+                    pct_of_read=headline["pct_of_read"], x_sdpa=headline["x_sdpa"],
+                    sdpa_backend=headline["sdpa_backend"], launch=headline["launch"],
+                    bandwidth_goal_met=headline["pct_of_copy"] >= 85,
                     sdpa_goal_met=headline["x_sdpa"] >= 1.0)
     # Per token and KV head: 4 * group * head_dim FLOPs (q.k and p.v) over 2 * head_dim elements.
     flops_per_byte = 2 * cfg.num_heads / (cfg.num_kv_heads * torch.finfo(dtype).bits // 8)
     return dict(environment=env, shape=dict(num_heads=cfg.num_heads,
                                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
-                copy_gb_s=copy_gbs, matmul_tflops=tflops, flops_per_kv_byte=flops_per_byte,
-                points=rows, layouts=layouts, goal=goal)
+                copy_gb_s=roofs["copy"], read_gb_s=roofs["read"],
+                datasheet_gb_s=datasheet_bandwidth_gb_s(env["card"]), matmul_tflops=tflops,
+                flops_per_kv_byte=flops_per_byte, points=rows, layouts=layouts, goal=goal,
+                clocks_after=gpu_clocks(device))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--toy", action="store_true", help="tiny grid on the CPU interpreter")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for JSON, Markdown and plot (default results/<card>/)")
+                        help="folder for JSON, Markdown and plot "
+                             "(default results/<card>/bench-<UTC date-time>/)")
     args = parser.parse_args(argv)
     if not args.toy and not torch.cuda.is_available():
         parser.error("no CUDA GPU: the full benchmark needs one (use --toy for the CPU interpreter)")
@@ -287,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     def save_partial(partial: dict) -> None:
         row = partial["points"][-1]
         print(f"batch {row['batch']} x {row['context']} block {row['block_size']}: "
-              f"{row['ms']:.4g} ms, {row['gb_s']:.4g} GB/s ({row['pct_of_copy']:.3g}% of copy)",
+              f"{row['ms']:.4g} ms ({row['timing']}), {row['gb_s']:.4g} GB/s "
+              f"({row['pct_of_read']:.3g}% of read, {row['pct_of_copy']:.3g}% of copy)",
               flush=True)
         (out / "bench_paged_attention.partial.json").write_text(json.dumps(partial, indent=1))
 

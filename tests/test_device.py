@@ -1,9 +1,10 @@
-"""kvlab.device: the dtype per device, the environment record, the copy bandwidth.
+"""kvlab.device: the dtype per device, the environment record, the copy and read bandwidths.
 
 The dtype: fp16 on a T4 (sm_75), bf16 from Ampere on, fp32 on CPU. No GPU exists on CI, so CUDA is
 mocked: what is pinned is the choice made from the capability the card reports, including on a T4,
 where torch.cuda.is_bf16_supported() answers True (emulation). The environment record is checked on
-the CPU and on a mocked H200; the copy bandwidth's formula with a faked clock (no wall-clock assert).
+the CPU and on a mocked H200 (nvidia-smi's driver and clocks faked); the copy and read bandwidths'
+formulas with a faked clock (no wall-clock assert); the datasheet figure by card name.
 """
 
 import json
@@ -13,12 +14,14 @@ import pytest
 import torch
 
 import kvlab.device
-from kvlab.device import copy_bandwidth_gb_s, default_device, default_dtype, describe_environment
+from kvlab.device import (copy_bandwidth_gb_s, datasheet_bandwidth_gb_s, default_device,
+                          default_dtype, describe_environment, gpu_clocks, read_bandwidth_gb_s)
 
 BASE_KEYS = {"date", "mode", "device", "card", "dtype", "python", "torch", "triton", "numpy",
              "cuda", "cpu", "cpu_count", "triton_interpret"}
 GPU_KEYS = {"total_memory_bytes", "free_bytes", "total_bytes", "compute_capability",
-            "multiprocessors", "driver"}
+            "multiprocessors", "driver", "clocks"}
+BANDWIDTH_KEYS = {"copy_bytes", "copy_gb_s", "read_gb_s"}
 
 
 @pytest.fixture
@@ -88,12 +91,38 @@ def test_copy_bandwidth_refuses_empty_copies(num_bytes, repeats):
         copy_bandwidth_gb_s("cpu", num_bytes, repeats)
 
 
+def test_read_bandwidth_counts_the_bytes_read_once(monkeypatch):
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(kvlab.device, "perf_counter", lambda: next(ticks) * 2**-10)
+    # 2**20 bytes read per sum (nothing written counted), each sum 2**-10 s: 2**30 B/s, half the
+    # copy's figure for the same bytes and time.
+    assert read_bandwidth_gb_s("cpu", 2**20, repeats=5) == pytest.approx(2**30 / 1e9)
+    assert read_bandwidth_gb_s("cpu", 1 << 16, repeats=3) > 0  # and it runs
+    assert read_bandwidth_gb_s("cpu", 1, repeats=1) > 0  # one float, 4 bytes
+
+
+@pytest.mark.parametrize("num_bytes, repeats", [(0, 20), (1024, 0)])
+def test_read_bandwidth_refuses_empty_reads(num_bytes, repeats):
+    with pytest.raises(ValueError, match=f"num_bytes={num_bytes}, repeats={repeats}"):
+        read_bandwidth_gb_s("cpu", num_bytes, repeats)
+
+
+@pytest.mark.parametrize("card, gb_s", [
+    ("NVIDIA H200", 4800), ("NVIDIA H100 80GB HBM3", 3350), ("NVIDIA A100-SXM4-80GB", 2039),
+    ("NVIDIA A100-PCIE-40GB", 1555), ("NVIDIA L4", 300),
+    # Not in the cost model's presets, or another part of a listed chip: no figure, not a wrong one.
+    ("NVIDIA H100 PCIe", None), ("NVIDIA L40S", None), ("Tesla T4", None), ("x86_64", None),
+])
+def test_datasheet_bandwidth_by_card_name(card, gb_s):
+    assert datasheet_bandwidth_gb_s(card) == (None if gb_s is None else pytest.approx(gb_s))
+
+
 def test_environment_record_on_the_cpu():
     info = describe_environment("cpu", "a test", copy_bytes=1 << 16)
-    assert set(info) == BASE_KEYS | {"copy_bytes", "copy_gb_s"}
+    assert set(info) == BASE_KEYS | BANDWIDTH_KEYS
     assert (info["mode"], info["device"], info["dtype"]) == ("a test", "cpu", "float32")
     assert info["torch"] == torch.__version__ and info["cuda"] == torch.version.cuda
-    assert info["copy_bytes"] == 1 << 16 and info["copy_gb_s"] > 0
+    assert info["copy_bytes"] == 1 << 16 and info["copy_gb_s"] > 0 and info["read_gb_s"] > 0
     assert json.loads(json.dumps(info)) == info  # JSON-ready as it is
     assert set(describe_environment("cpu", "no copy")) == BASE_KEYS  # copy only when asked
 
@@ -110,7 +139,9 @@ def test_environment_record_on_a_mocked_h200(fake_gpu, monkeypatch):
 
     def nvidia_smi(argv, **kwargs):
         asked.append(argv)
-        return types.SimpleNamespace(returncode=0, stdout="575.57.08\n")
+        answer = ("575.57.08" if argv[3] == "--query-gpu=driver_version"
+                  else "1980, 3201, 1980, 3201, P0, 121.37, [N/A]")
+        return types.SimpleNamespace(returncode=0, stdout=answer + "\n")
 
     monkeypatch.setattr(kvlab.device.subprocess, "run", nvidia_smi)
     info = describe_environment("cuda", "GPU tour")
@@ -120,5 +151,18 @@ def test_environment_record_on_a_mocked_h200(fake_gpu, monkeypatch):
     assert (info["multiprocessors"], info["driver"]) == (132, "575.57.08")
     assert (info["free_bytes"], info["total_bytes"]) == (10 * 2**30, 140 * 2**30)
     assert info["total_memory_bytes"] == props.total_memory
-    assert asked == [["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]]
+    clocks = dict(sm_mhz=1980, memory_mhz=3201, max_sm_mhz=1980, max_memory_mhz=3201,
+                  pstate="P0", power_w=121.37, temperature_c=None)
+    assert info["clocks"] == clocks and gpu_clocks("cuda") == clocks
+    assert asked[0] == ["nvidia-smi", "-i", "0", "--query-gpu=driver_version",
+                        "--format=csv,noheader,nounits"]
+    assert asked[1][3] == ("--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,"
+                           "pstate,power.draw,temperature.gpu")
     assert kvlab.device.card_slug("cuda") == "NVIDIA-H200"
+
+
+def test_no_clocks_on_a_cpu_or_without_nvidia_smi(fake_gpu, monkeypatch):
+    assert gpu_clocks("cpu") is None
+    fake_gpu((9, 0))
+    monkeypatch.setattr(kvlab.device.shutil, "which", lambda name: None)
+    assert gpu_clocks("cuda") is None

@@ -205,6 +205,14 @@ def test_transformers_generate_gives_kvlab_s_tokens(tiny, tmp_path):
     assert got["tokens_per_s"] > 0 and got["engine"] == "transformers"
 
 
+def test_transformers_missing_names_the_install_line(tiny, monkeypatch):
+    from kvlab.vllm_compare.transformers_side import run_transformers
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "transformers>=4.45"'):
+        run_transformers("unused", chat_workload(tiny[1], None, num_chats=1, max_tokens=1), 1)
+
+
 def test_cli_prints_the_transformers_line_when_asked(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))  # the tiny model's export goes here
     code, out, _ = run(capsys, "compare-vllm", "--model", "tiny", "--num-requests", "2",

@@ -110,6 +110,8 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
 
 def _baseline(baseline: dict, reference: dict, whose: str) -> str:
     """transformers' line: its speed and how many requests match the reference's tokens."""
+    if "error" in baseline:
+        return f"transformers generate: not run: {baseline['error']}"
     outputs = reference["outputs"]
     same = sum(a == b for a, b in zip(baseline["outputs"], outputs))
     return (f"transformers {baseline['version']} generate (one static batch, left-padded): "

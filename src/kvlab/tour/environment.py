@@ -42,13 +42,15 @@ def format_environment(info: dict) -> str:
                  ("free / total (torch.cuda.mem_get_info)",
                   f"{info['free_bytes']:,} / {info['total_bytes']:,} B"),
                  ("compute capability", info["compute_capability"]),
-                 ("multiprocessors", info["multiprocessors"]), ("driver", info["driver"])]
+                 ("multiprocessors", info["multiprocessors"]), ("driver", info["driver"]),
+                 ("clocks (nvidia-smi)", info["clocks"])]
     rows += [("python / torch / triton / numpy / CUDA",
               f"{info['python']} / {info['torch']} / {info['triton']} / {info['numpy']} / "
               f"{info['cuda']}"),
              ("cpu", f"{info['cpu']} ({info['cpu_count']} logical cores)"),
              ("copy bandwidth (read + write, median)",
-              f"{info['copy_gb_s']:,.1f} GB/s over {info['copy_bytes']:,} B")]
+              f"{info['copy_gb_s']:,.1f} GB/s over {info['copy_bytes']:,} B"),
+             ("read bandwidth (a sum, bytes read, median)", f"{info['read_gb_s']:,.1f} GB/s")]
     lines = ["# Environment", "", "| what | value |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in rows]
     if info["device"] == "cpu":

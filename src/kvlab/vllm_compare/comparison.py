@@ -32,7 +32,7 @@ class Comparison:
     vllm: dict | None
     vllm_error: str | None
     rows: list[Row]
-    transformers: dict | None = None  # transformers' generate on the same batch, if asked
+    transformers: dict | None = None  # transformers' generate on the batch, if asked ("error")
 
     def to_json(self) -> dict:
         return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -116,5 +116,8 @@ def run_comparison(model_name: str, workload_name: str, settings: EngineSettings
     if with_transformers:
         from .transformers_side import run_transformers
 
-        baseline = run_transformers(hf_folder(), workload, settings.threads)
+        try:
+            baseline = run_transformers(hf_folder(), workload, settings.threads)
+        except ImportError as missing:
+            baseline = {"error": str(missing)}
     return Comparison(workload, settings, kvlab_result, vllm_result, error, rows, baseline)

@@ -32,10 +32,15 @@ def run_transformers(folder: str | Path, workload: Workload, threads: int,
     "duration_s", "version", "torch_threads"}; tokens/s counts each request's own tokens.
 
     Raises:
-        ImportError: transformers is not installed (`pip install -e ".[test]"` has it).
+        ImportError: transformers is not installed, with the line that installs it.
     """
     import torch
-    import transformers
+
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("transformers is not installed: pip install \"transformers>=4.45\" "
+                          "(kvlab's [test] extras have it)") from None
 
     torch.set_num_threads(threads)
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -16,7 +16,8 @@ clock's job, and this module measures how well it does it:
   `cpu_clock.fit_cpu_clock` can fit a clock to vLLM's own run: fitted to vLLM's other runs, it
   says how much of the error is the clock's numbers rather than the cost model's form.
 
-`python -m kvlab.calibration.against_vllm` prints the tables of docs/cpu_clock.md.
+`python -m kvlab.calibration.against_vllm [--clock-file F]` prints the tables of docs/cpu_clock.md
+(sections 2 and 3) for one stored clock, from the runs in results/cpu-vllm/cpu_clock_runs/.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ scheduler and cost model at that configuration; `fit` chooses the factors that m
 of squared log(predicted / published), a card's efficiencies pulled towards the shared one (a
 log-normal prior of 25 %, so a card with one measurement does not fit it exactly). Under an open
 workload the schedule depends on the clock, so the fit alternates: replay at the current factors,
-recording every step's bytes and FLOPs; fit on those steps (Gauss-Newton with a numerical
-Jacobian, numpy only); replay again. `residuals` reports the fit's error per measurement, which
-every simulated table quotes as its error band.
+recording every step's bytes and FLOPs; fit on those steps (`levenberg_marquardt`: Gauss-Newton
+with a numerical Jacobian, numpy only); replay again. `residuals` reports the fit's error per
+measurement, which every simulated table quotes as its error band.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import functools
 import importlib.resources
 import json
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from ..serving.scheduler import SchedulerConfig
 
 __all__ = ["Measurement", "Factors", "Residual", "load_measurements", "stored_factors",
            "clock_cost_model", "predict", "residuals", "fit", "error_band", "clock_note",
-           "CLOCKS", "ROOFLINE"]
+           "levenberg_marquardt", "CLOCKS", "ROOFLINE"]
 
 CLOCKS = ("roofline", "calibrated")
 DATA_FILE = "calibration.json"
@@ -324,20 +324,23 @@ def _objective(theta, recordings, cards) -> np.ndarray:
     return np.concatenate((errors, theta[2:-2] / PRIOR_SIGMA))
 
 
-def _gauss_newton(theta, recordings, cards, iterations=30):
+def levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], theta: np.ndarray,
+                        iterations: int = 30) -> np.ndarray:
+    """The parameters near `theta` that minimise sum(residuals(theta) ** 2): Gauss-Newton steps
+    with a numerical Jacobian, damped until each step lowers the cost (numpy only)."""
     lam = 1e-3
-    cost = np.sum(_objective(theta, recordings, cards) ** 2)
+    cost = np.sum(residuals(theta) ** 2)
     for _ in range(iterations):
-        r = _objective(theta, recordings, cards)
+        r = residuals(theta)
         jac = np.empty((len(r), len(theta)))
         for j in range(len(theta)):
             step = np.zeros_like(theta)
             step[j] = 1e-5
-            jac[:, j] = (_objective(theta + step, recordings, cards) - r) / 1e-5
+            jac[:, j] = (residuals(theta + step) - r) / 1e-5
         while True:  # Levenberg-Marquardt: damp until the step lowers the cost
             a = jac.T @ jac
             delta = np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-9), -jac.T @ r)
-            new = np.sum(_objective(theta + delta, recordings, cards) ** 2)
+            new = np.sum(residuals(theta + delta) ** 2)
             if new < cost:
                 theta, cost, lam = theta + delta, new, lam / 3
                 break
@@ -358,7 +361,7 @@ def fit(measurements: Sequence[Measurement] | None = None, rounds: int = 3) -> F
     factors = ROOFLINE
     for _ in range(rounds):
         recordings = [_record(m, factors) for m in measurements]
-        theta = _gauss_newton(theta, recordings, cards)
+        theta = levenberg_marquardt(lambda t: _objective(t, recordings, cards), theta)
         factors = _unpack(theta, cards)
     return factors
 

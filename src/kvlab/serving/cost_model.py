@@ -175,7 +175,8 @@ class CostModel:
                  + self.flops_per_pair * attention_pairs)
         return moved, flops
 
-    def step_sizes(self, scheduled) -> tuple[int, int, int]:
+    @staticmethod
+    def step_sizes(scheduled) -> tuple[int, int, int]:
         """(tokens computed, cached tokens read, attention pairs) of a `SchedulerOutput.scheduled`
         list, before `update` (progress unchanged).
 

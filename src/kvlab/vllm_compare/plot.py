@@ -5,14 +5,27 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-__all__ = ["plot_steps"]
+__all__ = ["plot_steps", "steps_figure"]
 
 
 def plot_steps(kvlab: dict, vllm: dict, path: str | Path, title: str = "") -> Path:
-    """Save a two-panel figure (running, waiting per step; one line per engine) to `path`."""
+    """Save `steps_figure` to `path` (no display needed: the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = steps_figure(kvlab, vllm, title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def steps_figure(kvlab: dict, vllm: dict, title: str = ""):
+    """A two-panel matplotlib figure: running, then waiting requests per step, one line per
+    engine (a notebook shows it inline)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
@@ -29,8 +42,4 @@ def plot_steps(kvlab: dict, vllm: dict, path: str | Path, title: str = "") -> Pa
     if title:
         axes[0].set_title(textwrap.fill(title, 110), fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

@@ -85,7 +85,10 @@ class FreeBlockQueue:
         if self._length == 0:
             raise IndexError("popleft from an empty free block queue")
         block = self._head.next_free
-        self.remove(block)
+        self._head.next_free = block.next_free
+        block.next_free.prev_free = self._head
+        block.prev_free = block.next_free = None
+        self._length -= 1
         return block
 
     def append(self, block: Block) -> None:
@@ -94,7 +97,7 @@ class FreeBlockQueue:
         Raises:
             ValueError: the block is already in the queue (a double free).
         """
-        if block in self:
+        if block.prev_free is not None:  # `block in self`, written out: it runs for every free
             raise ValueError(f"block {block.block_id} is already in the free block queue")
         last = self._tail.prev_free
         block.prev_free, block.next_free = last, self._tail
@@ -108,7 +111,7 @@ class FreeBlockQueue:
         Raises:
             ValueError: the block is not in the queue.
         """
-        if block not in self:
+        if block.prev_free is None:  # `block not in self`
             raise ValueError(f"block {block.block_id} is not in the free block queue")
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free

@@ -197,8 +197,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         if new_blocks is None:
             return None
         tokens = self._tokens[rid]
-        if table.num_tokens > len(tokens):  # record the ids of tokens it had not seen yet
-            tokens.extend(trace_blocks.token_ids(request, len(tokens), table.num_tokens))
+        if table.num_tokens > len(tokens):  # record the tokens it had not seen yet
+            tokens.extend_to(request, table.num_tokens)
         if table.num_tokens // self.block_size > len(self._chains[rid]):
             self._cache_full_blocks(request)
         return new_blocks
@@ -236,13 +236,18 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         table, tokens = self.tables[rid], self._tokens[rid]
         chain, extra_keys = self._chains[rid], self._extra_keys[rid]
         size, hashes, cache = self.block_size, self._hashes(request), self.prefix_cache
+        block_ids, hash_fn = table.block_ids, self.hash_fn
         for index in range(len(chain), table.num_tokens // size):
             content = tokens.block(index, size)
-            block_hash = self._block_hash(hashes, index, tokens, content, extra_keys)
-            block_id = table.block_ids[index]
+            if index < len(hashes):  # `_block_hash`, written out: it runs for every block
+                block_hash = hashes[index]
+            else:
+                block_hash = tokens.block_hash(hashes[index - 1] if index else None, content,
+                                               extra_keys, hash_fn)
+                hashes.append(block_hash)
             # A full block is never written again, so an existing entry of it is still right.
-            entry = cache.entry(block_id) or cache.insert(block_id, block_hash, content,
-                                                          extra_keys, chain[-1] if chain else None)
+            entry = cache.entry(block_ids[index]) or cache.insert(
+                block_ids[index], block_hash, content, extra_keys, chain[-1] if chain else None)
             chain.append(entry)
 
     def fork(self, parent, child) -> None:

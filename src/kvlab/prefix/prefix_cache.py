@@ -157,11 +157,13 @@ class CachingBlockPool(BlockPool):
         self.cache = cache
         self.num_evictions = 0
 
-    def _before_reuse(self, block: Block) -> None:
-        """`allocate` (least recently used first) reuses a free block: a block still cached loses
+    def _before_reuse(self, blocks: list[Block]) -> None:
+        """`allocate` (least recently used first) reuses free blocks: a block still cached loses
         its entry here, before anyone can write other tokens' K/V into it."""
-        if self.cache.drop(block.block_id):
-            self.num_evictions += 1
+        drop = self.cache.drop
+        for block in blocks:
+            if drop(block.block_id):
+                self.num_evictions += 1
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A cache hit takes these blocks (see `BlockPool.touch`).

@@ -33,13 +33,6 @@ class BlockTokens(abc.ABC):
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append tokens (a decode step's output)."""
 
-    def extend_to(self, request, num_tokens: int) -> None:
-        """Append the request's tokens len(self) .. num_tokens - 1, read with
-        `trace_blocks.token_ids` (its ids, or simulation's stand-ins)."""
-        from .trace_blocks import token_ids  # trace_blocks builds on this module
-
-        self.extend(token_ids(request, len(self), num_tokens))
-
     @abc.abstractmethod
     def copy(self) -> "BlockTokens":
         """An independent copy (a fork, or the manager's own record of a caller's sequence)."""

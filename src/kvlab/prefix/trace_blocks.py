@@ -117,15 +117,6 @@ class TraceBlocks(BlockTokens):
                              f"{list(token_ids)[:8]} at token {self.num_tokens}")
         self.num_tokens += len(token_ids)
 
-    def extend_to(self, request, num_tokens: int) -> None:
-        """Append the request's tokens up to num_tokens: outputs, described by their count (a
-        `TraceBlocks` is read after the whole prompt; ValueError otherwise)."""
-        if len(self) < self.prompt_len or num_tokens < len(self):
-            raise ValueError(f"a simulated request grows by output tokens after its "
-                             f"{self.prompt_len}-token prompt; asked to go from {len(self)} to "
-                             f"{num_tokens} tokens")
-        self.num_tokens = num_tokens
-
     def copy(self) -> "TraceBlocks":
         return copy.copy(self)
 

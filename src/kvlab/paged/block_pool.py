@@ -69,8 +69,7 @@ class BlockPool:
         if count > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {count} blocks, only {self.num_free_blocks} of "
                                     f"{self.num_blocks} are free")
-        popleft = self.free_queue.popleft
-        taken = [popleft() for _ in range(count)]
+        taken = self.free_queue.popleft_many(count)
         self._before_reuse(taken)
         for block in taken:
             block.ref_count = 1

@@ -91,6 +91,22 @@ class FreeBlockQueue:
         self._length -= 1
         return block
 
+    def popleft_many(self, count: int) -> list[Block]:
+        """Take `count` blocks from the head, in order (IndexError, taking none, if fewer)."""
+        if count > self._length:
+            raise IndexError(f"popleft of {count} blocks from a free block queue of "
+                             f"{self._length}")
+        taken = []
+        head, block = self._head, self._head.next_free
+        for _ in range(count):
+            taken.append(block)
+            block.prev_free, block = None, block.next_free
+        for unlinked in taken:
+            unlinked.next_free = None
+        head.next_free, block.prev_free = block, head
+        self._length -= count
+        return taken
+
     def append(self, block: Block) -> None:
         """Put a block at the tail (it will be reused last).
 

@@ -85,10 +85,7 @@ class FreeBlockQueue:
         if self._length == 0:
             raise IndexError("popleft from an empty free block queue")
         block = self._head.next_free
-        self._head.next_free = block.next_free
-        block.next_free.prev_free = self._head
-        block.prev_free = block.next_free = None
-        self._length -= 1
+        self.remove(block)
         return block
 
     def popleft_many(self, count: int) -> list[Block]:

@@ -232,7 +232,9 @@ class Scheduler:
                 family = [request] + self._fork(request)
             elif sampled is None and request.first_token_s is not None and (
                     request.num_output_tokens + 1 < request.max_output_tokens):
-                request.num_output_tokens += 1  # simulation's usual decode token, written out
+                # Simulation's usual decode token: `_record_token` written out (no id to keep,
+                # not the first token, not the last).
+                request.num_output_tokens += 1
                 continue
             else:
                 family = [request]

@@ -234,18 +234,19 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             tokens.extend(trace_blocks.token_ids(request, len(tokens), table.num_tokens))
         chain, extra_keys = self._chains[rid], self._extra_keys[rid]
         size, hashes, cache = self.block_size, self._hashes(request), self.prefix_cache
-        block_ids, hash_fn = table.block_ids, self.hash_fn
-        for index in range(len(chain), table.num_tokens // size):
-            content = tokens.block(index, size)
-            if index < len(hashes):  # `_block_hash`, written out: it runs for every block
-                block_hash = hashes[index]
-            else:
-                block_hash = tokens.block_hash(hashes[index - 1] if index else None, content,
-                                               extra_keys, hash_fn)
-                hashes.append(block_hash)
+        start, stop = len(chain), table.num_tokens // size
+        contents = tokens.blocks(start, stop, size)
+        # Blocks are hashed in order, and every block of the chain was hashed before it was
+        # found or cached, so the hashes missing are those of some of these blocks.
+        if len(hashes) < stop:
+            hashes += tokens.chain_hashes(hashes[-1] if hashes else None,
+                                          contents[len(hashes) - start:], extra_keys, self.hash_fn)
+        for index in range(start, stop):
+            block_id = table.block_ids[index]
             # A full block is never written again, so an existing entry of it is still right.
-            entry = cache.entry(block_ids[index]) or cache.insert(
-                block_ids[index], block_hash, content, extra_keys, chain[-1] if chain else None)
+            entry = cache.entry(block_id) or cache.insert(
+                block_id, hashes[index], contents[index - start], extra_keys,
+                chain[-1] if chain else None)
             chain.append(entry)
 
     def fork(self, parent, child) -> None:

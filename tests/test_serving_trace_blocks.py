@@ -131,14 +131,14 @@ def test_replay_makes_the_decisions_of_per_token_stand_in_ids(monkeypatch, shrin
 
 
 def test_simulation_retries_the_queue_head_without_rehashing(monkeypatch):
-    calls = []
-    hash_block = TraceBlocks.block_hash
+    calls = []  # one entry per block hashed (block_hash hashes through chain_hashes)
+    chain_hashes = TraceBlocks.chain_hashes
 
-    def counting(self, *args):
-        calls.append(args)
-        return hash_block(self, *args)
+    def counting(self, parent_hash, contents, *args):
+        calls.extend(contents)
+        return chain_hashes(self, parent_hash, contents, *args)
 
-    monkeypatch.setattr(TraceBlocks, "block_hash", counting)
+    monkeypatch.setattr(TraceBlocks, "chain_hashes", counting)
     kv = PrefixCachingKVCacheManager(7, 16, 112)
 
     def admit(request):  # the scheduler's admission; -> tokens found cached, or None

@@ -64,21 +64,20 @@ class BlockPool:
             NoFreeBlocksError: fewer than `count` free blocks. Checked before anything is taken,
                 so a failed allocation leaves the pool exactly as it was.
         """
-        count = check_int("count", count, 0)
+        if type(count) is not int or count < 0:
+            count = check_int("count", count, 0)
         if count > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {count} blocks, only {self.num_free_blocks} of "
                                     f"{self.num_blocks} are free")
-        taken = []
-        for _ in range(count):
-            block = self.free_queue.popleft()
-            self._before_reuse(block)
+        taken = self.free_queue.popleft_many(count)
+        self._before_reuse(taken)
+        for block in taken:
             block.ref_count = 1
-            taken.append(block.block_id)
-        return taken
+        return [block.block_id for block in taken]
 
-    def _before_reuse(self, block: Block) -> None:
-        """Called for each free block `allocate` hands out, before anyone can write to it. The
-        plain pool has nothing to forget; stage 6's `CachingBlockPool` drops the block's hash."""
+    def _before_reuse(self, blocks: list[Block]) -> None:
+        """Called with the free blocks `allocate` hands out, before anyone can write to them. The
+        plain pool has nothing to forget; stage 6's `CachingBlockPool` drops their hashes."""
 
     def share(self, block_id: int) -> None:
         """One more block table holds this block (a fork): ref count + 1, no data is copied.
@@ -113,13 +112,27 @@ class BlockPool:
             ValueError: a block id out of range, or a block released more times than it is held
                 (a double free). Checked for every id before any is released, so nothing changes.
         """
-        block_ids = [check_index("block_id", block_id, self.num_blocks) for block_id in block_ids]
-        for block_id, times in collections.Counter(block_ids).items():
-            if times > self.blocks[block_id].ref_count:
-                raise ValueError(f"block {block_id} is released {times} time(s) but held by "
-                                 f"{self.blocks[block_id].ref_count} block table(s) (double free)")
-        for block_id in block_ids:
-            block = self.blocks[block_id]
+        block_ids = list(block_ids)
+        if block_ids and (set(map(type, block_ids)) != {int} or min(block_ids) < 0
+                          or max(block_ids) >= self.num_blocks):  # C-speed test of the usual call
+            block_ids = [check_index("block_id", block_id, self.num_blocks)
+                         for block_id in block_ids]
+        held = [self.blocks[block_id] for block_id in block_ids]
+        if len(set(block_ids)) < len(block_ids):  # one block released several times at once
+            for block_id, times in collections.Counter(block_ids).items():
+                self._check_held(block_id, times)
+        else:
+            for block in held:
+                if block.ref_count == 0:
+                    self._check_held(block.block_id, 1)
+        append = self.free_queue.append
+        for block in held:
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue.append(block)
+                append(block)
+
+    def _check_held(self, block_id: int, times: int) -> None:
+        """ValueError unless the block is held at least `times` times (a double free)."""
+        if times > self.blocks[block_id].ref_count:
+            raise ValueError(f"block {block_id} is released {times} time(s) but held by "
+                             f"{self.blocks[block_id].ref_count} block table(s) (double free)")

@@ -88,13 +88,29 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_many(self, count: int) -> list[Block]:
+        """Take `count` blocks from the head, in order (IndexError, taking none, if fewer)."""
+        if count > self._length:
+            raise IndexError(f"popleft of {count} blocks from a free block queue of "
+                             f"{self._length}")
+        taken = []
+        head, block = self._head, self._head.next_free
+        for _ in range(count):
+            taken.append(block)
+            block.prev_free, block = None, block.next_free
+        for unlinked in taken:
+            unlinked.next_free = None
+        head.next_free, block.prev_free = block, head
+        self._length -= count
+        return taken
+
     def append(self, block: Block) -> None:
         """Put a block at the tail (it will be reused last).
 
         Raises:
             ValueError: the block is already in the queue (a double free).
         """
-        if block in self:
+        if block.prev_free is not None:  # `block in self`, written out: it runs for every free
             raise ValueError(f"block {block.block_id} is already in the free block queue")
         last = self._tail.prev_free
         block.prev_free, block.next_free = last, self._tail
@@ -108,7 +124,7 @@ class FreeBlockQueue:
         Raises:
             ValueError: the block is not in the queue.
         """
-        if block not in self:
+        if block.prev_free is None:  # `block not in self`
             raise ValueError(f"block {block.block_id} is not in the free block queue")
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free

@@ -29,6 +29,10 @@ class BlockTokens(abc.ABC):
     def block(self, index: int, block_size: int) -> tuple:
         """Full block `index`'s content: equal exactly where two sequences' tokens are."""
 
+    def blocks(self, start: int, stop: int, block_size: int) -> list[tuple]:
+        """`block` of each of blocks start .. stop - 1."""
+        return [self.block(index, block_size) for index in range(start, stop)]
+
     @abc.abstractmethod
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append tokens (a decode step's output)."""
@@ -41,6 +45,15 @@ class BlockTokens(abc.ABC):
                    extra_keys: tuple[Hashable, ...], hash_fn: HashFunction) -> Hashable:
         """Chained hash of a block of this content (`hash_block`)."""
         return hash_block(parent_hash, content, extra_keys, hash_fn)
+
+    def chain_hashes(self, parent_hash: Hashable | None, contents: list[tuple],
+                     extra_keys: tuple[Hashable, ...], hash_fn: HashFunction) -> list[Hashable]:
+        """`block_hash` of consecutive blocks, each the parent of the next."""
+        hashes = []
+        for content in contents:
+            parent_hash = self.block_hash(parent_hash, content, extra_keys, hash_fn)
+            hashes.append(parent_hash)
+        return hashes
 
 
 class TokenIds(BlockTokens):

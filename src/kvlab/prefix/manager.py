@@ -10,7 +10,8 @@
   prompt cached whole would otherwise have nothing to run. vLLM v1 caps at n - 1 tokens the same
   way; with whole-block hits that is at most (n - 1) // block_size blocks.
 * `allocate_slots` caches every block it fills (at admission, or later in decode): the block is
-  hashed and entered, so a later request can hit it. Blocks are cached when their slots are
+  hashed and entered, so a later request can hit it. (Only full blocks are read, so the
+  manager's record of a request's tokens catches up when a block fills, not at every token.) Blocks are cached when their slots are
   reserved, as vLLM v1 does, so a request admitted later in the same step may hit a block whose
   K/V that step's forward pass has not written yet. The rule that makes this correct: a block is
   readable from the pass that writes it on; the model runner keeps it by writing the K/V of every
@@ -194,13 +195,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                                new_computed_blocks, full_sequence_must_fit)
         new_blocks = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
                                             new_computed_blocks)
-        if new_blocks is None:
-            return None
-        tokens = self._tokens[rid]
-        if table.num_tokens > len(tokens):  # record the ids of tokens it had not seen yet
-            tokens.extend(trace_blocks.token_ids(request, len(tokens), table.num_tokens))
-        if table.num_tokens // self.block_size > len(self._chains[rid]):
-            self._cache_full_blocks(request)
+        if new_blocks is not None and table.num_tokens // self.block_size > len(self._chains[rid]):
+            self._cache_full_blocks(request)  # it filled a block
         return new_blocks
 
     def _admit(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -234,15 +230,23 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         """Give every full block of the request not yet in its chain a hash and a cache entry."""
         rid = request.request_id
         table, tokens = self.tables[rid], self._tokens[rid]
+        if table.num_tokens > len(tokens):  # record the ids of tokens it had not seen yet
+            tokens.extend(trace_blocks.token_ids(request, len(tokens), table.num_tokens))
         chain, extra_keys = self._chains[rid], self._extra_keys[rid]
         size, hashes, cache = self.block_size, self._hashes(request), self.prefix_cache
-        for index in range(len(chain), table.num_tokens // size):
-            content = tokens.block(index, size)
-            block_hash = self._block_hash(hashes, index, tokens, content, extra_keys)
+        start, stop = len(chain), table.num_tokens // size
+        contents = tokens.blocks(start, stop, size)
+        # Blocks are hashed in order, and every block of the chain was hashed before it was
+        # found or cached, so the hashes missing are those of some of these blocks.
+        if len(hashes) < stop:
+            hashes += tokens.chain_hashes(hashes[-1] if hashes else None,
+                                          contents[len(hashes) - start:], extra_keys, self.hash_fn)
+        for index in range(start, stop):
             block_id = table.block_ids[index]
             # A full block is never written again, so an existing entry of it is still right.
-            entry = cache.entry(block_id) or cache.insert(block_id, block_hash, content,
-                                                          extra_keys, chain[-1] if chain else None)
+            entry = cache.entry(block_id) or cache.insert(
+                block_id, hashes[index], contents[index - start], extra_keys,
+                chain[-1] if chain else None)
             chain.append(entry)
 
     def fork(self, parent, child) -> None:

@@ -125,20 +125,31 @@ class PrefixCache:
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already cached")
         entry = CachedBlock(block_id, block_hash, tuple(token_ids), tuple(extra_keys), parent)
-        self._by_hash.setdefault(block_hash, {})[block_id] = entry
+        same_hash = self._by_hash.get(block_hash)
+        if same_hash is None:
+            self._by_hash[block_hash] = {block_id: entry}
+        else:
+            same_hash[block_id] = entry
         self._by_block[block_id] = entry
         return entry
 
     def drop(self, block_id: int) -> bool:
         """Forget a block's entry (it is about to hold other tokens). Returns whether it had one."""
-        entry = self._by_block.pop(block_id, None)
-        if entry is None:
-            return False
-        same_hash = self._by_hash[entry.block_hash]
-        del same_hash[block_id]
-        if not same_hash:
-            del self._by_hash[entry.block_hash]
-        return True
+        return self.drop_all([block_id]) == 1
+
+    def drop_all(self, block_ids: Iterable[int]) -> int:
+        """`drop` each block (one call for a whole allocation); returns how many had an entry."""
+        by_block, by_hash, dropped = self._by_block, self._by_hash, 0
+        for block_id in block_ids:
+            entry = by_block.pop(block_id, None)
+            if entry is None:
+                continue
+            same_hash = by_hash[entry.block_hash]
+            del same_hash[block_id]
+            if not same_hash:
+                del by_hash[entry.block_hash]
+            dropped += 1
+        return dropped
 
 
 class CachingBlockPool(BlockPool):
@@ -157,11 +168,10 @@ class CachingBlockPool(BlockPool):
         self.cache = cache
         self.num_evictions = 0
 
-    def _before_reuse(self, block: Block) -> None:
-        """`allocate` (least recently used first) reuses a free block: a block still cached loses
+    def _before_reuse(self, blocks: list[Block]) -> None:
+        """`allocate` (least recently used first) reuses free blocks: a block still cached loses
         its entry here, before anyone can write other tokens' K/V into it."""
-        if self.cache.drop(block.block_id):
-            self.num_evictions += 1
+        self.num_evictions += self.cache.drop_all([block.block_id for block in blocks])
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A cache hit takes these blocks (see `BlockPool.touch`).

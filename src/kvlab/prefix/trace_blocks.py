@@ -78,12 +78,25 @@ class TraceBlocks(BlockTokens):
 
     def block(self, index: int, block_size: int) -> tuple[int, ...]:
         """Runs of the stand-in ids of block `index`: (first id, length, first id, length, ...)."""
-        start, end = index * block_size, (index + 1) * block_size
+        return self.blocks(index, index + 1, block_size)[0]
+
+    def blocks(self, start: int, stop: int, block_size: int) -> list[tuple[int, ...]]:
+        """`block` of each of blocks start .. stop - 1 (one call for all the blocks a step fills)."""
+        size, named_end, trace_ids = self.trace_block_size, self.named_end, self.trace_ids
+        contents = []
+        for index in range(start, stop):
+            first, end = index * block_size, (index + 1) * block_size
+            if end <= named_end and first // size == (end - 1) // size:  # the usual case
+                contents.append((trace_ids[first // size] * size + first % size, block_size))
+            elif first >= named_end:  # outputs, and prompts the trace names no block of (Azure)
+                contents.append((self.own_id, block_size))
+            else:
+                contents.append(self._runs(first, end))
+        return contents
+
+    def _runs(self, start: int, end: int) -> tuple[int, ...]:
+        """The maximal runs of tokens start .. end - 1, across trace blocks and into the own id."""
         size = self.trace_block_size
-        if end <= self.named_end and start // size == (end - 1) // size:  # the usual case
-            return (self.trace_ids[start // size] * size + start % size, block_size)
-        if start >= self.named_end:  # outputs, and prompts the trace names no block of (Azure)
-            return (self.own_id, block_size)
         runs: list[int] = []
         position = start
         while position < min(end, self.named_end):
@@ -103,7 +116,16 @@ class TraceBlocks(BlockTokens):
                    extra_keys: tuple[Hashable, ...], hash_fn=None) -> int:
         """Python's hash of (parent hash, content, extra keys); `hash_fn` is not used (see the
         module docstring for why a 64-bit hash is enough here)."""
-        return hash((parent_hash, content, extra_keys))
+        return self.chain_hashes(parent_hash, [content], extra_keys)[0]
+
+    def chain_hashes(self, parent_hash: Hashable | None, contents: list[tuple],
+                     extra_keys: tuple[Hashable, ...], hash_fn=None) -> list[int]:
+        """`block_hash` of consecutive blocks, each the parent of the next."""
+        hashes = []
+        for content in contents:
+            parent_hash = hash((parent_hash, content, extra_keys))
+            hashes.append(parent_hash)
+        return hashes
 
     def extend(self, token_ids: list[int]) -> None:
         """Append output tokens (a list or tuple); in simulation they carry the request's own id.

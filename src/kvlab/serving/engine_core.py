@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -45,6 +46,8 @@ __all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve"
            "simulated_manager", "paged_manager", "model_strategy"]
 
 STRATEGIES = ("contiguous", "paged", "prefix")
+
+_computed = operator.attrgetter("num_computed_tokens")  # summed over the running, every step
 
 
 class Executor(Protocol):
@@ -101,7 +104,7 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
     sampled, seconds = executor.execute(output)
     # Memory during the step, before finished requests free theirs.
     reserved = scheduler.kv.num_reserved_tokens
-    used = sum(r.num_computed_tokens for r in scheduler.running) + output.num_batched_tokens
+    used = sum(map(_computed, scheduler.running)) + output.num_batched_tokens
     running = len(scheduler.running)
     finished = scheduler.update(output, sampled, now_s + seconds)
     for request in finished:

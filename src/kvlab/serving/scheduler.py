@@ -154,15 +154,18 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
-        running, allocate_slots = self.running, self.kv.allocate_slots
-        index = 0
-        while index < len(running) and budget > 0:
-            request = running[index]
-            # num_tokens - num_computed_tokens, written out: this loop runs for every token served.
-            num_new = min(request.prompt_len + request.num_output_tokens
-                          - request.num_computed_tokens, budget)
+        # This loop runs for every token served, so it is written out: `for` over a list whose
+        # tail is popped (the victims) simply stops before the popped requests, and
+        # prompt_len + num_output_tokens is `num_tokens` without the property call.
+        allocate_slots = self.kv.allocate_slots
+        for request in self.running:
+            if budget <= 0:
+                break
+            num_new = request.prompt_len + request.num_output_tokens - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             while allocate_slots(request, num_new) is None:
-                victim = running.pop()   # the newest; may be `request` itself
+                victim = self.running.pop()   # the newest; may be `request` itself
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -170,7 +173,6 @@ class Scheduler:
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
-                index += 1
                 continue
             break  # `request` preempted itself: it was the newest, nothing is left after it
 
@@ -224,9 +226,18 @@ class Scheduler:
         done = []
         for request, num_new in output.scheduled:
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < request.prompt_len + request.num_output_tokens:
                 continue  # a prefill chunk: no token yet
-            family = [request] + self._fork(request) if request.forks else [request]
+            if request.forks:
+                family = [request] + self._fork(request)
+            elif sampled is None and request.first_token_s is not None and (
+                    request.num_output_tokens + 1 < request.max_output_tokens):
+                # Simulation's usual decode token: `_record_token` written out (no id to keep,
+                # not the first token, not the last).
+                request.num_output_tokens += 1
+                continue
+            else:
+                family = [request]
             for member in family:
                 token = None if sampled is None else sampled[member.request_id]
                 if self._record_token(member, token, now_s):

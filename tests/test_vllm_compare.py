@@ -250,13 +250,16 @@ def test_speed_summary_takes_medians_over_repeats(tmp_path, capsys):
 
     from kvlab.vllm_compare.speed import main, speed_rows
 
+    settings = {"num_blocks": 40, "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
     for rep, (ours, theirs) in enumerate([(1.0, 2.0), (2.0, 2.0), (4.0, 2.0)], 1):
         stored = {"kvlab": result(token_times_s=[[ours]]), "vllm": result(token_times_s=[[theirs]]),
-                  "transformers": {"tokens_per_s": float(rep)}}
-        (tmp_path / f"chats_prefix_rep{rep}.json").write_text(json.dumps(stored))
-    (tmp_path / "chats_alone_rep1.json").write_text(json.dumps({"kvlab": result(), "vllm": None}))
+                  "transformers": {"tokens_per_s": float(rep)}, "settings": settings,
+                  "workload": {"name": "chats"}}
+        (tmp_path / f"any_name_{rep}.json").write_text(json.dumps(stored))
+    (tmp_path / "alone.json").write_text(json.dumps({"kvlab": result(), "vllm": None}))
     [row] = speed_rows(tmp_path)  # a run without vLLM has no ratio: left out
-    assert row[:5] == ("chats_prefix", "3", "0.5 [0.2-1.0]", "0.5 [0.5-0.5]", "1.00 [0.50-2.00]")
+    name = "chats, prefix caching on, 40 blocks, 2,048 tokens a step"
+    assert row[:5] == (name, "3", "0.5 [0.2-1.0]", "0.5 [0.5-0.5]", "1.00 [0.50-2.00]")
     assert row[6] == "2.0 [1.0-3.0]"
-    assert main([str(tmp_path)]) == 0 and "| chats_prefix | 3 |" in capsys.readouterr().out
+    assert main([str(tmp_path)]) == 0 and f"| {name} | 3 |" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2

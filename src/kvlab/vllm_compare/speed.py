@@ -2,8 +2,8 @@
 
 On a shared machine one run's tokens/s moves by tens of percent, and both engines of a run share
 its load, so the ratio within a run is steadier than either figure. This summary groups stored
-`kvlab compare-vllm --json` results by their configuration (the file name less `_repN`) and gives,
-per configuration: tokens/s of each engine, the ratio kvlab / vLLM, TPOT p50 of each, and
+`kvlab compare-vllm --json` results by their configuration (workload, prefix caching, step budget,
+pool, as each result's settings record them) and gives, per configuration: tokens/s of each engine, the ratio kvlab / vLLM, TPOT p50 of each, and
 transformers' `generate` where the run had `--transformers`.
 
     python -m kvlab.vllm_compare.speed results/cpu-vllm/speed-20261202
@@ -12,19 +12,29 @@ transformers' `generate` where the run had `--transformers`.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
 from .table import timing
 
-__all__ = ["speed_rows", "main"]
+__all__ = ["configuration", "speed_rows", "main"]
 
 
 def _spread(values: list[float], digits: int) -> str:
     return (f"{statistics.median(values):.{digits}f} "
             f"[{min(values):.{digits}f}-{max(values):.{digits}f}]")
+
+
+def configuration(stored: dict) -> str:
+    """A stored run's settings in words: 'chats, prefix caching on, 40 blocks, 2,048 tokens a
+    step'."""
+    settings = stored["settings"]
+    pool = (f"{settings['num_blocks']} blocks" if settings.get("num_blocks") is not None
+            else f"{settings['kv_cache_memory_bytes']:,} bytes")
+    caching = "on" if settings["enable_prefix_caching"] else "off"
+    return (f"{stored['workload']['name']}, prefix caching {caching}, {pool}, "
+            f"{settings['max_num_batched_tokens']:,} tokens a step")
 
 
 def speed_rows(folder: str | Path) -> list[tuple[str, ...]]:
@@ -34,7 +44,7 @@ def speed_rows(folder: str | Path) -> list[tuple[str, ...]]:
     for path in sorted(Path(folder).glob("*.json")):
         stored = json.loads(path.read_text())
         if stored.get("vllm"):
-            groups.setdefault(re.sub(r"_rep\d+$", "", path.stem), []).append(stored)
+            groups.setdefault(configuration(stored), []).append(stored)
     rows = []
     for name, runs in groups.items():
         ours = [timing(run["kvlab"]) for run in runs]

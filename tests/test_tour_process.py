@@ -126,11 +126,11 @@ run_tour(Path.cwd(), out, stages, budget_s=60, pack_dir=pack)
 """
 
 
-def test_a_tour_killed_midway_leaves_its_summary_and_archive(tmp_path):
-    """SIGKILL (what a device's hard limit does): nothing can run after it, so what is in the
-    pack folder must already be the summary and the archive of the stages done so far."""
+def _start_tour_until_second_stage_runs(tmp_path, source: str):
+    """Start the tour script `source` in its own process; return (process, pack folder) once its
+    summary shows the second stage running (or after 60 s)."""
     script = tmp_path / "tour.py"
-    script.write_text(TOUR_SCRIPT)
+    script.write_text(source)
     out, pack = tmp_path / "work" / "tour", tmp_path / "OUT"
     tour = subprocess.Popen([sys.executable, str(script), str(out), str(pack)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -139,6 +139,14 @@ def test_a_tour_killed_midway_leaves_its_summary_and_archive(tmp_path):
     while time.monotonic() < deadline and not (
             summary.is_file() and "| second | running" in summary.read_text()):
         time.sleep(0.1)
+    return tour, pack
+
+
+def test_a_tour_killed_midway_leaves_its_summary_and_archive(tmp_path):
+    """SIGKILL (what a device's hard limit does): nothing can run after it, so what is in the
+    pack folder must already be the summary and the archive of the stages done so far."""
+    tour, pack = _start_tour_until_second_stage_runs(tmp_path, TOUR_SCRIPT)
+    summary = pack / "SUMMARY.md"
     tour.kill()
     tour.wait()
     text = summary.read_text()
@@ -154,18 +162,10 @@ def test_a_tour_killed_midway_leaves_its_summary_and_archive(tmp_path):
 
 def test_sigterm_kills_the_stage_and_records_it(tmp_path):
     """A polite stop (SIGTERM, as `timeout` sends) gets the summary updated on the way out."""
-    script = tmp_path / "tour.py"
-    script.write_text(TOUR_SCRIPT.replace(
+    tour, pack = _start_tour_until_second_stage_runs(tmp_path, TOUR_SCRIPT.replace(
         "run_tour(", "import signal\nfrom kvlab.tour.runner import _terminate\n"
         "signal.signal(signal.SIGTERM, _terminate)\nrun_tour("))
-    out, pack = tmp_path / "work" / "tour", tmp_path / "OUT"
-    tour = subprocess.Popen([sys.executable, str(script), str(out), str(pack)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = pack / "SUMMARY.md"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (
-            summary.is_file() and "| second | running" in summary.read_text()):
-        time.sleep(0.1)
     tour.send_signal(signal.SIGTERM)
     assert tour.wait(timeout=30) != 0
     assert "| second | interrupted |" in summary.read_text()

@@ -207,8 +207,9 @@ class PagedKVCache:
     # The padding convention: a short block table is padded with this block id. It is a real block
     # (held by some other sequence, or free and full of whatever its last user left, NaN
     # included), chosen so every padded entry is a valid index into the pool. Only seq_lens says
-    # which slots belong to a sequence; every attention backend must mask the rest out of both
-    # the scores and the values (tests/test_poisoned_pool.py).
+    # which slots belong to a sequence; every attention backend must keep the rest out of the
+    # output: never read them, or mask them out of both the scores and the values
+    # (tests/test_poisoned_pool.py).
     PAD_BLOCK_ID = 0
 
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:

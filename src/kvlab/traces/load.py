@@ -23,19 +23,8 @@ __all__ = ["load_trace", "SHIPPED_TRACES"]
 
 
 def load_trace(trace: str | Path, limit: int | None = None) -> list[Request]:
-    """Requests of a trace (`kvlab.workload.Request`, with the Mooncake block ids as
-    `trace_block_ids`), in file order (at most `limit`).
-
-    Args:
-        trace: a shipped name (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic)
-            or a path to a `.csv` (Azure format) or `.jsonl` (Mooncake format) file.
-        limit: read at most this many requests (>= 1).
-
-    Raises:
-        FileNotFoundError: no such file.
-        TraceFormatError: an unknown extension, or a malformed line (message: file:line: what).
-        ValueError: limit < 1.
-    """
+    """Requests of a shipped trace or a `.csv` (Azure) or `.jsonl` (Mooncake) file, at most `limit`.
+    TraceFormatError for an unknown extension or a malformed line (file:line: what)."""
     path = trace_file(trace)
     if path.suffix == ".csv":
         return load_azure_trace(path, limit)

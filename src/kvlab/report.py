@@ -4,11 +4,10 @@ This is `kvlab report`, the course's main job. It needs no model weights and no 
 decides how many token *slots* a request has reserved at each scheduler step, and the workload decides
 how many tokens it really holds. At the KV shape of a real model (bytes per token) that gives bytes.
 
-Definitions (one request of P prompt tokens and G generated tokens; `kvlab.lifetime` is the one
-place they are written, and a test replays requests through the paged engine to check them):
+Definitions, for one request of P prompt tokens and G generated tokens (a test replays requests
+through the paged engine to check them):
 
-* Its lifetime is S = max(G, 1) steps. At step i (0-based) it holds P + i tokens: the prompt at
-  the prefill, one more per decode step; the last generated token's K/V is never written.
+* It lives S = max(G, 1) steps and holds P + i tokens at step i (`kvlab.lifetime` says why).
 * waste = 1 - sum(held) / sum(reserved), summed over every step of every request.
 * kv_reserved_bytes / kv_used_bytes = the bytes one request reserves / fills, averaged over all
   request-steps of the workload (a time average: what an average in-flight request costs).

@@ -1,11 +1,11 @@
 """How many requests a KV budget really holds: the one scheduler with the pool kept full.
 
-`kvlab report` divides the budget by what an average in-flight request reserves. That is exact for
-stage 2's slabs (every request reserves max_model_len) and only a steady-state estimate for paging:
-while the requests in flight are longer than average, fewer fit. Here the figure is measured
-instead. Every request of the workload is queued at once, so the scheduler always has someone
-waiting and admits until the KV manager says no; the requests running at each such step are what
-the budget holds. With `max_num_seqs` set to the workload's size, memory is the only limit.
+`kvlab report` divides the budget by what an average in-flight request reserves: exact for
+stage 2's slabs, only a steady-state estimate for paging (`kvlab.report` says why). Here the
+figure is measured: every request of the workload is queued at once, so the scheduler always has
+someone waiting and admits until the KV manager says no; the requests running at each such step
+are what the budget holds. With `max_num_seqs` set to the workload's size, memory is the only
+limit.
 
 No time is modelled: with every request waiting from the start, no decision depends on the clock
 (each step counts as one unit). `kvlab report --measure` prints the result next to the estimate.

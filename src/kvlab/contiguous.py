@@ -45,8 +45,9 @@ class ContiguousKVCache:
 
     `budget_bytes` refuses a larger reservation (a stand-in for a GPU's free memory on CPU); on CUDA
     with no budget the allocator decides. Both raise KVCacheOutOfMemory with the arithmetic, e.g.
-    "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget". `config` is only the KV shape here:
-    whoever serves a model checks max_model_len against max_position_embeddings (`kvlab.generate`).
+    "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget". `config` is only the KV shape here
+    (notebooks size real models' slabs on CPU); whoever serves a model checks max_model_len against
+    its max_position_embeddings (`kvlab.generate`).
     """
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,

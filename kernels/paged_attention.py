@@ -138,8 +138,7 @@ def _attend_tokens(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, 
                    HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PREFETCH_IDS: tl.constexpr,
                    WHILE_LOOP: tl.constexpr):
-    """Positions [start, end), TILE tokens at a time; WHILE_LOOP under the interpreter. The
-    block ids are a loop-carried value, loaded one tile ahead (`_attend_step`)."""
+    """Positions [start, end), TILE tokens at a time; WHILE_LOOP under the interpreter."""
     block_ids = _tile_block_ids(block_table_ptr, start, end, BLOCK_SIZE, TILE)
     if WHILE_LOOP:
         tile_start = start

@@ -24,14 +24,9 @@ __all__ = ["check_int", "check_index", "check_model_len", "check_request"]
 
 
 def check_int(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
-    """`value` as an int, refused unless it is an integer with minimum <= value <= maximum.
-
-    Accepts Python and NumPy/torch integer scalars (anything with `__index__`); refuses bools,
-    floats and strings.
-
-    Raises:
-        ValueError: the message names the argument, the allowed range and the value.
-    """
+    """`value` as an int if minimum <= value <= maximum; ValueError naming the argument, range and
+    value. Accepts Python and NumPy/torch integer scalars (anything with `__index__`); refuses
+    bools, floats and strings."""
     if isinstance(value, bool):
         index = None
     else:
@@ -46,24 +41,16 @@ def check_int(name: str, value, minimum: int = 0, maximum: int | None = None) ->
 
 
 def check_index(name: str, value, size: int) -> int:
-    """`value` as an index into `size` items: an integer in [0, size).
-
-    Raises:
-        ValueError: out of range (negative indices are refused, never counted from the end).
-    """
+    """`value` as an index in [0, size); a negative one is refused, never counted from the end."""
     if size < 1:
         raise ValueError(f"{name}={value!r}: there is nothing to index (0 items)")
     return check_int(name, value, 0, size - 1)
 
 
 def check_model_len(config: "LlamaConfig", max_model_len: int | None) -> int:
-    """The max_model_len to use: the model's max_position_embeddings by default, never more.
-
-    Raises:
-        ValueError: max_model_len < 1, or > max_position_embeddings (both numbers in the message).
-            Past its trained positions a model's RoPE angles are ones it never saw, so vLLM
-            refuses such a max_model_len too.
-    """
+    """The max_model_len to use: the model's max_position_embeddings by default, never more. Past
+    its trained positions a model's RoPE angles are ones it never saw, so vLLM refuses a larger
+    max_model_len too (ValueError with both numbers)."""
     limit = config.max_position_embeddings
     if max_model_len is None:
         return limit
@@ -76,14 +63,9 @@ def check_model_len(config: "LlamaConfig", max_model_len: int | None) -> int:
 
 def check_request(prompt_ids: Sequence[int], max_new_tokens: int, max_model_len: int,
                   vocab_size: int) -> None:
-    """Validate one request before any memory is touched.
-
-    Raises:
-        ValueError: an empty prompt, max_new_tokens < 1, a token id that is not an integer in
-            [0, vocab_size).
-        RequestTooLongError (a ValueError): prompt + max_new_tokens > max_model_len (the message
-            gives the numbers).
-    """
+    """Validate one request before any memory is touched. ValueError for an empty prompt,
+    max_new_tokens < 1 or a token id outside [0, vocab_size); RequestTooLongError (a ValueError)
+    when prompt + max_new_tokens > max_model_len."""
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

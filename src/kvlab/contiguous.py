@@ -36,33 +36,18 @@ __all__ = ["ContiguousKVCache", "ContiguousSequence", "SlabBatchStore", "reserva
 def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int,
                       element_bytes: DTypeLike) -> int:
     """Bytes a naive server reserves up front: max_num_seqs x max_model_len x KV bytes per token.
-
-    `element_bytes` is the cache dtype: an element size (2), a name ("bf16") or a torch dtype
-    (see `kvlab.dtypes`).
-    """
+    `element_bytes` is the cache dtype: a size (2), a name ("bf16") or a torch dtype."""
     return max_num_seqs * max_model_len * kv_bytes_per_token(config, element_bytes)
 
 
 class ContiguousKVCache:
     """`max_num_seqs` slabs of `max_model_len` tokens, reserved once at construction.
 
-    Args:
-        config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
-        max_num_seqs: slabs, i.e. requests that can be in flight at once.
-        max_model_len: tokens per slab (prompt + generated).
-        dtype, device: where the slabs live; dtype is a torch dtype or a name ("bf16", see
-            `kvlab.dtypes`).
-        budget_bytes: refuse a reservation above this many bytes (a stand-in for a GPU's free
-            memory on CPU). On CUDA, with no budget, the allocator itself decides and its
-            `torch.cuda.OutOfMemoryError` is re-raised with the same arithmetic.
-
-    `config` is only the KV shape here (notebooks size real models' slabs on CPU); whoever serves
-    a model checks max_model_len against its max_position_embeddings (`kvlab.generate`).
-
-    Raises:
-        ValueError: max_num_seqs or max_model_len not a positive integer.
-        KVCacheOutOfMemory: the reservation exceeds the budget or the device's memory. The message
-            reads like "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget".
+    `budget_bytes` refuses a larger reservation (a stand-in for a GPU's free memory on CPU); on CUDA
+    with no budget the allocator decides. Both raise KVCacheOutOfMemory with the arithmetic, e.g.
+    "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget". `config` is only the KV shape here
+    (notebooks size real models' slabs on CPU); whoever serves a model checks max_model_len against
+    its max_position_embeddings (`kvlab.generate`).
     """
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
@@ -122,14 +107,9 @@ class ContiguousKVCache:
     # ---- slabs -------------------------------------------------------------------------------
 
     def add_sequence(self) -> int:
-        """Claim a free slab; returns its index.
-
-        The slab still holds whatever its last user left (the bytes are not cleared, as on a
-        server); attention only ever reads positions this sequence wrote.
-
-        Raises:
-            KVCacheOutOfMemory: all max_num_seqs slabs are in use (nothing changes).
-        """
+        """Claim a free slab; KVCacheOutOfMemory (nothing changes) when all max_num_seqs are in use.
+        The slab still holds its last user's bytes (not cleared, as on a server); attention only
+        ever reads positions this sequence wrote."""
         for slab, busy in enumerate(self.in_use):
             if not busy:
                 self.in_use[slab], self.seq_lens[slab] = True, 0
@@ -137,15 +117,9 @@ class ContiguousKVCache:
         raise KVCacheOutOfMemory(f"all {self.max_num_seqs} slabs (max_num_seqs) are in use")
 
     def fork_sequence(self, slab: int) -> int:
-        """A new slab holding a copy of `slab`'s tokens (parallel sampling's siblings); returns it.
-
-        Slabs cannot share memory, so every sibling copies the whole prompt, in every layer: the
-        cost that block sharing with copy-on-write removes (Kwon et al., SOSP 2023, section 4.4).
-
-        Raises:
-            ValueError: slab outside [0, max_num_seqs), or not in use.
-            KVCacheOutOfMemory: no free slab (nothing changes).
-        """
+        """A new slab holding a copy of `slab`'s tokens (parallel sampling's siblings). Slabs cannot
+        share memory, so every sibling copies the whole prompt, in every layer: the cost that block
+        sharing with copy-on-write removes (Kwon et al., SOSP 2023, section 4.4)."""
         slab = self._slab_in_use(slab)
         child, held = self.add_sequence(), self.seq_lens[slab]
         self.k[:, child, :held] = self.k[:, slab, :held]
@@ -154,31 +128,19 @@ class ContiguousKVCache:
         return child
 
     def free_sequence(self, slab: int) -> None:
-        """Give a slab back. Its bytes stay reserved: that is the point of this design.
-
-        Raises:
-            ValueError: slab outside [0, max_num_seqs), or not in use (a double free).
-        """
+        """Give a slab back (ValueError on a double free); its bytes stay reserved, by design."""
         slab = self._slab_in_use(slab)
         self.in_use[slab], self.seq_lens[slab] = False, 0
 
     def view(self, slab: int) -> "ContiguousSequence":
-        """The KV store (see `kvlab.model.KVStore`) of one sequence, for a forward pass.
-
-        Raises:
-            ValueError: slab outside [0, max_num_seqs), or not in use.
-        """
+        """The KV store (see `kvlab.model.KVStore`) of one sequence in use, for a forward pass."""
         return ContiguousSequence(self, self._slab_in_use(slab))
 
     def batch_store(self, slabs: Sequence[int], query_lens: Sequence[int],
                     seq_lens: Sequence[int]) -> "SlabBatchStore":
-        """The KV store of one forward pass over the newest tokens of several slabs (see
-        `SlabBatchStore`); each slab's token count becomes its seq_len.
-
-        Raises:
-            ValueError: a slab outside [0, max_num_seqs) or not in use, a query_len < 1 or above
-                its seq_len. KVCacheOutOfMemory: a seq_len past max_model_len. Nothing changes.
-        """
+        """The `SlabBatchStore` of one pass over the newest tokens of several slabs; sets their
+        seq_lens. ValueError for a slab not in use or a query_len outside [1, seq_len];
+        KVCacheOutOfMemory for a seq_len past max_model_len. Nothing changes on an error."""
         slabs = [self._slab_in_use(slab) for slab in slabs]
         for slab, query_len, seq_len in zip(slabs, query_lens, seq_lens):
             if seq_len > self.max_model_len:
@@ -209,12 +171,8 @@ class ContiguousSequence:
 
     def attend(self, layer_index, query, key, value, positions):
         """Write K/V at `positions` of the slab, attend over positions 0 .. max(positions).
-
-        Raises:
-            ValueError: layer_index outside [0, num_hidden_layers), a negative position, or a
-                position that would leave an unwritten gap after the sequence's tokens.
-            KVCacheOutOfMemory: a position at or past max_model_len (nothing written).
-        """
+        ValueError for a negative position or one that leaves an unwritten gap; KVCacheOutOfMemory
+        for a position past max_model_len (nothing written)."""
         cache = self.cache
         check_index("layer_index", layer_index, cache.config.num_hidden_layers)
         first, end = int(positions.min()), int(positions.max()) + 1
@@ -238,17 +196,11 @@ class ContiguousSequence:
 class SlabBatchStore:
     """KV store for one forward pass over several sequences, each in contiguous memory of its own.
 
-    The tokens are flat: sequence i's query_lens[i] new tokens follow sequence i - 1's, and end
-    at its seq_lens[i]. Each layer writes every token's K/V at its position in its sequence's
-    memory, then attends each sequence's new tokens over its first seq_lens[i] positions
-    (causally among themselves), one sequence after another: the loop a padded batched kernel
-    would run.
-
-    Args:
-        keys, values: per sequence, its memory [num_hidden_layers, max_tokens,
-            num_key_value_heads, head_dim] (a view: a slab, a naive request's tensor).
-        query_lens: new tokens of each sequence in this pass (>= 1).
-        seq_lens: tokens of each sequence once this pass has written.
+    The tokens are flat: sequence i's query_lens[i] new tokens follow sequence i - 1's and end at
+    its seq_lens[i]. Each layer writes every token's K/V at its position, then attends each
+    sequence's new tokens over its first seq_lens[i] positions (causally among themselves), one
+    sequence after another: the loop a padded batched kernel would run. keys[i], values[i]: views
+    [num_hidden_layers, max_tokens, num_key_value_heads, head_dim] (a slab, a naive request's).
     """
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],

@@ -4,11 +4,10 @@ This is `kvlab report`, the course's main job. It needs no model weights and no 
 decides how many token *slots* a request has reserved at each scheduler step, and the workload decides
 how many tokens it really holds. At the KV shape of a real model (bytes per token) that gives bytes.
 
-Definitions (one request of P prompt tokens and G generated tokens; `kvlab.lifetime` is the one
-place they are written, and a test replays requests through the paged engine to check them):
+Definitions, for one request of P prompt tokens and G generated tokens (a test replays requests
+through the paged engine to check them):
 
-* Its lifetime is S = max(G, 1) steps. At step i (0-based) it holds P + i tokens: the prompt at
-  the prefill, one more per decode step; the last generated token's K/V is never written.
+* It lives S = max(G, 1) steps and holds P + i tokens at step i (`kvlab.lifetime` says why).
 * waste = 1 - sum(held) / sum(reserved), summed over every step of every request.
 * kv_reserved_bytes / kv_used_bytes = the bytes one request reserves / fills, averaged over all
   request-steps of the workload (a time average: what an average in-flight request costs).
@@ -42,7 +41,7 @@ class CacheStrategy(Protocol):
     bytes_per_token: int
 
     def reserved_token_steps(self, request: Request) -> int:
-        """sum over the request's decode steps of token slots reserved."""
+        """Token slots reserved, summed over the request's decode steps."""
         ...
 
     # Optional: held_token_steps(request) -> int, for a strategy whose requests share tokens
@@ -64,22 +63,18 @@ class ContiguousStrategy:
 
 
 def _block_slots_up_to(tokens: int, block_size: int) -> int:
-    """sum_{n=1}^{tokens} ceil(n / block_size) * block_size, in closed form.
-
-    With q = tokens // block_size full blocks and r = tokens % block_size left over, the counts
-    n = 1..B each need 1 block, B+1..2B need 2, ..., so the sum is B*(B*(1 + ... + q)) + r*B*(q + 1).
-    """
+    """sum_{n=1}^{tokens} ceil(n / B) * B in closed form, B = block_size. With q = tokens // B full
+    blocks and r = tokens % B, the counts n = 1..B each need 1 block, B+1..2B need 2, ..., so the
+    sum is B*(B*(1 + ... + q)) + r*B*(q + 1)."""
     q, r = divmod(tokens, block_size)
     return block_size * (block_size * q * (q + 1) // 2 + r * (q + 1))
 
 
 @dataclasses.dataclass
 class PagedStrategy:
-    """Paged allocation: ceil(held / block_size) blocks at each step (vLLM paper, section 4.2).
-
-    A request reserves a block only when its tokens cross a block boundary, so at most
-    block_size - 1 slots of its last block are empty: waste below one block per sequence.
-    """
+    """Paged allocation: ceil(held / block_size) blocks at each step (vLLM paper, section 4.2). A
+    block is reserved only when the tokens cross a block boundary: waste below one block per
+    sequence."""
 
     block_size: int
     bytes_per_token: int
@@ -97,11 +92,9 @@ class PagedStrategy:
 
 @dataclasses.dataclass
 class StrategyRow:
-    """One line of the report (bytes are averages per in-flight request; waste is a fraction).
-
-    requests_held is exact when requests_held_exact is True (a fixed reservation per request),
-    else the steady-state estimate budget // average reservation (see the module docstring).
-    """
+    """One line of the report: bytes are averages per in-flight request, waste a fraction.
+    requests_held is exact when requests_held_exact (a fixed reservation per request), else the
+    steady-state estimate budget // average reservation (see the module docstring)."""
 
     strategy: str
     kv_bytes_per_token: int
@@ -137,22 +130,10 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
            kv_budget_bytes: int, workload: str = "", model: str = "",
            kv_budget_source: str = "", tp: int = 1,
            tp_chosen_because: str | None = None) -> Report:
-    """Replay request sizes through each strategy.
-
-    Args:
-        requests: the traffic.
-        strategies: cache designs to compare (each with its own bytes_per_token).
-        max_model_len: tokens a request may hold at most; longer requests are rejected.
-        kv_budget_bytes: KV memory available (bytes, per GPU), for requests_held.
-        workload, model, kv_budget_source, tp, tp_chosen_because: labels printed with the table
-            (the strategies' bytes_per_token are already per GPU at that tp).
-
-    Returns:
-        Report with one StrategyRow per strategy, and the rejected count (with a few examples).
-
-    Raises:
-        ValueError: no servable request, or a non-positive max_model_len / budget.
-    """
+    """Replay request sizes through each strategy; requests over max_model_len are rejected and
+    counted. kv_budget_bytes (per GPU) gives requests_held; the strategies' bytes_per_token are
+    already per GPU at `tp`; the other arguments are labels printed with the table. ValueError when
+    no request can be served, or max_model_len or the budget is not positive."""
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     if kv_budget_bytes <= 0:
@@ -202,14 +183,10 @@ SERVING_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", 
 
 
 def measure_held(report: Report, requests: Sequence[Request], block_size: int) -> None:
-    """Fill each row's requests_held_measured(_peak): the one scheduler of stage 7 serves the
-    workload with every request queued at once, at the row's KV bytes per token, in the report's
-    budget (`kvlab.report_capacity.measure_requests_held`). For contiguous rows it equals the
-    exact count; for paging it checks the steady-state estimate.
-
-    Raises:
-        ValueError: a row whose strategy has no stage-7 manager.
-    """
+    """Fill each row's requests_held_measured(_peak) with stage 7's scheduler. Every request is
+    queued at once, at the row's KV bytes per token, in the report's budget
+    (`kvlab.report_capacity`). For contiguous rows it equals the exact count; for paging it checks
+    the steady-state estimate. ValueError for a row whose strategy has no stage-7 manager."""
     from .report_capacity import measure_requests_held  # stage 7, only when asked for
 
     for row in report.rows:

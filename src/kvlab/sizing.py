@@ -51,11 +51,9 @@ class SizingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GpuMemory:
-    """One GPU's memory: its name, its total bytes, and where that figure comes from.
-
-    source: "nominal, vendor datasheet" (the GPU_MEMORY_GIB table), "reported by torch.cuda"
-    (this machine's card; less than nominal) or "given" (a size the user typed).
-    """
+    """One GPU's memory and where the figure comes from. source: "nominal, vendor datasheet"
+    (GPU_MEMORY_GIB), "reported by torch.cuda" (this machine's card; less than nominal) or "given"
+    (a size the user typed)."""
 
     name: str
     total_bytes: int
@@ -63,10 +61,10 @@ class GpuMemory:
 
 
 def local_gpu_memory() -> GpuMemory | None:
-    """The memory of this machine's first CUDA (or ROCm) GPU as torch.cuda reports it, or None.
+    """This machine's first CUDA (or ROCm) GPU as torch.cuda reports it, or None.
 
-    total_bytes is `torch.cuda.get_device_properties(0).total_memory` (the driver's
-    cudaDeviceProp.totalGlobalMem): what the card can hand out, less than its nominal size.
+    total_bytes is the driver's cudaDeviceProp.totalGlobalMem: what the card can hand out, less than
+    its nominal size.
     """
     try:
         import torch
@@ -79,12 +77,9 @@ def local_gpu_memory() -> GpuMemory | None:
 
 
 def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuMemory | None:
-    """Resolve a GPU: a name from GPU_MEMORY_GIB (nominal), "local" (torch.cuda), or GiB given.
+    """A GPU by name from GPU_MEMORY_GIB (nominal), "local" (torch.cuda), or GiB given; else None.
 
-    Returns None when neither is given.
-
-    Raises:
-        SizingError: an unknown name, "local" with no GPU present, or GiB not in (0, 16384].
+    Raises SizingError for an unknown name, "local" with no GPU present, or GiB not in (0, 16384].
     """
     if gpu is not None:
         if gpu.lower() in ("local", "cuda"):
@@ -112,21 +107,10 @@ def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: DTy
     """Bytes left for the KV cache on one GPU: int(gpu_memory_utilization x GPU bytes) - weights.
 
     The budget vLLM gives its block pool before it subtracts activations (vLLM's default
-    gpu_memory_utilization is 0.9; `kvlab.paged.budget` explains the start-up sequence).
-
-    Args:
-        config: the model (weights per GPU under tensor parallelism `tp`).
-        gpu: a card of GPU_MEMORY_GIB (nominal size) or "local" (torch.cuda's figure). Ignored
-            when gpu_memory_bytes is given.
-        dtype: the weights' dtype: a name ("bf16", "fp16", "fp32", "fp8") or a torch dtype.
-        gpu_memory_utilization: share of the card the server may use, in (0, 1].
-        gpu_memory_bytes: the card's memory in bytes, instead of `gpu`.
-
-    Returns:
-        Bytes (int). Zero or negative when the weights alone do not fit in the usable share.
-
-    Raises:
-        SizingError: unknown GPU or dtype, impossible tp, utilization outside (0, 1].
+    gpu_memory_utilization is 0.9; `kvlab.paged.budget` explains the start-up sequence). `dtype` is
+    the weights' (per GPU under `tp`); gpu_memory_bytes, when given, replaces `gpu`. Zero or
+    negative when the weights alone do not fit. Raises SizingError for an unknown GPU or dtype, an
+    impossible tp, or a utilization outside (0, 1].
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -141,13 +125,7 @@ def plural(count: int, noun: str) -> str:
 
 
 def dtype_bytes(dtype: DTypeLike) -> int:
-    """Bytes per element of a dtype: a name ('bf16', 'float16', ...), a torch dtype, or a size.
-
-    Any spelling `kvlab.dtypes.resolve_dtype` accepts works here (one vocabulary everywhere).
-
-    Raises:
-        SizingError: an unknown dtype.
-    """
+    """Bytes per element of a dtype `kvlab.dtypes.resolve_dtype` accepts; SizingError if unknown."""
     try:
         return dtypes.dtype_bytes(dtype)
     except ValueError as error:
@@ -167,10 +145,8 @@ def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
 
     tp <= num_key_value_heads: the heads are split, num_key_value_heads / tp each.
     tp > num_key_value_heads: one head per GPU, each head replicated tp / num_key_value_heads times.
-
-    Raises:
-        SizingError: tp < 1, tp does not divide num_attention_heads, or tp and
-            num_key_value_heads do not divide one another.
+    Raises SizingError when tp < 1, tp does not divide num_attention_heads, or tp and
+    num_key_value_heads do not divide one another.
     """
     kv = config.num_key_value_heads
     if not isinstance(tp, int) or tp < 1:
@@ -190,22 +166,13 @@ def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
 
 
 def kv_elements_per_token(config: LlamaConfig, tp: int = 1) -> int:
-    """KV-cache numbers one token occupies on one GPU: 2 (K and V) x layers x KV heads x head_dim.
-
-    Raises:
-        SizingError: an impossible tp.
-    """
+    """KV-cache numbers one token holds on one GPU: 2 (K and V) x layers x KV heads x head_dim."""
     return 2 * config.num_hidden_layers * kv_heads_per_gpu(config, tp) * config.head_dim
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -> int:
-    """KV-cache bytes one token occupies on one GPU: 2 x layers x KV heads per GPU x head_dim x bytes.
-
-    At tp = 1 this is the whole model's figure (Llama-3.1-8B bf16: 131,072 B = 128 KiB).
-
-    Raises:
-        SizingError: unknown dtype or an impossible tp.
-    """
+    """KV-cache bytes one token occupies on one GPU (SizingError for an unknown dtype or impossible
+    tp). At tp = 1 this is the whole model's figure (Llama-3.1-8B bf16: 131,072 B = 128 KiB)."""
     return kv_elements_per_token(config, tp) * dtype_bytes(dtype)
 
 
@@ -228,19 +195,13 @@ def _parameter_counts(config: LlamaConfig, tp: int = 1) -> int:
 
 
 def num_parameters(config: LlamaConfig) -> int:
-    """Parameter count computed from the config (tied embeddings counted once).
-
-    Llama-3.1-70B: 70,553,706,496; Llama-3.1-8B: 8,030,261,248.
-    """
+    """Parameter count computed from the config (tied embeddings counted once). Llama-3.1-70B:
+    70,553,706,496; Llama-3.1-8B: 8,030,261,248."""
     return _parameter_counts(config, tp=1)
 
 
 def weights_bytes(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -> int:
-    """Bytes of the weights one of `tp` GPUs holds, stored in `dtype` (norms replicated).
-
-    Raises:
-        SizingError: unknown dtype or an impossible tp.
-    """
+    """Bytes of the weights one of `tp` GPUs holds in `dtype` (norms replicated)."""
     kv_heads_per_gpu(config, tp)  # validates tp
     return _parameter_counts(config, tp) * dtype_bytes(dtype)
 
@@ -249,9 +210,8 @@ def weights_bytes(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -
 class SizeReport:
     """What `kvlab size` prints. Per-GPU figures unless the name ends in `_total` (all tp GPUs).
 
-    `dtype` is the weights' dtype, `kv_cache_dtype` the cache's (vLLM's --kv-cache-dtype; the same
-    as dtype unless given). kv_heads_replicated > 1 when tp exceeds num_key_value_heads: each KV
-    head is then stored on that many GPUs.
+    `kv_cache_dtype` is vLLM's --kv-cache-dtype (the weights' dtype unless given).
+    kv_heads_replicated > 1 when tp exceeds num_key_value_heads: each KV head is on that many GPUs.
     """
 
     model: str
@@ -289,20 +249,12 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
                 gpu_memory_utilization: float = 0.9) -> SizeReport:
     """Weights and KV cache of `batch` requests of `seq_len` tokens, and how many fit on a GPU.
 
-    max_concurrent_requests = floor(default_kv_budget / (seq_len x KV bytes per token per GPU)),
-    the requests of seq_len tokens that fit beside the weights (0 when the weights alone do not
-    fit; None when no GPU is given). Activations and the CUDA context are ignored here: vLLM
-    measures them with a profiling run.
-
-    Args:
-        dtype: the weights' dtype; kv_cache_dtype: the cache's (default: the same), e.g. an fp8
-            cache beside bf16 weights. Names or torch dtypes; the report holds short names.
-        gpu: a card of GPU_MEMORY_GIB (nominal size) or "local" (torch.cuda's figure);
-            gpu_mem_gib: the card's memory in GiB instead.
-
-    Raises:
-        SizingError: batch not in [1, MAX_BATCH] or seq_len not in [1, MAX_SEQ_LEN], unknown dtype
-            or GPU, impossible tp, utilization outside (0, 1].
+    max_concurrent_requests = floor(default_kv_budget / (seq_len x KV bytes per token per GPU)): 0
+    when the weights alone do not fit, None when no GPU is given. Activations and the CUDA context
+    are ignored here: vLLM measures them with a profiling run. kv_cache_dtype defaults to `dtype`
+    (e.g. an fp8 cache beside bf16 weights); `gpu` and gpu_mem_gib are as in `gpu_memory`.
+    Raises SizingError for batch outside [1, MAX_BATCH], seq_len outside [1, MAX_SEQ_LEN], an
+    unknown dtype or GPU, an impossible tp, or a utilization outside (0, 1].
     """
     for name, value, top in (("batch", batch, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN)):
         if not isinstance(value, int) or not 1 <= value <= top:

@@ -22,18 +22,10 @@ def tp_shortfall(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int, *, t
                  max_model_len: int, dtype: DTypeLike = "bf16",
                  kv_cache_dtype: DTypeLike | None = None, gpu_memory_utilization: float = 0.9,
                  kv_budget_bytes: int | None = None) -> str | None:
-    """Why one of `tp` GPUs cannot hold its share, with the numbers; None when it can.
-
-    Without kv_budget_bytes, the share is vLLM's start-up check (module docstring):
-    default_kv_budget must hold one request of max_model_len tokens. With it, the weights and that
-    KV budget must fit in the card's memory.
-
-    Returns:
-        e.g. "141.1 GB of bf16 weights > 80 GiB H100-80GB" (llama-3.1-70b at tp 1), or None.
-
-    Raises:
-        SizingError: an impossible tp or unknown dtype.
-    """
+    """Why one of `tp` GPUs cannot hold its share, with the numbers; None when it can. Without
+    kv_budget_bytes this is vLLM's start-up check (module docstring); with it, the weights and that
+    KV budget must fit in the card. E.g. "141.1 GB of bf16 weights > 80 GiB H100-80GB"
+    (llama-3.1-70b at tp 1). SizingError for an impossible tp or unknown dtype."""
     weights = weights_bytes(config, dtype, tp)
     per_gpu = " per GPU" if tp > 1 else ""
     shown = f"{weights / 1e9:.1f} GB of {dtype_name(dtype)} weights{per_gpu}"
@@ -58,14 +50,8 @@ def tp_shortfall(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int, *, t
 
 def smallest_fitting_tp(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int,
                         **fit) -> int:
-    """The smallest tensor-parallel size at which `tp_shortfall(..., **fit)` finds none.
-
-    Only the sizes `kv_heads_per_gpu` accepts are tried (tp divides num_attention_heads; tp and
-    num_key_value_heads divide one another).
-
-    Raises:
-        SizingError: no size fits (the message is the largest size's shortfall).
-    """
+    """The smallest tensor-parallel size `kv_heads_per_gpu` accepts at which `tp_shortfall` finds
+    none. SizingError when no size fits (the message is the largest size's shortfall)."""
     sizes = [tp for tp in range(1, config.num_attention_heads + 1) if _splits(config, tp)]
     for tp in sizes:
         shortfall = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=tp, **fit)

@@ -41,16 +41,9 @@ SIMULATED_MAX_MODEL_LEN = 4096  # --simulate's default, capped at the model's li
 
 
 def scheduler_defaults(card_name: str | None, memory_bytes: int | None) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) vLLM v1's API server uses on this card.
-
-    Args:
-        card_name: the GPU's name (an A100 of any size keeps the small defaults), or None (no
-            GPU: the model runs on the CPU).
-        memory_bytes: the card's memory in bytes (nominal for a named card), or None.
-
-    Returns:
-        (1024, 8192) for a card of >= 70 GiB that is not an A100, else (256, 2048).
-    """
+    """(max_num_seqs, max_num_batched_tokens) vLLM v1's API server uses on this card. (1024, 8192)
+    for a card of >= 70 GiB that is not an A100 (of any size), else (256, 2048); no card (the model
+    runs on the CPU) gets the small pair. memory_bytes is nominal for a named card."""
     if card_name is None or memory_bytes is None:
         return OTHER_DEFAULTS
     if memory_bytes >= LARGE_CARD_GIB * 2**30 and "a100" not in card_name.lower():
@@ -319,13 +312,9 @@ def _max_model_len(args, config, default: int) -> tuple[int, str]:
 
 
 def _scheduler_config(args, card_name, memory_bytes):
-    """The step budgets: the flags, or where a flag is absent, vLLM's default for this card (the
-    chosen values are written back to `args` so the summary line prints them).
-
-    Raises:
-        ValueError: max_num_batched_tokens < max_num_seqs: a step could not give every running
-            request its decode token (vLLM's SchedulerConfig refuses it too).
-    """
+    """The step budgets: the flags, else vLLM's default for this card (written back to `args` for
+    the summary line). ValueError when max_num_batched_tokens < max_num_seqs: a step could not give
+    every running request its decode token (vLLM's SchedulerConfig refuses it too)."""
     from ..serving.scheduler import SchedulerConfig
 
     max_num_seqs, max_num_batched_tokens = scheduler_defaults(card_name, memory_bytes)

@@ -14,21 +14,16 @@ Modules, in reading order:
 * `manager`: `PrefixCachingKVCacheManager(KVCacheManager)`: `get_computed_blocks` (the lookup, the
   n - 1 cap), `allocate_slots` caching the blocks it fills, statistics (hit rate, blocks saved,
   prefill tokens skipped, evictions).
-* `trace_blocks`: how the manager reads a request's tokens: real ids, or simulation's stand-in
-  ids described block by block (`TraceBlocks`).
-* `trace_hit_rate`: the same manager replayed on the Mooncake traces' block hashes, no tensors:
-  unbounded vs LRU hit rate against pool capacity.
-* `workloads`: generated shared-prefix prompts for the tiny model (system prompt, few-shot,
-  multi-turn chats).
-* `chats`: multi-turn chats in real text, rendered with a model's chat template (SmolLM2's), each
-  turn re-sending the conversation with the model's own answers.
-* `report_row` (the `paged+prefix` row of `kvlab report` on a Mooncake trace).
+* `trace_blocks`: how the manager reads a request's tokens: real ids, or simulation's stand-ins.
+* `trace_hit_rate`: the same manager replayed on the Mooncake traces' block hashes, no tensors.
+* `workloads`: generated shared-prefix prompts for the tiny model; `chats`: multi-turn chats in
+  real text, rendered with a model's chat template, each turn re-sending the conversation.
+* `report_row`: the `paged+prefix` row of `kvlab report` on a Mooncake trace.
 
-The scheduler of `kvlab.serving` calls this manager directly, as it calls stage 4's:
-`LLMEngine(..., enable_prefix_caching=True)` runs a batch, prefill starting after the hit (vLLM's
-num_computed_tokens); `kvlab.generate.generate(..., cache="prefix")` (and so `kvlab generate
---cache prefix`) runs several prompts through it. A preempted request is admitted again like any
-other, so it may hit the blocks it held itself (if nothing reused them in between): recompute
+The scheduler of `kvlab.serving` calls this manager directly, as it calls stage 4's
+(`LLMEngine(..., enable_prefix_caching=True)`; `generate(..., cache="prefix")` and so `kvlab
+generate --cache prefix`): prefill starts after the hit (vLLM's num_computed_tokens). A preempted
+request may hit the blocks it held itself (if nothing reused them in between), so recompute
 preemption becomes much cheaper.
 """
 

@@ -46,16 +46,9 @@ __all__ = ["TraceBlocks", "block_tokens", "token_ids"]
 
 
 class TraceBlocks(BlockTokens):
-    """A simulated request's tokens (prompt, then outputs so far) as compact block contents.
-
-    Args:
-        request: a request without token ids; its `trace_block_ids` (each >= 0)
-            name its first prompt blocks of `trace_block_size` tokens. Its num_tokens now are
-            the tokens described.
-
-    Raises:
-        ValueError: a negative trace block id, or block ids with trace_block_size < 1.
-    """
+    """A simulated request's tokens (prompt, then outputs so far) as compact block contents. The
+    request's `trace_block_ids` name its first prompt blocks of `trace_block_size` tokens.
+    ValueError for a negative id, or ids with trace_block_size < 1."""
 
     __slots__ = ("trace_ids", "trace_block_size", "named_end", "own_id", "prompt_len",
                  "num_tokens")
@@ -114,8 +107,7 @@ class TraceBlocks(BlockTokens):
 
     def block_hash(self, parent_hash: Hashable | None, content: tuple,
                    extra_keys: tuple[Hashable, ...], hash_fn=None) -> int:
-        """Python's hash of (parent hash, content, extra keys); `hash_fn` is not used (see the
-        module docstring for why a 64-bit hash is enough here)."""
+        """Python's hash of (parent hash, content, extra keys); `hash_fn` unused (module: why)."""
         return self.chain_hashes(parent_hash, [content], extra_keys)[0]
 
     def chain_hashes(self, parent_hash: Hashable | None, contents: list[tuple],
@@ -128,11 +120,7 @@ class TraceBlocks(BlockTokens):
         return hashes
 
     def extend(self, token_ids: list[int]) -> None:
-        """Append output tokens (a list or tuple); in simulation they carry the request's own id.
-
-        Raises:
-            ValueError: the prompt is not complete yet, or an id other than the own id.
-        """
+        """Append output tokens: own ids, after the whole prompt (ValueError otherwise)."""
         if self.num_tokens < self.prompt_len or token_ids.count(self.own_id) != len(token_ids):
             raise ValueError(f"a simulated request grows by output tokens with its own id "
                              f"{self.own_id} after its {self.prompt_len}-token prompt; got "
@@ -144,18 +132,17 @@ class TraceBlocks(BlockTokens):
 
 
 def block_tokens(request: "Request") -> list[int] | BlockTokens:
-    """All tokens of a request as the prefix cache reads them at admission: its ids (model mode,
-    or a prompt given with ids), else its stand-in ids described block by block (`TraceBlocks`).
-    A request with forks still to make gets its stand-in ids one by one: each fork inherits the
-    record and appends outputs under its own id, which `TraceBlocks` does not describe."""
+    """All tokens of a request as the prefix cache reads them at admission (module docstring):
+    its ids (model mode, or a prompt given with ids), else `TraceBlocks`; a request with forks still
+    to make gets per-token stand-ins, since each fork appends outputs under its own id.
+    """
     if request.prompt_token_ids is not None or request.forks:
         return token_ids(request, 0, request.num_tokens)
     return TraceBlocks(request)
 
 
 def token_ids(request: "Request", start: int, end: int) -> list[int]:
-    """Ids of tokens start .. end - 1 of a request: its real ids where it has them (model mode, or
-    a prompt given with ids), else the stand-ins described in the module docstring."""
+    """Ids of tokens start .. end - 1: real ids where known, else the module's stand-ins."""
     known = request.prompt_token_ids
     if known is not None:
         known = known + request.output_token_ids  # outputs are known in model mode only

@@ -43,18 +43,10 @@ __all__ = ["TraceHitRate", "unbounded_hit_rate", "lru_hit_rate", "hit_rate_curve
 
 @dataclasses.dataclass
 class TraceHitRate:
-    """The outcome of one replay.
-
-    Attributes:
-        capacity_blocks: pool size in blocks (None: unbounded).
-        block_size: tokens per block.
-        num_requests: requests replayed.
-        num_too_big: requests needing more blocks than the whole pool (skipped, not counted below).
-        num_query_tokens: prompt tokens looked up.
-        num_hit_tokens: prompt tokens found in the cache = prefill tokens saved.
-        num_evictions: cached blocks reused for other tokens.
-        hit_tokens: per request replayed, in order, the prompt tokens it found (0 if too big).
-    """
+    """The outcome of one replay; capacity_blocks None is the unbounded cache. num_too_big counts
+    requests needing more blocks than the whole pool (skipped, not counted in the token figures);
+    num_hit_tokens are the prefill tokens saved; num_evictions counts cached blocks reused for other
+    tokens; hit_tokens holds each request's hit tokens in order (0 if too big)."""
 
     capacity_blocks: int | None
     block_size: int
@@ -67,7 +59,7 @@ class TraceHitRate:
 
     @property
     def hit_rate(self) -> float:
-        """Prefix cache hit rate: tokens hit / prompt tokens queried."""
+        """Tokens hit / prompt tokens queried."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
     @property
@@ -77,11 +69,7 @@ class TraceHitRate:
 
 def unbounded_hit_rate(requests: Iterable[Request],
                        block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
-    """The ceiling: hit rate of a cache that keeps every full block forever.
-
-    Raises:
-        ValueError: block_size does not divide 512.
-    """
+    """The ceiling: a cache that keeps every full block forever (block_size must divide 512)."""
     result = TraceHitRate(None, block_size)
     seen: set[int] = set()
     for request in requests:
@@ -145,10 +133,8 @@ def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int,
 
     Each request goes through the engine's manager alone: `get_computed_blocks` (exact check,
     n - 1 cap), `allocate_slots` for the rest (evicting from the head of the free queue, caching
-    its full blocks), `free` (tail first).
-
-    Raises:
-        ValueError: capacity_blocks < 1, or block_size does not divide 512.
+    its full blocks), `free` (tail first). ValueError for capacity_blocks < 1 or a block_size
+    not dividing 512.
     """
     manager = _TraceManager(capacity_blocks, block_size)
     result = TraceHitRate(capacity_blocks, block_size)
@@ -178,20 +164,14 @@ def hit_rate_curve(requests: Sequence[Request], capacities_blocks: Iterable[int]
 
 def pool_blocks_for(model: str, gpu: str, num_gpus: int = 1, block_size: int = TRACE_BLOCK_SIZE,
                     dtype: str = "bf16", gpu_memory_utilization: float = 0.9) -> int:
-    """Blocks of `block_size` tokens a server of this model on these cards can pool.
+    """Blocks of `block_size` tokens a server of `model` on `num_gpus` tensor-parallel cards pools.
 
-    Tensor parallel over num_gpus cards: each card holds 1/num_gpus of the weights and of every
-    token's K/V, so the pool, in tokens, is what one card's share allows:
-
-        blocks = (utilization x card bytes - weights per card) // (block_size x KV bytes per token
-                 per card)
-
-    Activations and the CUDA context are ignored (vLLM measures them with a profiling run), so
-    this is slightly generous. Example: Llama-3.1-8B, bf16, one H100-80GB, 0.9: 912 blocks of 512.
-
-    Raises:
-        SizingError / ConfigError: unknown model, card or impossible tensor parallelism.
-        KVCacheOutOfMemory: the weights leave no room for one block.
+    Each card holds 1/num_gpus of the weights and of every token's K/V, so the pool is what one card
+    allows: (utilization x card bytes - weights per card) // (block_size x KV bytes per token per
+    card). Activations and the CUDA context are ignored (vLLM profiles them), so this is slightly
+    generous. Llama-3.1-8B, bf16, one H100-80GB, 0.9: 912 blocks of 512. SizingError or ConfigError
+    for an unknown model, card or tensor parallelism; KVCacheOutOfMemory when the weights leave no
+    room for one block.
     """
     from ..sizing import SizingError
 

@@ -5,7 +5,6 @@
   `kvlab report`.
 * `kvlab.traces.mooncake`: the Mooncake traces (Qin et al., FAST 2025; Apache-2.0) — sizes,
   arrivals and the hashes of 512-token prompt blocks, so prefix reuse is real (stages 6 and 7).
-
 * `kvlab.traces.load`: `load_trace`, a trace by shipped name or by file, in either format (what
   `kvlab serve` and notebook 07 read).
 

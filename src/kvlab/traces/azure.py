@@ -39,44 +39,26 @@ class TraceFormatError(InputFileError):
 
 
 def azure_trace_path(service: str = "conv") -> Path:
-    """Path of a shipped trace file: service 'conv' or 'code'.
-
-    Raises:
-        ValueError: another service name.
-    """
+    """Path of a shipped trace file: service 'conv' or 'code'."""
     if service not in AZURE_TRACES:
         raise ValueError(f"unknown Azure trace {service!r}; shipped: {', '.join(AZURE_TRACES)}")
     return AZURE_TRACE_DIR / AZURE_TRACES[service]
 
 
 def azure_trace(service: str = "conv", limit: int | None = None) -> list[Request]:
-    """The shipped trace of a service ('conv' or 'code') as Requests, in arrival order.
-
-    Example: `azure_trace("conv")` -> 19,366 requests; the first has 374 prompt tokens and 44
-    generated tokens.
-    """
+    """The shipped trace of a service as Requests, in arrival order. `azure_trace("conv")`: 19,366
+    requests; the first has 374 prompt and 44 generated tokens."""
     return load_azure_trace(azure_trace_path(service), limit=limit)
 
 
 def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Read a trace in the Azure LLM inference CSV format.
+    """Read a trace in the Azure CSV format (columns in any order, extras ignored), in file order.
 
-    Args:
-        path: CSV with header `TIMESTAMP,ContextTokens,GeneratedTokens` (columns in any order,
-            extra columns ignored), one request a row.
-        limit: read at most this many requests (>= 1).
-
-    Returns:
-        Requests in file order; arrival_s is seconds after the first row's timestamp when the
-        timestamps parse, else 0.
-
-    Raises:
-        ValueError: limit < 1.
-        MissingInputFileError (a FileNotFoundError): no such file.
-        InputFileError: a folder, an unreadable, empty, binary or non-UTF-8 file.
-        TraceFormatError: missing columns, a header without rows, a row with too few fields, or a
-            row whose token counts are not integers (ContextTokens >= 1, GeneratedTokens >= 0).
-            Every message starts with the path (and `:line` for a row) and says what was expected.
+    arrival_s is seconds after the first row's timestamp when the timestamps parse, else 0.
+    MissingInputFileError (a FileNotFoundError) or InputFileError for a missing, unreadable, empty,
+    binary or non-UTF-8 file; TraceFormatError, starting with the path (and `:line`), for missing
+    columns, no rows, a short row, or a count that is not an integer >= 1 (ContextTokens) or >= 0
+    (GeneratedTokens).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of requests, got {limit}")

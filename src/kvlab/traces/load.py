@@ -1,11 +1,7 @@
 """Read a request trace for `kvlab serve`, by shipped name or by file, in either real format.
 
-* Azure LLM inference trace 2023 (`.csv`, `TIMESTAMP,ContextTokens,GeneratedTokens`; Patel et al.,
-  Splitwise, ISCA 2024; CC BY 4.0): read by `kvlab.traces.load_azure_trace`.
-* Mooncake traces (`.jsonl`, arrival, lengths and the ids of 512-token prompt blocks; Qin et al.,
-  FAST 2025; Apache-2.0): read by `kvlab.traces.load_mooncake_trace`. The block ids travel with
-  each request, so a prefix cache sees the trace's real sharing.
-
+An Azure `.csv` (`kvlab.traces.azure`) or a Mooncake `.jsonl` (`kvlab.traces.mooncake`, whose
+512-token block ids travel with each request, so a prefix cache sees the trace's real sharing).
 Both readers reject a malformed line with `file:line` and the bad value. Requests longer than
 max_model_len are *kept* here: the server rejects them on arrival and counts them.
 """
@@ -23,19 +19,8 @@ __all__ = ["load_trace", "SHIPPED_TRACES"]
 
 
 def load_trace(trace: str | Path, limit: int | None = None) -> list[Request]:
-    """Requests of a trace (`kvlab.workload.Request`, with the Mooncake block ids as
-    `trace_block_ids`), in file order (at most `limit`).
-
-    Args:
-        trace: a shipped name (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic)
-            or a path to a `.csv` (Azure format) or `.jsonl` (Mooncake format) file.
-        limit: read at most this many requests (>= 1).
-
-    Raises:
-        FileNotFoundError: no such file.
-        TraceFormatError: an unknown extension, or a malformed line (message: file:line: what).
-        ValueError: limit < 1.
-    """
+    """Requests of a shipped trace or a `.csv` (Azure) or `.jsonl` (Mooncake) file, at most `limit`.
+    TraceFormatError for an unknown extension or a malformed line (file:line: what)."""
     path = trace_file(trace)
     if path.suffix == ".csv":
         return load_azure_trace(path, limit)

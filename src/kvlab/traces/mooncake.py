@@ -44,15 +44,9 @@ MOONCAKE_TRACES = {"conversation": "conversation_trace.jsonl",
 
 def expand_hash_ids(hash_ids: tuple[int, ...] | list[int], input_length: int,
                     block_size: int) -> list[int]:
-    """Keys of the ceil(input_length / block_size) prompt blocks of `block_size` tokens.
-
-    Sub-block j (0 <= j < 512 / block_size) of the 512-token block with id h gets the key
-    h * (512 / block_size) + j: distinct for distinct (h, j), equal exactly when the 512-token
-    blocks are equal. block_size 512 returns the ids unchanged.
-
-    Raises:
-        ValueError: block_size does not divide 512.
-    """
+    """Keys of the ceil(input_length / block_size) prompt blocks (the module's sub-block rule). Keys
+    are distinct for distinct (h, j) and equal exactly when the 512-token blocks are equal;
+    block_size 512 returns the ids unchanged."""
     if not isinstance(block_size, int) or block_size < 1 or TRACE_BLOCK_SIZE % block_size:
         raise ValueError(f"block_size must divide {TRACE_BLOCK_SIZE} (the trace's block), "
                          f"got {block_size!r}")
@@ -69,17 +63,7 @@ def block_keys(request: Request, block_size: int = TRACE_BLOCK_SIZE) -> list[int
 
 @dataclasses.dataclass
 class MooncakeTrace:
-    """A loaded trace.
-
-    Attributes:
-        name: 'conversation', 'synthetic' or the file name.
-        path: the file read.
-        requests: the requests kept, in file (arrival) order; each carries its hash_ids as
-            `trace_block_ids` of `TRACE_BLOCK_SIZE` tokens.
-        max_model_len: the limit applied (None: none).
-        num_rejected: requests dropped because input + output > max_model_len.
-        num_lines: requests in the file.
-    """
+    """A loaded trace: the requests kept, in arrival order, and those over max_model_len counted."""
 
     name: str
     path: Path
@@ -97,11 +81,7 @@ class MooncakeTrace:
 
 
 def mooncake_trace_path(name: str) -> Path:
-    """Path of a shipped trace ('conversation' or 'synthetic').
-
-    Raises:
-        ValueError: unknown name.
-    """
+    """Path of a shipped trace ('conversation' or 'synthetic')."""
     if name not in MOONCAKE_TRACES:
         raise ValueError(f"unknown Mooncake trace {name!r}; shipped: {', '.join(MOONCAKE_TRACES)}")
     return DATA_DIR / MOONCAKE_TRACES[name]
@@ -109,21 +89,10 @@ def mooncake_trace_path(name: str) -> Path:
 
 def load_mooncake_trace(trace: str | Path = "conversation", max_model_len: int | None = None,
                         limit: int | None = None) -> MooncakeTrace:
-    """Read a Mooncake JSONL trace, checking every line.
-
-    Args:
-        trace: 'conversation' or 'synthetic' (the shipped traces), or a path to a .jsonl file.
-        max_model_len: keep only requests with input_length + output_length <= max_model_len and
-            count the rest in `num_rejected` (None keeps all).
-        limit: stop after this many lines (>= 1).
-
-    Raises:
-        ValueError: unknown trace name, max_model_len or limit < 1.
-        FileNotFoundError: no such file.
-        TraceFormatError: a malformed line; the message starts with "path:line:" and names the
-            field (not JSON, a missing or non-integer field, a negative or zero length, hash_ids
-            of the wrong count, timestamps going backwards).
-    """
+    """Read a Mooncake JSONL trace (a shipped name or a path), checking every line. `limit` stops
+    after that many lines. TraceFormatError, starting "path:line:", names the field of a malformed
+    line: not JSON, a missing or non-integer field, input_length < 1, output_length < 0, hash_ids of
+    the wrong count, timestamps going backwards."""
     for label, value in (("max_model_len", max_model_len), ("limit", limit)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{label} must be a positive integer, got {value!r}")

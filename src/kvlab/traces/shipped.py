@@ -24,12 +24,7 @@ SHIPPED_TRACES = {
 
 
 def trace_file(trace: str | Path) -> Path:
-    """The file of `trace`: a shipped name (see `SHIPPED_TRACES`) or a path to an existing file.
-
-    Raises:
-        FileNotFoundError: neither a shipped name nor an existing file; the message names the
-            shipped traces.
-    """
+    """The file of a shipped name or an existing path; FileNotFoundError lists the shipped names."""
     path = SHIPPED_TRACES[str(trace)]() if str(trace) in SHIPPED_TRACES else Path(trace)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file, and not a shipped trace ("

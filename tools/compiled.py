@@ -19,7 +19,7 @@ every copy), registers per thread and shared memory per program (cuobjdump, whic
 backend ships, reads the cubin).
 
 The compiler is not there under TRITON_INTERPRET=1 (notebooks, tests): `compile_in_subprocess`
-runs `python -m kvlab.kernels.compiled` without it and returns its JSON.
+runs `python -m kvlab.tools.compiled` without it and returns its JSON.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def compile_decode(arch: int = 90, prefetch_ids: bool = True, tile: int | None =
     TRITON_INTERPRET) with its NVIDIA backend."""
     import triton
 
-    from . import paged_attention as pa
+    from kvlab.kernels import paged_attention as pa
 
     if pa.INTERPRETED:
         raise RuntimeError("TRITON_INTERPRET=1: no compiler here (use compile_in_subprocess)")
@@ -177,7 +177,7 @@ def compile_in_subprocess(variants: list[dict], timeout: float = 600) -> list[di
     RuntimeError with the child's error when it fails otherwise."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default; set so Triton 3.9 does not warn
-    run = subprocess.run([sys.executable, "-m", "kvlab.kernels.compiled", json.dumps(variants)],
+    run = subprocess.run([sys.executable, "-m", "kvlab.tools.compiled", json.dumps(variants)],
                          env=env, capture_output=True, text=True, timeout=timeout)
     if run.returncode:
         raise RuntimeError(f"compiling failed:\n{run.stderr[-3000:]}")
@@ -186,7 +186,7 @@ def compile_in_subprocess(variants: list[dict], timeout: float = 600) -> list[di
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m kvlab.kernels.compiled '[{"prefetch_ids": false}, {}]': one JSON line."""
+    """python -m kvlab.tools.compiled '[{"prefetch_ids": false}, {}]': one JSON line."""
     import triton
 
     argv = sys.argv[1:] if argv is None else argv

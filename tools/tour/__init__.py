@@ -8,7 +8,7 @@ Stages, each in its own process so one failure or timeout never stops the others
 * `environment`: the card (name, memory as torch.cuda reports it, compute capability, driver),
   torch / Triton / Python versions, and the card's copy bandwidth measured in the same run.
 * `cuda_tests`: the tests marked `cuda` (`pytest -m cuda` over the test files that use the mark).
-* `benchmarks`: every `kernels/bench_*.py` (stage 5's paged-attention benchmark today).
+* `benchmarks`: every `tools/bench_*.py` (stage 5's paged-attention benchmark today).
 * `oom_story`: stage 7's out-of-memory story on the real allocator (and its expandable-segments
   rerun last).
 * `notebooks`: the `notebooks/NN_*.ipynb` with GPU cells (02, 04, 05), their code cells executed top

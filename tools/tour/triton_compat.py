@@ -1,6 +1,6 @@
 """Run a module as `python -m` would, with Triton's interpreter fixed for NumPy >= 2.4 first.
 
-    python -m kvlab.tour.triton_compat MODULE [ARGS...]
+    python -m kvlab.tools.tour.triton_compat MODULE [ARGS...]
 
 Under `TRITON_INTERPRET=1` every scalar inside a kernel is a 1-element NumPy array, and Triton 3.6's
 interpreter turns one into a Python int (for `range(start, end)`, a loop bound known only at run
@@ -69,7 +69,7 @@ def fix_interpreter_index() -> bool:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit("usage: python -m kvlab.tour.triton_compat MODULE [ARGS...]")
+        raise SystemExit("usage: python -m kvlab.tools.tour.triton_compat MODULE [ARGS...]")
     if fix_interpreter_index():
         print("gpu tour: Triton's interpreter: int() of a 1-element array fixed for this NumPy",
               flush=True)

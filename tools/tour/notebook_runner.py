@@ -1,6 +1,6 @@
 """Execute a notebook's code cells without Jupyter, capturing what each cell prints.
 
-    python -m kvlab.tour.notebook_runner --out DIR [--dry-run] [--reuse NAME=JSON] NB.ipynb ...
+    python -m kvlab.tools.tour.notebook_runner --out DIR [--dry-run] [--reuse NAME=JSON] NB.ipynb...
 
 The GPU machine has no Jupyter packages, so this reads the .ipynb file as JSON (the nbformat 4
 layout: `cells`, each with `cell_type` and `source`) and runs every code cell, top to bottom, in one
@@ -19,7 +19,7 @@ The executed copy (outputs in nbformat, so Jupyter can open it) and a Markdown s
 course's install-and-setup cell, docs/colab.md, so the imports follow it) and the cells that mention
 `cuda` (the GPU paths, `is_gpu_cell`), which on a CPU take their no-GPU branch; the tour runs only
 the notebooks that have such a cell (`has_gpu_cells`). `--reuse NAME=JSON` makes
-`kvlab.kernels.NAME.main` return that JSON instead of running again (the tour runs each benchmark
+`kvlab.tools.NAME.main` return that JSON instead of running again (the tour runs each benchmark
 once, as its own stage, before the notebooks that call it).
 """
 
@@ -178,7 +178,7 @@ def _run_cell(code: str, namespace: dict, filename: str, recorder: _Recorder) ->
                 recorder.outputs.append({"output_type": "error", "ename": type(error).__name__,
                                          "evalue": str(error),
                                          "traceback": [frame for frame in frames
-                                                       if "kvlab/tour/" not in frame]})
+                                                       if "tools/tour/" not in frame]})
     # The printed text comes before the other outputs, as in Jupyter; then any open figures.
     streams = [{"output_type": "stream", "name": name, "text": buffer.getvalue()}
                for name, buffer in (("stdout", stdout), ("stderr", stderr)) if buffer.getvalue()]
@@ -301,12 +301,12 @@ def format_notebook_summary(run: NotebookRun) -> str:
 
 
 def _reuse_results(specs: list[str]) -> None:
-    """For each NAME=JSON: kvlab.kernels.NAME.main(...) returns the saved results, not a rerun."""
+    """For each NAME=JSON: kvlab.tools.NAME.main(...) returns the saved results, not a rerun."""
     import importlib
 
     for spec in specs:
         name, _, path = spec.partition("=")
-        module = importlib.import_module(f"kvlab.kernels.{name}")
+        module = importlib.import_module(f"kvlab.tools.{name}")
         saved = json.loads(Path(path).read_text())
 
         def reuse(argv=None, _name=name, _path=path, _saved=saved):

@@ -145,7 +145,7 @@ def _headline(stage: Stage) -> str | None:
         return None
     record = json.loads(result.read_text())
     if stage.kind == "story":  # every story is an oom_story run
-        from ..oom_story.report import headline
+        from kvlab.oom_story.report import headline
 
         return headline(record)
     goal = record.get("goal") or {}
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
                         help="install missing packages from this folder of wheels first "
                              "(offline; default: the repository's .whl/ when it exists)")
     parser.add_argument("--repo", type=Path, default=repo or Path.cwd(),
-                        help="repository root (holds notebooks/, tests/, kernels/)")
+                        help="repository root (holds notebooks/, tests/, tools/)")
     args = parser.parse_args(argv)
     if not (args.repo / "notebooks").is_dir():
         print(f"gpu tour: error: {args.repo} has no notebooks/ folder; pass --repo",
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
     if not args.dry_run:
         import torch
 
-        from ..device import card_slug
+        from ..machine import card_slug
 
         if not torch.cuda.is_available():
             print("gpu tour: error: no CUDA GPU here; use --dry-run to run the harness on the CPU",

@@ -2,9 +2,9 @@
 
 Decode attention reads every cached K/V byte once and does ~1 FLOP per byte per query head, so it is
 memory-bound: the question is how close it gets to the memory system's limit. That limit is
-measured in the same run (`kvlab.device`): a large device-to-device copy (bytes read + written /
-median time) and, the kernel's own roof since it only reads, a large sum (bytes read / median
-time); the datasheet figure is printed beside them. Per point of a grid (batch x context x
+measured in the same run (`kvlab.tools.machine`): a large device-to-device copy (bytes read +
+written / median time) and, the kernel's own roof since it only reads, a large sum (bytes read /
+median time); the datasheet figure is printed beside them. Per point of a grid (batch x context x
 block_size, Llama-3.1-8B attention shape: 32 query / 8 KV heads, head_dim 128, bf16; fp16 below
 sm_80):
 
@@ -23,13 +23,13 @@ sm_80):
 
 Then the layout study at one point: both pool layouts x block sizes 1-128, next to stage 4's waste
 for those block sizes on the requests stage 4 replays (`bench_report.stage4_waste`). Writes JSON
-(the machine as `kvlab.device.describe_environment` records it, as the GPU tour does, and the
+(the machine as `kvlab.tools.machine.describe_environment` records it, as the GPU tour does, and the
 clocks again after the grid), a Markdown table and a roofline plot, by default under
 results/<card>/bench-<UTC date and time>/ so a later run never overwrites an earlier one. `--toy`
 runs a tiny grid on the CPU interpreter (tested, so it cannot rot); its timings measure the
 interpreter, not a kernel.
 
-Usage: python -m kvlab.kernels.bench_paged_attention [--toy] [--out DIR]
+Usage: python -m kvlab.tools.bench_paged_attention [--toy] [--out DIR]
 """
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ from pathlib import Path
 
 import torch
 
-from ..device import (GPU_COPY_BYTES, card_slug, datasheet_bandwidth_gb_s, default_dtype,
-                      describe_environment, gpu_clocks)
+from kvlab.device import default_dtype
+from kvlab.kernels.pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
+
 from .bench_flex import flex_paged, paged_block_mask, visited_per_owned
 from .bench_report import format_markdown, plot_roofline, stage4_waste
 from .bench_timing import kernel_record, median_ms, sdpa_backend, timing_for
-from .pool_layout import HEAD_MAJOR, LAYOUTS, TOKEN_MAJOR
+from .machine import (GPU_COPY_BYTES, card_slug, datasheet_bandwidth_gb_s, describe_environment,
+                      gpu_clocks)
 
 __all__ = ["BenchConfig", "FULL", "TOY", "run_benchmark", "run_id", "results_dir", "main"]
 
@@ -138,7 +140,7 @@ def contiguous_kv(point: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def launch_once(point: dict, device: torch.device) -> dict:
     """One decode launch of the point's shuffled table, planned as `paged_attention_decode` plans
     it, to read what ran (`kernel_record`): the binary a Triton launch returns."""
-    from . import paged_attention as pa
+    from kvlab.kernels import paged_attention as pa
 
     query = point["query"]
     cuda = device.type == "cuda" and not pa.INTERPRETED
@@ -171,7 +173,7 @@ def bench_point(cfg: BenchConfig, batch: int, context: int, block_size: int, dty
                 roofs: dict, with_alternatives: bool = True) -> dict:
     """Time the kernel (and, if asked, the alternatives) at one point; check it agrees with SDPA.
     roofs: {"copy": GB/s, "read": GB/s} measured in this run."""
-    from .paged_attention import paged_attention_decode
+    from kvlab.kernels.paged_attention import paged_attention_decode
 
     layout = TOKEN_MAJOR
     point = make_point(cfg, batch, context, block_size, layout, dtype, device)
@@ -201,7 +203,7 @@ def bench_point(cfg: BenchConfig, batch: int, context: int, block_size: int, dty
     row["sdpa_ms"] = median_ms(sdpa, timing)
     row["x_sdpa"] = row["sdpa_ms"] / row["ms"]
     if batch * context <= cfg.reference_max_tokens:
-        from ..paged import paged_decode_attention
+        from kvlab.paged import paged_decode_attention
         reference = lambda: paged_decode_attention(point["query"], point["k_cache"],
                                                    point["v_cache"], point["shuffled"].long(),
                                                    point["seq_lens"].long())
@@ -219,7 +221,7 @@ def bench_point(cfg: BenchConfig, batch: int, context: int, block_size: int, dty
 
 def layout_study(cfg: BenchConfig, dtype, device, roofs: dict) -> list[dict]:
     """Both layouts x block sizes at cfg.layout_point: GB/s next to stage 4's waste."""
-    from .paged_attention import paged_attention_decode
+    from kvlab.kernels.paged_attention import paged_attention_decode
 
     batch, context = cfg.layout_point
     waste = stage4_waste(cfg.layout_block_sizes)

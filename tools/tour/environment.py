@@ -1,9 +1,9 @@
 """Stage `environment` of the GPU tour: what machine the figures come from.
 
-    python -m kvlab.tour.environment --out DIR [--dry-run]
+    python -m kvlab.tools.tour.environment --out DIR [--dry-run]
 
 Writes DIR/environment.json and DIR/environment.md. The record and the copy bandwidth are
-`kvlab.device.describe_environment` and `copy_bandwidth_gb_s`, the same functions stage 5's
+`kvlab.tools.machine.describe_environment` and `copy_bandwidth_gb_s`, the same functions stage 5's
 benchmark reports its machine with, so the two never disagree on what was measured or how.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..device import GPU_COPY_BYTES, describe_environment
+from ..machine import GPU_COPY_BYTES, describe_environment
 
 __all__ = ["tour_environment", "format_environment", "main"]
 

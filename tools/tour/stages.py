@@ -1,7 +1,7 @@
 """What each stage of the GPU tour runs, found from the repository so new stages join by themselves.
 
 * tests: the test files that use the `cuda` mark (`pytest -m cuda` over them);
-* benchmarks: every `kernels/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
+* benchmarks: every `tools/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
   for the dry run), e.g. stage 5's `bench_paged_attention.py`;
 * stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
   `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.oom_story`,
@@ -13,7 +13,7 @@ A stage is a command line plus a folder for its files and a time limit in second
 sized for a lent GPU machine's 10-minute command inside a 15-minute lease (docs/gpu_tour.md): they
 add up to the tour's default budget, so a tour whose every stage runs to its limit still ends in
 time. The dry run's are DRY_RUN_SCALE times longer (a busy CPU, Triton's interpreter), and it
-starts each stage through `kvlab.tour.triton_compat`.
+starts each stage through `kvlab.tools.tour.triton_compat`.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def cuda_test_files(repo: Path) -> list[Path]:
 
 
 def benchmark_modules(repo: Path) -> list[str]:
-    """Module names (kvlab.kernels.<stem>) of kernels/bench_*.py files that define main()."""
-    return [f"kvlab.kernels.{path.stem}" for path in sorted((repo / "kernels").glob("bench_*.py"))
+    """Module names (kvlab.tools.<stem>) of tools/bench_*.py files that define main()."""
+    return [f"kvlab.tools.{path.stem}" for path in sorted((repo / "tools").glob("bench_*.py"))
             if _MAIN.search(path.read_text(errors="replace"))]
 
 
@@ -96,11 +96,12 @@ def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | Non
     """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks,
     late stories."""
     # The dry run starts each module through the launcher that fixes Triton's interpreter.
-    python = [sys.executable, "-m", "kvlab.tour.triton_compat"] if dry_run else \
+    python = [sys.executable, "-m", "kvlab.tools.tour.triton_compat"] if dry_run else \
         [sys.executable, "-m"]
     dry = ["--dry-run"] if dry_run else []
     stages = [Stage("environment", "environment",
-                    [*python, "kvlab.tour.environment", "--out", str(out / "environment"), *dry],
+                    [*python, "kvlab.tools.tour.environment", "--out", str(out / "environment"),
+                     *dry],
                     out / "environment", _limit("environment", dry_run))]
     tests = cuda_test_files(repo)
     if tests:  # -v: a stage killed at its limit still shows each test done; -p no:nbval: the
@@ -125,7 +126,7 @@ def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | Non
     stages += story_stages(late=False)
     for path in notebook_files(repo, notebooks):
         stages.append(Stage(path.stem, "notebook",
-                            [*python, "kvlab.tour.notebook_runner", str(path),
+                            [*python, "kvlab.tools.tour.notebook_runner", str(path),
                              "--out", str(out / "notebooks"), *dry],
                             out / "notebooks", _limit(path.name[:2], dry_run)))
     stages += story_stages(late=True)

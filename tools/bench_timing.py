@@ -12,7 +12,7 @@
   with an implementation no server uses; the record says which one ran.
 * The kernel's registers and shared memory, from the binary that was launched: a Triton launch
   returns its CompiledKernel, with `n_regs`, `n_spills` (registers spilled to local memory) and
-  `metadata.shared` (bytes per program), the figures `kvlab.kernels.compiled` reads from a
+  `metadata.shared` (bytes per program), the figures `kvlab.tools.compiled` reads from a
   compile without a GPU.
 """
 

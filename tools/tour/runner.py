@@ -145,7 +145,7 @@ def _headline(stage: Stage) -> str | None:
         return None
     record = json.loads(result.read_text())
     if stage.kind == "story":  # every story is an oom_story run
-        from kvlab.oom_story.report import headline
+        from ..oom_story.report import headline
 
         return headline(record)
     goal = record.get("goal") or {}

@@ -4,7 +4,7 @@
 * benchmarks: every `tools/bench_*.py` that defines `main(argv)` and takes `--out` (and `--toy`
   for the dry run), e.g. stage 5's `bench_paged_attention.py`;
 * stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
-  `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.oom_story`,
+  `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.tools.oom_story`,
   before the notebooks, and its naive run again with expandable segments after them;
 * notebooks: the `notebooks/NN_*.ipynb` that have a GPU cell (`notebook_runner.has_gpu_cells`;
   today 02, 04 and 05), one process each (a notebook that fills the GPU never starves the next).
@@ -45,8 +45,8 @@ DRY_RUN_SCALE = 3
 # expandable-segments rerun of the naive server (the allocator's answer to fragmentation) runs
 # last, so it only takes time that the notebooks left over.
 STORIES = [
-    ("oom_story", "kvlab.oom_story", ("--budget", "20"), False),
-    ("oom_story_expandable", "kvlab.oom_story",
+    ("oom_story", "kvlab.tools.oom_story", ("--budget", "20"), False),
+    ("oom_story_expandable", "kvlab.tools.oom_story",
      ("--strategies", "naive", "--expandable-segments", "--budget", "15"), True),
 ]
 

@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from ..sizing import format_bytes
+from kvlab.sizing import format_bytes
 
 __all__ = ["AllocatorFigures", "OutOfMemoryReport", "ByteLimit", "cuda_figures", "run_peaks"]
 

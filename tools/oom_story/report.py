@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..sizing import format_bytes
+from kvlab.sizing import format_bytes
 
 __all__ = ["describe_run", "markdown", "write_record", "headline"]
 

@@ -1,7 +1,7 @@
 """Stage 7 on a GPU: the naive server runs out of memory under a real burst; paged + prefix holds.
 
-    python -m kvlab.oom_story --out DIR            # a CUDA GPU (the GPU tour's step)
-    python -m kvlab.oom_story --out DIR --dry-run  # the same code path on the CPU
+    python -m kvlab.tools.oom_story --out DIR            # a CUDA GPU (the GPU tour's step)
+    python -m kvlab.tools.oom_story --out DIR --dry-run  # the same code path on the CPU
 
 One process, one model, one workload, two strategies through the one scheduler (`serve`):
 
@@ -45,16 +45,16 @@ from pathlib import Path
 
 import torch
 
-from ..config import load_config
-from ..model import LlamaForCausalLM
-from ..paged.budget import kv_block_bytes, num_blocks_for_budget
-from ..paged.paged_cache import PagedKVCache
-from ..serving import request as req
-from ..serving.engine_core import paged_manager, serve
-from ..serving.model_runner import ModelRunner
-from ..serving.scheduler import SchedulerConfig
-from ..traces import load_trace
-from ..sizing import format_bytes, kv_bytes_per_token
+from kvlab.config import load_config
+from kvlab.model import LlamaForCausalLM
+from kvlab.paged.budget import kv_block_bytes, num_blocks_for_budget
+from kvlab.paged.paged_cache import PagedKVCache
+from kvlab.serving import request as req
+from kvlab.serving.engine_core import paged_manager, serve
+from kvlab.serving.model_runner import ModelRunner
+from kvlab.serving.scheduler import SchedulerConfig
+from kvlab.traces import load_trace
+from kvlab.sizing import format_bytes, kv_bytes_per_token
 from .allocator import ByteLimit, run_peaks
 from .naive import NaiveExecutor, NaiveManager, naive_store
 from .report import describe_run, write_record

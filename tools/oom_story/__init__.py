@@ -1,6 +1,6 @@
 """Stage 7 on a GPU: a server with no KV memory manager runs into `torch.OutOfMemoryError`.
 
-    python -m kvlab.oom_story --out DIR [--dry-run]     # the GPU tour's `oom_story` step
+    python -m kvlab.tools.oom_story --out DIR [--dry-run]     # the GPU tour's `oom_story` step
 
 A demonstration beside the textbook path (`kvlab.serving` is what stage 7 teaches): the naive
 server and paged + prefix serve one real burst at a real model shape, under one lowered

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from ..contiguous import SlabBatchStore
-from ..errors import KVCacheOutOfMemory
-from ..serving.reservation import KVManager
-from ..serving.model_runner import ModelRunner
-from ..serving.request import Request
-from ..sizing import format_bytes, kv_bytes_per_token
+from kvlab.contiguous import SlabBatchStore
+from kvlab.errors import KVCacheOutOfMemory
+from kvlab.serving.reservation import KVManager
+from kvlab.serving.model_runner import ModelRunner
+from kvlab.serving.request import Request
+from kvlab.sizing import format_bytes, kv_bytes_per_token
 from .allocator import AllocatorFigures, ByteLimit, OutOfMemoryReport, cuda_figures
 
 __all__ = ["NaiveManager", "NaiveExecutor", "naive_store"]

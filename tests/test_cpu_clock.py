@@ -17,9 +17,9 @@ from kvlab.calibration import cpu_clock as cc
 from kvlab.config import load_config
 from kvlab.serving import SchedulerConfig, SimulatedExecutor, serve
 from kvlab.serving.engine_core import paged_manager
-from kvlab.vllm_compare.settings import EngineSettings
-from kvlab.vllm_compare.table import timing
-from kvlab.vllm_compare.workloads import Workload
+from kvlab.tools.vllm_compare.settings import EngineSettings
+from kvlab.tools.vllm_compare.table import timing
+from kvlab.tools.vllm_compare.workloads import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM = load_config("smollm2-135m")

@@ -9,7 +9,7 @@ clock's job, and this module measures how well it does it:
 * `predict_comparison` replays a stored run's workload (`stored_workload`, built again from its
   parameters) at a clock, checks that the simulated decisions are vLLM's (running requests after
   every decision), and computes tokens/s, TTFT and TPOT from the simulated token times with the
-  comparison's own arithmetic (`kvlab.vllm_compare.table.timing`), beside each engine's measured
+  comparison's own arithmetic (`kvlab.tools.vllm_compare.table.timing`), beside each engine's measured
   figures;
 * `engine_steps` reads an engine's step ends off its measured token times (a token is sampled at
   the end of the step that computed it; a step that samples nothing leaves no mark), so that
@@ -31,9 +31,9 @@ import numpy as np
 
 from ..serving.cost_model import CostModel
 from ..serving.engine_core import SimulatedExecutor, paged_manager
-from ..vllm_compare.settings import EngineSettings
-from ..vllm_compare.table import first_difference, timing
-from ..vllm_compare.workloads import Workload
+from kvlab.tools.vllm_compare.settings import EngineSettings
+from kvlab.tools.vllm_compare.table import first_difference, timing
+from kvlab.tools.vllm_compare.workloads import Workload
 from .cpu_clock import (DEFAULT_FILE, CpuClock, StepTimes, batch_requests, fit_cpu_clock,
                         pool_blocks, run_batch, scheduler_config)
 
@@ -50,7 +50,7 @@ def stored_workload(stored: dict, vocab_size: int) -> Workload:
     Raises:
         ValueError: the workload built is not the stored one (prompt lengths or output tokens).
     """
-    from ..vllm_compare.workloads import chat_workload, mooncake_workload
+    from kvlab.tools.vllm_compare.workloads import chat_workload, mooncake_workload
 
     w = stored["workload"]
     if w["name"] == "chats":

@@ -43,8 +43,8 @@ from ..serving.cost_model import Card, CostModel
 from ..serving.engine_core import Executor, engine_step
 from ..serving.request import Request
 from ..serving.scheduler import Scheduler, SchedulerConfig
-from ..vllm_compare.settings import EngineSettings
-from ..vllm_compare.workloads import Workload
+from kvlab.tools.vllm_compare.settings import EngineSettings
+from kvlab.tools.vllm_compare.workloads import Workload
 from .clock import levenberg_marquardt
 
 __all__ = ["StepTimes", "CpuClock", "run_batch", "batch_requests", "scheduler_config",
@@ -197,7 +197,7 @@ def probes(vocab_size: int) -> list[tuple[Workload, EngineSettings]]:
     12 Mooncake requests from line 400 of the trace (long prompts), prefilled whole (2,048 tokens
     a step) and in chunks of 256; and 16 prompts of 48 synthetic ids generating 9, 11 .. 39 tokens,
     so that decode batches shrink from 16 requests to 1."""
-    from ..vllm_compare.workloads import mooncake_workload
+    from kvlab.tools.vllm_compare.workloads import mooncake_workload
 
     rng = np.random.default_rng(0)
     short = Workload("short", [rng.integers(0, vocab_size, 48).tolist() for _ in range(16)],

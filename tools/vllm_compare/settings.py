@@ -17,8 +17,9 @@ A result (`RESULT_KEYS`), the same JSON from either engine:
 * num_preemptions; steps: per engine step, `running` and `waiting` requests right after the
   scheduler decided (a request that finishes in the step is still running then);
 * token_times_s: per request, when each output token was sampled: the end of its step, in seconds
-  after the first step began (every request arrives then). `kvlab.vllm_compare.table.timing` turns
-  them into TTFT, TPOT and tokens/s, the same arithmetic for both engines.
+  after the first step began (every request arrives then).
+  `kvlab.tools.vllm_compare.table.timing` turns them into TTFT, TPOT and tokens/s, the same
+  arithmetic for both engines.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def _run_engine(model, workload: Workload, settings: EngineSettings,
     """
     import torch
 
-    from ..paged.budget import kv_block_bytes
-    from ..serving import LLMEngine
+    from kvlab.paged.budget import kv_block_bytes
+    from kvlab.serving import LLMEngine
 
     num_blocks = settings.kvlab_blocks(kv_block_bytes(model.config, settings.block_size,
                                                       torch.float32))
@@ -62,7 +62,7 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
     """The workload through kvlab; returns a result with `settings.RESULT_KEYS`."""
     import torch
 
-    from .. import __version__
+    from kvlab import __version__
 
     torch.set_num_threads(settings.threads)
     running: list[int] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..workload import percentile
+from kvlab.workload import percentile
 from .settings import check_result
 
 __all__ = ["Timing", "timing", "first_difference", "Row", "compare", "format_table",

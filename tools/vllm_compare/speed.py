@@ -6,7 +6,7 @@ its load, so the ratio within a run is steadier than either figure. This summary
 pool, as each result's settings record them) and gives, per configuration: tokens/s of each engine, the ratio kvlab / vLLM, TPOT p50 of each, and
 transformers' `generate` where the run had `--transformers`.
 
-    python -m kvlab.vllm_compare.speed results/cpu-vllm/speed-20261202
+    python -m kvlab.tools.vllm_compare.speed results/cpu-vllm/speed-20261202
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def speed_rows(folder: str | Path) -> list[tuple[str, ...]]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python -m kvlab.vllm_compare.speed FOLDER_OF_COMPARISON_JSONS",
+        print("usage: python -m kvlab.tools.vllm_compare.speed FOLDER_OF_COMPARISON_JSONS",
               file=sys.stderr)
         return 2
     header = ("configuration", "runs", "kvlab tok/s", "vLLM tok/s", "kvlab / vLLM",

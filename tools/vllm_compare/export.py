@@ -28,7 +28,7 @@ def export_hf_folder(model_name: str, folder: str | Path, eos_token_id: int | No
     """
     import torch
 
-    from ..checkpoint import gguf_file, load_model, save_model
+    from kvlab.checkpoint import gguf_file, load_model, save_model
 
     folder = Path(folder)
     source = gguf_file(model_name)

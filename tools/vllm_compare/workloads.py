@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..prefix.chats import FIRST_QUESTIONS, render_chat
+from kvlab.prefix.chats import FIRST_QUESTIONS, render_chat
 
 __all__ = ["Workload", "SYSTEM_PROMPT", "QUESTIONS", "chat_workload", "mooncake_workload"]
 
@@ -117,8 +117,8 @@ def mooncake_workload(vocab_size: int, num_requests: int = 24, shrink: int = 16,
     Raises:
         ValueError: bad sizes, or the trace has fewer such requests.
     """
-    from ..serving import Request, shrink as shrink_requests, synthetic_prompt_ids
-    from ..traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace
+    from kvlab.serving import Request, shrink as shrink_requests, synthetic_prompt_ids
+    from kvlab.traces.mooncake import TRACE_BLOCK_SIZE, load_mooncake_trace
 
     for name, value in (("num_requests", num_requests), ("shrink", shrink),
                         ("max_prompt_tokens", max_prompt_tokens), ("max_tokens", max_tokens)):

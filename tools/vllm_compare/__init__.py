@@ -18,6 +18,9 @@ then the speed of both, measured in the same run. One module per job, in reading
 * `kvlab_side`: the same workload and the same records through kvlab.
 * `table`, `plot`: the side-by-side table and running requests per step.
 * `comparison`: one comparison, vLLM then kvlab.
+* `command`: what `kvlab compare-vllm` does with it (the flags are `kvlab.cli.compare_vllm`'s).
+* `speed`: the median and range over repeated runs
+  (`python -m kvlab.tools.vllm_compare.speed FOLDER`).
 
 docs/vllm_comparison.md has the install steps and the figures measured.
 """

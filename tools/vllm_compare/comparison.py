@@ -47,7 +47,7 @@ class Comparison:
 
 def export_dir(model_name: str) -> Path:
     """Where the HF folder for vLLM is written (kvlab's cache, next to the fetched GGUF)."""
-    from ..fetch import cache_dir
+    from kvlab.fetch import cache_dir
 
     return cache_dir() / "vllm-export" / Path(str(model_name)).name
 
@@ -61,7 +61,7 @@ def build_workload(name: str, model_name: str, num_requests: int | None = None,
     """
     import torch
 
-    from ..checkpoint import load_chat_template, load_model, load_tokenizer
+    from kvlab.checkpoint import load_chat_template, load_model, load_tokenizer
 
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -86,8 +86,8 @@ def run_comparison(model_name: str, workload_name: str, settings: EngineSettings
     Raises:
         ValueError: bad workload, or a request longer than settings.max_model_len.
     """
-    from ..checkpoint import gguf_file
-    from ..gguf_tokenizer import special_token_ids
+    from kvlab.checkpoint import gguf_file
+    from kvlab.gguf_tokenizer import special_token_ids
     from .export import export_hf_folder
 
     model, workload = build_workload(workload_name, model_name, num_requests, max_tokens)

@@ -9,15 +9,16 @@ clock's job, and this module measures how well it does it:
 * `predict_comparison` replays a stored run's workload (`stored_workload`, built again from its
   parameters) at a clock, checks that the simulated decisions are vLLM's (running requests after
   every decision), and computes tokens/s, TTFT and TPOT from the simulated token times with the
-  comparison's own arithmetic (`kvlab.tools.vllm_compare.table.timing`), beside each engine's measured
-  figures;
+  comparison's own arithmetic (`kvlab.tools.vllm_compare.table.timing`), beside each engine's
+  measured figures;
 * `engine_steps` reads an engine's step ends off its measured token times (a token is sampled at
   the end of the step that computed it; a step that samples nothing leaves no mark), so that
   `cpu_clock.fit_cpu_clock` can fit a clock to vLLM's own run: fitted to vLLM's other runs, it
   says how much of the error is the clock's numbers rather than the cost model's form.
 
-`python -m kvlab.calibration.against_vllm [--clock-file F]` prints the tables of docs/cpu_clock.md
-(sections 2 and 3) for one stored clock, from the runs in results/cpu-vllm/cpu_clock_runs/.
+`python -m kvlab.tools.calibration.against_vllm [--clock-file F]` prints the tables of
+docs/cpu_clock.md (sections 2 and 3) for one stored clock, from the runs in
+results/cpu-vllm/cpu_clock_runs/.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..serving.cost_model import CostModel
-from ..serving.engine_core import SimulatedExecutor, paged_manager
-from kvlab.tools.vllm_compare.settings import EngineSettings
-from kvlab.tools.vllm_compare.table import first_difference, timing
-from kvlab.tools.vllm_compare.workloads import Workload
+from kvlab.serving.cost_model import CostModel
+from kvlab.serving.engine_core import SimulatedExecutor, paged_manager
+from ..vllm_compare.settings import EngineSettings
+from ..vllm_compare.table import first_difference, timing
+from ..vllm_compare.workloads import Workload
 from .cpu_clock import (DEFAULT_FILE, CpuClock, StepTimes, batch_requests, fit_cpu_clock,
                         pool_blocks, run_batch, scheduler_config)
 
@@ -50,11 +51,11 @@ def stored_workload(stored: dict, vocab_size: int) -> Workload:
     Raises:
         ValueError: the workload built is not the stored one (prompt lengths or output tokens).
     """
-    from kvlab.tools.vllm_compare.workloads import chat_workload, mooncake_workload
+    from ..vllm_compare.workloads import chat_workload, mooncake_workload
 
     w = stored["workload"]
     if w["name"] == "chats":
-        from ..checkpoint import load_chat_template, load_tokenizer
+        from kvlab.checkpoint import load_chat_template, load_tokenizer
 
         workload = chat_workload(load_tokenizer("smollm2-135m"),
                                  load_chat_template("smollm2-135m"), w["num_chats"],
@@ -150,12 +151,12 @@ def _table(title: str, rows: Sequence[tuple[str, str, list[dict]]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kvlab.calibration.against_vllm`: every stored comparison predicted at the CPU
-    clock (beside vLLM's and kvlab's measured figures), then at a clock fitted to vLLM's own
+    """`python -m kvlab.tools.calibration.against_vllm`: every stored comparison predicted at the
+    CPU clock (beside vLLM's and kvlab's measured figures), then at a clock fitted to vLLM's own
     other runs."""
     import argparse
 
-    from ..config import load_config
+    from kvlab.config import load_config
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--clock-file", default=DEFAULT_FILE)

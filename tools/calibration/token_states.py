@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..serving.cost_model import CostModel
-from ..serving.engine_core import SimulatedExecutor, serve, simulated_manager
-from ..serving.metrics import ServeResult
-from ..serving.request import Request
-from ..serving.reservation import FirstFitSlabManager, power_of_two
-from ..serving.scheduler import SchedulerConfig
+from kvlab.serving.cost_model import CostModel
+from kvlab.serving.engine_core import SimulatedExecutor, serve, simulated_manager
+from kvlab.serving.metrics import ServeResult
+from kvlab.serving.request import Request
+from kvlab.serving.reservation import FirstFitSlabManager, power_of_two
+from kvlab.serving.scheduler import SchedulerConfig
 
 __all__ = ["RESERVATIONS", "token_state_shares"]
 

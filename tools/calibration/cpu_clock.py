@@ -1,9 +1,9 @@
 """A clock for this machine's CPU, fitted by timing kvlab's own engine.
 
-The calibrated clock (`clock`) is fitted to published GPU figures that cannot be re-measured here.
-On this machine one real engine can be measured against the simulator end to end: vLLM's CPU build,
-run by `kvlab compare-vllm` on the same workloads with the same settings (`against_vllm`). The
-simulator needs a clock for this CPU first:
+The calibrated clock (`kvlab.calibration.clock`) is fitted to published GPU figures that cannot be
+re-measured here. On this machine one real engine can be measured against the simulator end to
+end: vLLM's CPU build, run by `kvlab compare-vllm` on the same workloads with the same settings
+(`against_vllm`). The simulator needs a clock for this CPU first:
 
 1. `time_steps` runs probe workloads (`probes`) through kvlab's model mode (SmolLM2-135M, fp32,
    1 thread) and keeps every engine step's sizes (tokens computed, cached tokens read, attention
@@ -13,15 +13,15 @@ simulator needs a clock for this CPU first:
 2. `fit_cpu_clock` chooses the cost model's numbers for this CPU: its memory bandwidth is measured
    (`measure_read_bandwidth`: one pass over the weights, the read a decode step makes); its
    effective FLOP rate and a per-step overhead are fitted by least squares on log step time
-   (`clock.levenberg_marquardt`). Left free, the bandwidth is not pinned by these steps (every
+   (`fit_clock.levenberg_marquardt`). Left free, the bandwidth is not pinned by these steps (every
    decode step reads about the same bytes, so the fit trades the weights' read against the
    overhead). There is no datasheet peak to derate: the rates are the card's (`Card`), at 100 %.
    The fit also takes runs whose step ends are seen only where a token was sampled (an engine's
    token times): it then matches the time between two seen ends (`StepTimes.intervals`).
 
 The probes are not the compared workloads (a Mooncake slice from further down the trace, and short
-prompts of synthetic ids). `python -m kvlab.calibration.cpu_clock` times, fits and stores the
-clock in results/cpu-vllm/cpu_clock.json, with the steps it was fitted to.
+prompts of synthetic ids). `python -m kvlab.tools.calibration.cpu_clock` times, fits and stores
+the clock in results/cpu-vllm/cpu_clock.json, with the steps it was fitted to.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import LlamaConfig
-from ..serving.cost_model import Card, CostModel
-from ..serving.engine_core import Executor, engine_step
-from ..serving.request import Request
-from ..serving.scheduler import Scheduler, SchedulerConfig
-from kvlab.tools.vllm_compare.settings import EngineSettings
-from kvlab.tools.vllm_compare.workloads import Workload
-from .clock import levenberg_marquardt
+from kvlab.config import LlamaConfig
+from kvlab.serving.cost_model import Card, CostModel
+from kvlab.serving.engine_core import Executor, engine_step
+from kvlab.serving.request import Request
+from kvlab.serving.scheduler import Scheduler, SchedulerConfig
+from ..vllm_compare.settings import EngineSettings
+from ..vllm_compare.workloads import Workload
+from .fit_clock import levenberg_marquardt
 
 __all__ = ["StepTimes", "CpuClock", "run_batch", "batch_requests", "scheduler_config",
            "pool_blocks", "time_steps", "fit_cpu_clock", "measure_read_bandwidth", "probes",
@@ -121,7 +121,7 @@ class CpuClock:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no CPU clock; time one with python -m "
-                                    f"kvlab.calibration.cpu_clock")
+                                    f"kvlab.tools.calibration.cpu_clock")
         return cls(**json.loads(path.read_text()))
 
 
@@ -187,7 +187,7 @@ def scheduler_config(settings: EngineSettings) -> SchedulerConfig:
 
 def pool_blocks(settings: EngineSettings, config: LlamaConfig) -> int:
     """kvlab's pool in blocks for these settings (vLLM's usable pool: `kvlab_blocks`)."""
-    from ..paged.budget import kv_block_bytes
+    from kvlab.paged.budget import kv_block_bytes
 
     return settings.kvlab_blocks(kv_block_bytes(config, settings.block_size, "fp32"))
 
@@ -197,7 +197,7 @@ def probes(vocab_size: int) -> list[tuple[Workload, EngineSettings]]:
     12 Mooncake requests from line 400 of the trace (long prompts), prefilled whole (2,048 tokens
     a step) and in chunks of 256; and 16 prompts of 48 synthetic ids generating 9, 11 .. 39 tokens,
     so that decode batches shrink from 16 requests to 1."""
-    from kvlab.tools.vllm_compare.workloads import mooncake_workload
+    from ..vllm_compare.workloads import mooncake_workload
 
     rng = np.random.default_rng(0)
     short = Workload("short", [rng.integers(0, vocab_size, 48).tolist() for _ in range(16)],
@@ -218,8 +218,8 @@ def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
     """
     import torch
 
-    from ..serving.engine_core import model_strategy
-    from ..sizing import kv_bytes_per_token
+    from kvlab.serving.engine_core import model_strategy
+    from kvlab.sizing import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(model.config, model.dtype)
     probes_timed = []
@@ -313,13 +313,13 @@ def _load_average() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kvlab.calibration.cpu_clock`: time kvlab's model mode on the probes, fit the
-    CPU clock and store it (with the steps it was fitted to); `against_vllm` then uses it."""
+    """`python -m kvlab.tools.calibration.cpu_clock`: time kvlab's model mode on the probes, fit
+    the CPU clock and store it (with the steps it was fitted to); `against_vllm` then uses it."""
     import argparse
 
     import torch
 
-    from ..checkpoint import load_model
+    from kvlab.checkpoint import load_model
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--repeats", type=int, default=3)

@@ -214,7 +214,7 @@ def test_checker_grades_from_a_non_editable_install(wheel, tmp_path):
                              capture_output=True, text=True, timeout=600)
         return run.returncode, run.stdout + run.stderr
 
-    probe = "import kvlab.checker as c; print(c.exercise_tests_dir())"
+    probe = "import kvlab.tools.checker as c; print(c.exercise_tests_dir())"
     where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
                            capture_output=True, text=True).stdout.strip()
     assert Path(where) == site / "kvlab" / "exercise_tests"

@@ -1,6 +1,7 @@
 """`kvlab check N`: run the stage-N exercise tests on the learner's `stageN_*.py` (in the folder
 $KVLAB_EXERCISES_DIR) and print one line per failing test: the TODO hint, the failed comparison
-(`kvlab.grading`: input, expected vs got) or the exception and the learner's line that raised it.
+(`kvlab.tools.grading`: input, expected vs got) or the exception and the learner's line that
+raised it.
 
 The tests are the course repository's tests/exercises/, installed with kvlab as the subpackage
 `kvlab.exercise_tests` (pyproject's package-dir), so grading works from any install: editable,
@@ -21,7 +22,7 @@ NAMED_FOLDERS = ("exercises", "solutions")
 
 def exercise_tests_dir() -> Path:
     """The folder of the installed `kvlab.exercise_tests` (test_stageN.py and their conftest)."""
-    from . import exercise_tests
+    from kvlab import exercise_tests
 
     return Path(exercise_tests.__file__).resolve().parent
 

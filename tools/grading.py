@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .prefix.block_hash import short
+from kvlab.prefix.block_hash import short
 
 
 WIDTH = 100  # characters of one value in a message; longer ones are described, not cut

@@ -290,7 +290,7 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 layout: str = TOKEN_MAJOR, tile: int | None = None,
                 prefetch_ids: bool = True) -> DecodeLaunch:
     """The launch `paged_attention_decode` makes for inputs it has checked, on any device ("meta"
-    included: `kvlab.kernels.compiled` compiles it without a GPU). num_splits None picks one
+    included: `kvlab.tools.compiled` compiles it without a GPU). num_splits None picks one
     (`choose_num_splits` for num_sms multiprocessors). Allocates the split buffers."""
     num_seqs, num_heads, head_dim = query.shape
     geometry = pool_geometry(k_cache, layout)

@@ -11,7 +11,7 @@ In an answer, each part the learner writes is a block that becomes one line at i
 An exercise that differs (the learner's work, or out of date) is kept unless --force; --check (CI)
 lists the exercises that differ and writes nothing. Adding stage N: solutions/stageN_<topic>.py
 with blocks, tests/exercises/test_stageN.py (pytest tests of `load_stage("stageN_<topic>.py")`
-asserting with kvlab.grading); run this script (details: docs/instructor_notes.md).
+asserting with kvlab.tools.grading); run this script (details: docs/instructor_notes.md).
 """
 
 import argparse

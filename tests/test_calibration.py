@@ -14,16 +14,17 @@ from cli_run import run
 from kvlab.config import load_config
 from kvlab.serving import CostModel, Request, SimulatedExecutor, get_card, serve
 from kvlab.calibration import clock as cal
+from kvlab.tools.calibration import fit_clock as fit
 
-CLOSED = [m for m in cal.load_measurements() if m.workload["kind"] == "batch"]
+CLOSED = [m for m in fit.load_measurements() if m.workload["kind"] == "batch"]
 
 
 def test_every_measurement_names_its_source_configuration_figure_and_units():
-    measurements = cal.load_measurements()
+    measurements = fit.load_measurements()
     assert len(measurements) == 22 and len({m.id for m in measurements}) == 22
     for m in measurements:
         assert m.source and m.configuration and m.published > 0
-        assert m.units in cal.UNITS and m.metric in cal.METRICS
+        assert m.units in fit.UNITS and m.metric in fit.METRICS
         get_card(m.card)  # a card the cost model knows
     first = measurements[0]
     assert (first.published, first.units, first.value) == (833, "ms", pytest.approx(0.833))
@@ -61,21 +62,21 @@ def test_retiming_at_the_recordings_own_clock_gives_the_replays_figures(metric):
     m = small_open_measurement(metric)
     factors = cal.stored_factors()
     config = load_config(m.model)
-    requests, scheduler, budget, max_model_len = cal._workload(m, config)
+    requests, scheduler, budget, max_model_len = fit._workload(m, config)
     cost = cal.clock_cost_model(config, m.card, m.tp, factors=factors)
-    result = serve(requests, cal._manager(budget, cost.kv_bytes_per_token, max_model_len),
+    result = serve(requests, fit._manager(budget, cost.kv_bytes_per_token, max_model_len),
                    SimulatedExecutor(cost), scheduler)
     expected = {"tpot_p50_s": result.tpot_p50_s, "throughput_tok_s": result.output_tokens_per_s,
                 "e2e_s": result.duration_s}[metric]
-    assert cal.predict(m, factors) == pytest.approx(expected, rel=1e-9)
+    assert fit.predict(m, factors) == pytest.approx(expected, rel=1e-9)
 
 
 def test_a_closed_batch_retimed_at_another_clock_equals_its_replay_there():
     # Everything arrives at t = 0: no decision depends on the clock, so re-timing is exact.
     factors = cal.stored_factors()
     for m in CLOSED[:4] + CLOSED[6:8]:
-        assert cal._record(m, cal.ROOFLINE).retime(factors) == pytest.approx(
-            cal.predict(m, factors), rel=1e-9)
+        assert fit._record(m, cal.ROOFLINE).retime(factors) == pytest.approx(
+            fit.predict(m, factors), rel=1e-9)
 
 
 def test_fit_recovers_known_factors_from_figures_it_made():
@@ -83,9 +84,9 @@ def test_fit_recovers_known_factors_from_figures_it_made():
     cards = sorted({m.card for m in CLOSED})
     truth = dataclasses.replace(truth, compute_efficiency=dict.fromkeys(cards, 0.6),
                                 bandwidth_efficiency=dict.fromkeys(cards, 0.7))
-    made = [dataclasses.replace(m, published=cal.predict(m, truth) / cal.UNITS[m.units])
+    made = [dataclasses.replace(m, published=fit.predict(m, truth) / fit.UNITS[m.units])
             for m in CLOSED]
-    fitted = cal.fit(made, rounds=1)
+    fitted = fit.fit(made, rounds=1)
     assert fitted.shared_compute_efficiency == pytest.approx(0.6, rel=1e-3)
     assert fitted.shared_bandwidth_efficiency == pytest.approx(0.7, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(0.003, rel=1e-3)
@@ -94,8 +95,8 @@ def test_fit_recovers_known_factors_from_figures_it_made():
 
 def test_the_stored_fit_is_the_codes():
     # The closed measurements replay in a second; their stored errors must be what the code says.
-    stored = cal._data()["fitted"]
-    for r in cal.residuals(measurements=CLOSED):
+    stored = cal.calibration_data()["fitted"]
+    for r in fit.residuals(measurements=CLOSED):
         assert r.error == pytest.approx(stored["errors"][r.measurement.id], abs=1e-4)
         assert r.roofline / r.measurement.value - 1 == pytest.approx(
             stored["roofline_errors"][r.measurement.id], abs=1e-4)
@@ -108,7 +109,7 @@ def test_the_stored_fit_is_the_codes():
 def test_error_band_reads_as_percent_with_true_minus_signs():
     assert cal.error_band([-0.181, 0.05, 0.224]) == \
         "\N{MINUS SIGN}18 % \N{HORIZONTAL ELLIPSIS} +22 % over 3 published measurements"
-    stored = list(cal._data()["fitted"]["errors"].values())
+    stored = list(cal.calibration_data()["fitted"]["errors"].values())
     assert cal.clock_note("calibrated") == f"clock: calibrated (fit residuals " \
                                            f"{cal.error_band(stored)})"
     with pytest.raises(ValueError, match="unknown clock 'wall'"):

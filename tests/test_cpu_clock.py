@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlab.calibration import against_vllm as av
-from kvlab.calibration import cpu_clock as cc
+from kvlab.tools.calibration import against_vllm as av
+from kvlab.tools.calibration import cpu_clock as cc
 from kvlab.config import load_config
 from kvlab.serving import SchedulerConfig, SimulatedExecutor, serve
 from kvlab.serving.engine_core import paged_manager
-from kvlab.vllm_compare.settings import EngineSettings
-from kvlab.vllm_compare.table import timing
-from kvlab.vllm_compare.workloads import Workload
+from kvlab.tools.vllm_compare.settings import EngineSettings
+from kvlab.tools.vllm_compare.table import timing
+from kvlab.tools.vllm_compare.workloads import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM = load_config("smollm2-135m")
@@ -124,7 +124,7 @@ def test_a_clock_round_trips_through_its_file(tmp_path):
     path = tmp_path / "cpu_clock.json"
     path.write_text(json.dumps(CLOCK.to_json()))
     assert cc.CpuClock.load(path) == CLOCK
-    with pytest.raises(FileNotFoundError, match="python -m kvlab.calibration.cpu_clock"):
+    with pytest.raises(FileNotFoundError, match="python -m kvlab.tools.calibration.cpu_clock"):
         cc.CpuClock.load(tmp_path / "none.json")
     assert "+4.00 ms a step" in CLOCK.cost_model(SMOLLM).describe_clock()
 

@@ -1,4 +1,5 @@
-"""kvlab.device: the dtype per device, the environment record, the copy and read bandwidths.
+"""kvlab.device: the dtype per device; kvlab.tools.machine: the environment record, the copy and
+read bandwidths.
 
 The dtype: fp16 on a T4 (sm_75), bf16 from Ampere on, fp32 on CPU. No GPU exists on CI, so CUDA is
 mocked: what is pinned is the choice made from the capability the card reports, including on a T4,
@@ -13,9 +14,10 @@ import types
 import pytest
 import torch
 
-import kvlab.device
-from kvlab.device import (copy_bandwidth_gb_s, datasheet_bandwidth_gb_s, default_device,
-                          default_dtype, describe_environment, gpu_clocks, read_bandwidth_gb_s)
+import kvlab.tools.machine
+from kvlab.device import default_device, default_dtype
+from kvlab.tools.machine import (copy_bandwidth_gb_s, datasheet_bandwidth_gb_s,
+                                 describe_environment, gpu_clocks, read_bandwidth_gb_s)
 
 BASE_KEYS = {"date", "mode", "device", "card", "dtype", "python", "torch", "triton", "numpy",
              "cuda", "cpu", "cpu_count", "triton_interpret"}
@@ -76,7 +78,7 @@ def test_rocm_gets_bfloat16(fake_gpu, monkeypatch):
 
 def test_copy_bandwidth_counts_read_and_write_over_the_median_copy(monkeypatch):
     ticks = iter(range(10**6))  # each perf_counter() call is 2**-10 s after the previous one
-    monkeypatch.setattr(kvlab.device, "perf_counter", lambda: next(ticks) * 2**-10)
+    monkeypatch.setattr(kvlab.tools.machine, "perf_counter", lambda: next(ticks) * 2**-10)
     # 2 x 2**20 bytes moved per copy, each copy 2**-10 s: 2**31 B/s.
     assert copy_bandwidth_gb_s("cpu", 2**20, repeats=5) == pytest.approx(2**31 / 1e9)
 
@@ -93,7 +95,7 @@ def test_copy_bandwidth_refuses_empty_copies(num_bytes, repeats):
 
 def test_read_bandwidth_counts_the_bytes_read_once(monkeypatch):
     ticks = iter(range(10**6))
-    monkeypatch.setattr(kvlab.device, "perf_counter", lambda: next(ticks) * 2**-10)
+    monkeypatch.setattr(kvlab.tools.machine, "perf_counter", lambda: next(ticks) * 2**-10)
     # 2**20 bytes read per sum (nothing written counted), each sum 2**-10 s: 2**30 B/s, half the
     # copy's figure for the same bytes and time.
     assert read_bandwidth_gb_s("cpu", 2**20, repeats=5) == pytest.approx(2**30 / 1e9)
@@ -134,7 +136,7 @@ def test_environment_record_on_a_mocked_h200(fake_gpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: props.name)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 140 * 2**30))
-    monkeypatch.setattr(kvlab.device.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(kvlab.tools.machine.shutil, "which", lambda name: f"/usr/bin/{name}")
     asked = []
 
     def nvidia_smi(argv, **kwargs):
@@ -143,7 +145,7 @@ def test_environment_record_on_a_mocked_h200(fake_gpu, monkeypatch):
                   else "1980, 3201, 1980, 3201, P0, 121.37, [N/A]")
         return types.SimpleNamespace(returncode=0, stdout=answer + "\n")
 
-    monkeypatch.setattr(kvlab.device.subprocess, "run", nvidia_smi)
+    monkeypatch.setattr(kvlab.tools.machine.subprocess, "run", nvidia_smi)
     info = describe_environment("cuda", "GPU tour")
     assert set(info) == BASE_KEYS | GPU_KEYS
     assert (info["card"], info["dtype"], info["compute_capability"]) == \
@@ -158,11 +160,11 @@ def test_environment_record_on_a_mocked_h200(fake_gpu, monkeypatch):
                         "--format=csv,noheader,nounits"]
     assert asked[1][3] == ("--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,"
                            "pstate,power.draw,temperature.gpu")
-    assert kvlab.device.card_slug("cuda") == "NVIDIA-H200"
+    assert kvlab.tools.machine.card_slug("cuda") == "NVIDIA-H200"
 
 
 def test_no_clocks_on_a_cpu_or_without_nvidia_smi(fake_gpu, monkeypatch):
     assert gpu_clocks("cpu") is None
     fake_gpu((9, 0))
-    monkeypatch.setattr(kvlab.device.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kvlab.tools.machine.shutil, "which", lambda name: None)
     assert gpu_clocks("cuda") is None

@@ -1,5 +1,6 @@
 """The exercise system: exercises/ is what solutions/ generates; `kvlab check` grades in one clean
-line per test; `kvlab.grading` rejects a float for an int, a wrong dtype and non-finite values."""
+line per test; `kvlab.tools.grading` rejects a float for an int, a wrong dtype and non-finite
+values."""
 
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.grading import assert_close, assert_equal, expect_raises
+from kvlab.tools.grading import assert_close, assert_equal, expect_raises
 
 ROOT = Path(__file__).resolve().parents[1]
 MAKE = runpy.run_path(str(ROOT / "scripts" / "make_exercises.py"))
@@ -134,7 +135,7 @@ def test_checker_says_in_one_line_why_it_cannot_check(args, before, message):
 
 def test_checker_knows_the_file_each_stage_grades():
     """The missing-file line needs each stage's file names: its tests' load_stage("...") calls."""
-    from kvlab.checker import exercise_files, stage_tests
+    from kvlab.tools.checker import exercise_files, stage_tests
 
     for stage, tests in stage_tests().items():
         files = exercise_files(tests)

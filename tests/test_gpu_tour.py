@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.tour import notebook_runner
-from kvlab.tour.notebook_runner import (code_cells, executed_notebook, format_notebook_summary,
-                                        run_notebook, strip_magics)
-from kvlab.tour.packing import returnable_problems
-from kvlab.tour.stage_process import WATCHDOG_GRACE_S
-from kvlab.tour.stages import (BUDGET_S, DRY_RUN_SCALE, benchmark_modules, cuda_test_files,
-                               notebook_files, plan_stages)
+from kvlab.tools.tour import notebook_runner
+from kvlab.tools.tour.notebook_runner import (code_cells, executed_notebook,
+                                              format_notebook_summary, run_notebook, strip_magics)
+from kvlab.tools.tour.packing import returnable_problems
+from kvlab.tools.tour.stage_process import WATCHDOG_GRACE_S
+from kvlab.tools.tour.stages import (BUDGET_S, DRY_RUN_SCALE, benchmark_modules, cuda_test_files,
+                                     notebook_files, plan_stages)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,20 +139,20 @@ def test_timeout_stops_the_notebook(tmp_path):
 
 
 def test_benchmark_results_are_reused_not_rerun(tmp_path, monkeypatch):
-    import kvlab.kernels.bench_paged_attention as bench
+    import kvlab.tools.bench_paged_attention as bench
 
     monkeypatch.setattr(bench, "main", bench.main)  # restored after the test
     saved = tmp_path / "bench.json"
     saved.write_text(json.dumps({"goal": {"pct_of_copy": 1.0}}))
     notebook_runner._reuse_results([f"bench_paged_attention={saved}"])
-    from kvlab.kernels.bench_paged_attention import main as run_benchmark
+    from kvlab.tools.bench_paged_attention import main as run_benchmark
 
     assert run_benchmark(["--out", "anywhere"]) == {"goal": {"pct_of_copy": 1.0}}
 
 
 def test_stages_are_found_from_the_repository(tmp_path):
     assert ROOT / "tests" / "test_triton_paged_attention.py" in cuda_test_files(ROOT)
-    assert "kvlab.kernels.bench_paged_attention" in benchmark_modules(ROOT)
+    assert "kvlab.tools.bench_paged_attention" in benchmark_modules(ROOT)
     every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     # Only the notebooks with a GPU cell (a cell past the setup that names CUDA): read from them.
     with_gpu = [path.name for path in every if any(
@@ -168,7 +168,7 @@ def test_stages_are_found_from_the_repository(tmp_path):
     assert "--expandable-segments" in stages[-1].command
     assert all("--dry-run" in s.command or "--toy" in s.command for s in stages
                if s.kind != "tests")
-    assert all(s.command[1:3] == ["-m", "kvlab.tour.triton_compat"] for s in stages)
+    assert all(s.command[1:3] == ["-m", "kvlab.tools.tour.triton_compat"] for s in stages)
     assert {stage.name for stage in stages if stage.kind == "notebook"} == \
         {Path(n).stem for n in with_gpu}
     # Every name travels back from the device (no spaces), and the limits fit the budget.
@@ -182,16 +182,16 @@ def test_stages_are_found_from_the_repository(tmp_path):
 
 def test_tour_and_benchmark_share_one_environment_record():
     """One function describes the machine and measures its copy bandwidth for both commands."""
-    import kvlab.device
-    import kvlab.kernels.bench_paged_attention as bench
-    from kvlab.tour import environment as tour_environment
+    import kvlab.tools.machine
+    import kvlab.tools.bench_paged_attention as bench
+    from kvlab.tools.tour import environment as tour_environment
 
-    assert bench.describe_environment is kvlab.device.describe_environment
-    assert tour_environment.describe_environment is kvlab.device.describe_environment
-    assert bench.FULL.copy_bytes == kvlab.device.GPU_COPY_BYTES  # the same copy on a GPU
+    assert bench.describe_environment is kvlab.tools.machine.describe_environment
+    assert tour_environment.describe_environment is kvlab.tools.machine.describe_environment
+    assert bench.FULL.copy_bytes == kvlab.tools.machine.GPU_COPY_BYTES  # the same copy on a GPU
     info = tour_environment.tour_environment(dry_run=True)
     assert info["device"] == "cpu" and info["copy_bytes"] == tour_environment.CPU_COPY_BYTES
-    assert set(info) == set(kvlab.device.describe_environment("cpu", "any", copy_bytes=1))
+    assert set(info) == set(kvlab.tools.machine.describe_environment("cpu", "any", copy_bytes=1))
     text = tour_environment.format_environment(info)
     for value in (info["card"], info["dtype"], info["torch"], str(info["numpy"]), info["cpu"]):
         assert value in text
@@ -202,7 +202,7 @@ def test_without_jupyter_notebook_00_runs_every_cell(tmp_path):
     """Its calculator cell imports ipywidgets: without it the sliders are left out, and the
     presets, the calculator and every later cell still run."""
     env = without_jupyter(tmp_path / "site")
-    done = subprocess.run([sys.executable, "-m", "kvlab.tour.notebook_runner",
+    done = subprocess.run([sys.executable, "-m", "kvlab.tools.tour.notebook_runner",
                            str(ROOT / "notebooks" / "00_the_oom_story.ipynb"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)

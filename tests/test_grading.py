@@ -1,12 +1,12 @@
-"""`kvlab.grading.assert_equal` names where got and expected part: lengths and the first differing
-index of a list, only the keys of a dict that differ, bytes hashes as short hex. Cut at 100
-characters, stage 6's hash lists and stage 7's state dicts printed the same visible halves."""
+"""`kvlab.tools.grading.assert_equal` names where got and expected part: lengths and the first
+differing index of a list, only the keys of a dict that differ, bytes hashes as short hex. Cut at
+100 characters, stage 6's hash lists and stage 7's state dicts printed the same visible halves."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvlab.grading import assert_equal
+from kvlab.tools.grading import assert_equal
 from kvlab.prefix import hash_block, hash_full_blocks, short
 
 

@@ -14,8 +14,8 @@ from kvlab.errors import KVCacheOutOfMemory
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.serving import Request, RequestState, SchedulerConfig, serve
-from kvlab.oom_story.allocator import AllocatorFigures, ByteLimit, OutOfMemoryReport
-from kvlab.oom_story.naive import NaiveExecutor, NaiveManager
+from kvlab.tools.oom_story.allocator import AllocatorFigures, ByteLimit, OutOfMemoryReport
+from kvlab.tools.oom_story.naive import NaiveExecutor, NaiveManager
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -176,7 +176,7 @@ def test_allocator_figures_arithmetic():
 def test_cuda_figures_read_the_allocators_books(monkeypatch):
     """The figures are read from memory_stats / mem_get_info / memory_snapshot (faked here with
     the keys and shapes torch documents), the largest *inactive* block of this device counted."""
-    from kvlab.oom_story import allocator
+    from kvlab.tools.oom_story import allocator
 
     stats = {"allocated_bytes.all.current": 7 * 2**30, "reserved_bytes.all.current": 9 * 2**30,
              "inactive_split_bytes.all.current": 2**31 - 2**20, "num_ooms": 3}
@@ -210,7 +210,7 @@ def test_cuda_figures_read_the_allocators_books(monkeypatch):
 
 def test_run_peaks_read_the_same_books(monkeypatch):
     """A run's peaks come from memory_stats too (faked with torch's documented keys)."""
-    from kvlab.oom_story import allocator
+    from kvlab.tools.oom_story import allocator
 
     stats = {"reserved_bytes.all.peak": 9 * 2**30, "inactive_split_bytes.all.peak": 2**29,
              "num_alloc_retries": 4, "num_ooms": 2, "reserved_bytes.all.current": 1}

@@ -168,7 +168,7 @@ def test_prefix_manager_reserves_step_by_step_like_the_paged_one():
 
 
 def test_designs_with_one_sequence_per_request_refuse_forks_on_arrival():
-    from kvlab.oom_story.naive import NaiveManager
+    from kvlab.tools.oom_story.naive import NaiveManager
 
     kv = NaiveManager(CONFIG, torch.float32, "cpu", 32, capacity_bytes=10**6)
     [parent] = families(prompts(1), 4, 0.0)

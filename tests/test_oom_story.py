@@ -1,4 +1,4 @@
-"""Stage 7's GPU step (`kvlab.oom_story`): the whole story on the CPU with an emulated
+"""Stage 7's GPU step (`kvlab.tools.oom_story`): the whole story on the CPU with an emulated
 limit, its time budget, its report; and, marked `cuda`, the real thing at a small real shape."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvlab.oom_story.report import headline, markdown
-from kvlab.oom_story.story import StoryConfig, main, random_model, run_story
+from kvlab.tools.oom_story.report import headline, markdown
+from kvlab.tools.oom_story.story import StoryConfig, main, random_model, run_story
 
 
 @pytest.fixture(scope="module")

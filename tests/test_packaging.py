@@ -1,6 +1,6 @@
 """Packaging: every module the course imports is declared, environment.yml matches pyproject.toml,
-kernels/ installs as kvlab.kernels and tests/exercises/ as kvlab.exercise_tests (so `kvlab check`
-grades from a plain, non-editable install)."""
+kernels/ installs as kvlab.kernels, tools/ as kvlab.tools and tests/exercises/ as
+kvlab.exercise_tests (so `kvlab check` grades from a plain, non-editable install)."""
 
 import ast
 import importlib.metadata
@@ -116,11 +116,12 @@ def third_party_imports(*folders: str, optional: bool = True) -> dict[str, set[s
 
 
 def test_every_module_the_course_imports_is_declared():
-    """What kvlab, its kernels, the exercise checks (which `kvlab check` runs from any install)
-    and the notebooks import unconditionally is a dependency; what the tests and scripts import
-    is at least in [test]. A module the machine happens to hold must not keep CI green."""
+    """What kvlab, its kernels and tools, the exercise checks (which `kvlab check` runs from any
+    install) and the notebooks import unconditionally is a dependency; what the tests and scripts
+    import is at least in [test]. A module the machine happens to hold must not keep CI green."""
     runtime, test = declared()
-    used = third_party_imports("src", "kernels", "tests/exercises", "notebooks", optional=False)
+    used = third_party_imports("src", "kernels", "tools", "tests/exercises", "notebooks",
+                               optional=False)
     missing = {name: sorted(files)[:3] for name, files in used.items() if name not in runtime}
     assert not missing, f"imported but not in [project.dependencies]: {missing}"
     used = third_party_imports("tests", "scripts")
@@ -131,7 +132,7 @@ def test_every_module_the_course_imports_is_declared():
 
 def test_every_declared_distribution_is_used():
     runtime, test = declared()
-    used = set(third_party_imports("src", "kernels", "tests", "scripts", "notebooks"))
+    used = set(third_party_imports("src", "kernels", "tools", "tests", "scripts", "notebooks"))
     assert sorted((runtime | test) - used) == sorted(USED_WITHOUT_IMPORT), \
         "declared but imported nowhere: import it, drop it, or say why in USED_WITHOUT_IMPORT"
 
@@ -147,17 +148,19 @@ def test_environment_yml_python_matches_requires_python():
     assert f"python{requires}" in (ROOT / "environment.yml").read_text()
 
 
-def test_kernels_is_a_subpackage_and_no_top_level_kernels_module(tmp_path):
-    import kvlab.kernels
+@pytest.mark.parametrize("folder", ["kernels", "tools"])
+def test_kernels_and_tools_are_subpackages_and_no_top_level_modules(folder, tmp_path):
+    import importlib
 
-    assert Path(kvlab.kernels.__file__).resolve().parent == ROOT / "kernels"
-    # The install must not expose our kernels/ folder as a top-level `kernels` module. Ask from a
+    package = importlib.import_module(f"kvlab.{folder}")
+    assert Path(package.__file__).resolve().parent == ROOT / folder
+    # The install must not expose our kernels/ or tools/ folder as a top-level module. Ask from a
     # neutral folder: from the repository root, `kernels/` is importable just by being in cwd.
-    probe = ("import importlib.util, sys; spec = importlib.util.find_spec('kernels'); "
+    probe = (f"import importlib.util, sys; spec = importlib.util.find_spec({folder!r}); "
              "print(spec.origin if spec else '')")
     found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
                            text=True, check=True).stdout.strip()
-    assert not found or Path(found).resolve().parent != ROOT / "kernels", found
+    assert not found or Path(found).resolve().parent != ROOT / folder, found
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +179,9 @@ def test_wheel_installs_kernels_under_kvlab_and_ships_the_tiny_model(wheel):
         assert f"kvlab/exercise_tests/{check.name}" in names
     for package in (ROOT / "src" / "kvlab").rglob("__init__.py"):  # every subpackage ships
         assert f"kvlab/{package.relative_to(ROOT / 'src' / 'kvlab').as_posix()}" in names
-    assert not any(name.startswith("kernels/") for name in names)
+    for module in (ROOT / "tools").rglob("*.py"):  # every tool ships, as kvlab.tools
+        assert f"kvlab/tools/{module.relative_to(ROOT / 'tools').as_posix()}" in names
+    assert not any(name.startswith(("kernels/", "tools/")) for name in names)
     for file in ("config.json", "model.safetensors", "tokenizer.json"):
         assert f"kvlab/models/tiny/{file}" in names
     for file in ("conversation_trace.jsonl", "synthetic_trace.jsonl", "LICENSE-APACHE",
@@ -209,7 +214,7 @@ def test_checker_grades_from_a_non_editable_install(wheel, tmp_path):
                              capture_output=True, text=True, timeout=600)
         return run.returncode, run.stdout + run.stderr
 
-    probe = "import kvlab.checker as c; print(c.exercise_tests_dir())"
+    probe = "import kvlab.tools.checker as c; print(c.exercise_tests_dir())"
     where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
                            capture_output=True, text=True).stdout.strip()
     assert Path(where) == site / "kvlab" / "exercise_tests"

@@ -126,7 +126,7 @@ def test_token_states_share_time_weights_the_steps():
 
 
 def test_figure_2_reservations_order_as_in_the_paper():
-    from kvlab.calibration.token_states import RESERVATIONS, token_state_shares
+    from kvlab.tools.calibration.token_states import RESERVATIONS, token_state_shares
 
     config = load_config("llama-3.1-8b")
     cost = CostModel(config, get_card("H100-80GB"))

@@ -1,5 +1,6 @@
-"""Before any stage: the package must be installed (kvlab.kernels is mapped from kernels/), and a
-failed install of carried wheels is reported, never the end of the tour."""
+"""Before any stage: the package must be installed (kvlab.tools is mapped from tools/ and
+kvlab.kernels from kernels/), and a failed install of carried wheels is reported, never the end of
+the tour."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvlab.tour import runner
-from kvlab.tour.runner import INSTALL_HINT, prepare_packages
+from kvlab.tools.tour import runner
+from kvlab.tools.tour.runner import INSTALL_HINT, prepare_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,16 +40,28 @@ def test_the_tour_runs_on_after_a_pip_failure(tmp_path, monkeypatch):
 
 
 def test_without_the_install_the_tour_says_how_to_install(tmp_path):
-    """kvlab from its source folder alone (no site-packages, so no editable install): the
-    kernels are not kvlab.kernels, and the tour stops before any stage with the one line."""
-    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}]; "
-            f"from kvlab.tour.runner import main; "
-            f"sys.exit(main(['--dry-run', '--out', {str(tmp_path / 'out')!r}], "
-            f"repo=__import__('pathlib').Path({str(ROOT)!r})))")
+    """kvlab from its source folder alone (no site-packages, so no editable install): tools/ is
+    not kvlab.tools, and scripts/gpu_tour.py stops before any stage with the one line."""
+    script = ROOT / "scripts" / "gpu_tour.py"
+    code = (f"import sys, runpy; sys.path[:0] = [{str(ROOT / 'src')!r}]; "
+            f"sys.argv = [{str(script)!r}, '--dry-run', '--out', {str(tmp_path / 'out')!r}]; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2, done.stderr
-    assert "kvlab.kernels cannot be imported" in done.stderr and INSTALL_HINT in done.stderr
+    assert "cannot import kvlab.tools" in done.stderr and INSTALL_HINT in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_the_kernels_the_tour_says_how_to_install(tmp_path, monkeypatch, capsys):
+    """The tour imported but kvlab.kernels not (a partial install): it stops before any stage
+    with the one line."""
+    real_find_spec = runner.importlib.util.find_spec
+    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name, *args: (
+        None if name == "kvlab.kernels" else real_find_spec(name, *args)))
+    status = runner.main(["--dry-run", "--out", str(tmp_path / "out")], repo=ROOT)
+    err = capsys.readouterr().err
+    assert status == 2 and "kvlab.kernels cannot be imported" in err and INSTALL_HINT in err
     assert not (tmp_path / "out").exists()
 
 
@@ -58,8 +71,8 @@ def test_the_documented_command_installs_first_then_tours_into_out():
     behind the watchdog (budget + grace), within the 8 minutes planned."""
     import re
 
-    from kvlab.tour.stage_process import WATCHDOG_GRACE_S
-    from kvlab.tour.stages import BUDGET_S
+    from kvlab.tools.tour.stage_process import WATCHDOG_GRACE_S
+    from kvlab.tools.tour.stages import BUDGET_S
 
     text = (ROOT / "docs" / "gpu_tour.md").read_text()
     section = text.split("## The one command for a lent GPU machine", 1)[1]

@@ -11,8 +11,8 @@ import os
 import tarfile
 from pathlib import Path
 
-from kvlab.tour import packing
-from kvlab.tour.packing import MAX_FILE_BYTES, pack, returnable_problems
+from kvlab.tools.tour import packing
+from kvlab.tools.tour.packing import MAX_FILE_BYTES, pack, returnable_problems
 
 
 def touch(path: Path, size: int = 10) -> Path:

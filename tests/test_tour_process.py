@@ -16,10 +16,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvlab.tour.packing import returnable_problems
-from kvlab.tour.runner import run_tour
-from kvlab.tour.stage_process import WATCHDOG_EXIT, run_with_limit
-from kvlab.tour.stages import Stage
+from kvlab.tools.tour.packing import returnable_problems
+from kvlab.tools.tour.runner import run_tour
+from kvlab.tools.tour.stage_process import WATCHDOG_EXIT, run_with_limit
+from kvlab.tools.tour.stages import Stage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def test_the_watchdog_kills_at_the_budget_then_ends_a_stuck_tour(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent("""
         import time
-        from kvlab.tour.stage_process import Watchdog
+        from kvlab.tools.tour.stage_process import Watchdog
         Watchdog(1, lambda: print("budget reached", flush=True), grace_s=1).start()
         time.sleep(60)  # stuck: only the watchdog ends this
         print("not reached")
@@ -113,8 +113,8 @@ def test_the_watchdog_kills_at_the_budget_then_ends_a_stuck_tour(tmp_path):
 TOUR_SCRIPT = """
 import sys
 from pathlib import Path
-from kvlab.tour.runner import run_tour
-from kvlab.tour.stages import Stage
+from kvlab.tools.tour.runner import run_tour
+from kvlab.tools.tour.stages import Stage
 
 out, pack = Path(sys.argv[1]), Path(sys.argv[2])
 stages = [Stage("first", "environment", [sys.executable, "-c", "print('first done')"],
@@ -163,7 +163,7 @@ def test_a_tour_killed_midway_leaves_its_summary_and_archive(tmp_path):
 def test_sigterm_kills_the_stage_and_records_it(tmp_path):
     """A polite stop (SIGTERM, as `timeout` sends) gets the summary updated on the way out."""
     tour, pack = _start_tour_until_second_stage_runs(tmp_path, TOUR_SCRIPT.replace(
-        "run_tour(", "import signal\nfrom kvlab.tour.runner import _terminate\n"
+        "run_tour(", "import signal\nfrom kvlab.tools.tour.runner import _terminate\n"
         "signal.signal(signal.SIGTERM, _terminate)\nrun_tour("))
     summary = pack / "SUMMARY.md"
     tour.send_signal(signal.SIGTERM)

@@ -33,7 +33,7 @@ KERNEL = textwrap.dedent("""
 
     interpreter._patch_lang_tensor = as_in_triton_3_6
     if sys.argv[1] == "fixed":
-        from kvlab.tour.triton_compat import fix_interpreter_index
+        from kvlab.tools.tour.triton_compat import fix_interpreter_index
         assert fix_interpreter_index()
 
     @triton.jit
@@ -66,14 +66,14 @@ def test_interpreter_fix_makes_a_run_time_loop_bound_work_again():
 
 
 def test_launcher_runs_the_module_and_leaves_compiled_runs_alone(tmp_path, monkeypatch):
-    from kvlab.tour import triton_compat
+    from kvlab.tools.tour import triton_compat
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not triton_compat.needs_fix()  # on a GPU (no interpreter) nothing is patched
     module = tmp_path / "say_args.py"
     module.write_text("import sys\nprint('args', sys.argv[1:])\n")
-    done = subprocess.run([sys.executable, "-m", "kvlab.tour.triton_compat", "say_args", "--x",
-                           "1"], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-m", "kvlab.tools.tour.triton_compat", "say_args",
+                           "--x", "1"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(tmp_path), TRITON_INTERPRET="1"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "args ['--x', '1']"

@@ -26,8 +26,8 @@ pytest.importorskip("triton")
                     reason="toy mode is the CPU interpreter; with a GPU the full benchmark runs")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 def test_toy_benchmark_writes_json_markdown_and_roofline(tmp_path):
-    from kvlab.kernels.bench_paged_attention import TOY, main
-    from kvlab.kernels.bench_report import stage4_waste
+    from kvlab.tools.bench_paged_attention import TOY, main
+    from kvlab.tools.bench_report import stage4_waste
 
     results = main(["--toy", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "bench_paged_attention.json").read_text()) == results
@@ -37,7 +37,7 @@ def test_toy_benchmark_writes_json_markdown_and_roofline(tmp_path):
     env = results["environment"]
     assert env["torch"] in markdown and env["triton"] in markdown and env["card"] in markdown
     # The same record, from the same function, as the GPU tour's environment stage writes.
-    from kvlab.tour.environment import tour_environment
+    from kvlab.tools.tour.environment import tour_environment
 
     assert set(env) == set(tour_environment(dry_run=True))
     assert env["copy_gb_s"] == results["copy_gb_s"] and env["copy_bytes"] == TOY.copy_bytes
@@ -94,7 +94,7 @@ def shuffled_pool(batch: int, context: int, block_size: int, seed: int = 0):
 def test_flex_mask_of_the_block_size_loads_only_owned_tokens(block_size, default_load):
     """The issue's headline, batch 64 x 4,096 tokens: FlexAttention's default 128-slot mask blocks
     load 7.58x (block 16) and 1.99x (block 64) the tokens owned; blocks of block_size, 1.0x."""
-    from kvlab.kernels.bench_flex import paged_block_mask, visited_per_owned
+    from kvlab.tools.bench_flex import paged_block_mask, visited_per_owned
 
     table, seq_lens, num_blocks = shuffled_pool(64, 4096, block_size)
     coarse = paged_block_mask(table, seq_lens, block_size, num_blocks, mask_block_size=128)
@@ -112,7 +112,7 @@ def test_flex_mask_from_the_block_table_equals_create_block_mask(mask_block_size
     a pool not filled); and FlexAttention's blocks visited are those holding owned tokens."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from kvlab.kernels.bench_flex import paged_block_mask, paged_mask_mod, visited_per_owned
+    from kvlab.tools.bench_flex import paged_block_mask, paged_mask_mod, visited_per_owned
 
     block_size, num_blocks = 4, 21
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))[:16]
@@ -128,7 +128,7 @@ def test_flex_mask_from_the_block_table_equals_create_block_mask(mask_block_size
 
 
 def test_flex_mask_block_must_be_a_multiple_of_the_block_size():
-    from kvlab.kernels.bench_flex import paged_block_mask
+    from kvlab.tools.bench_flex import paged_block_mask
 
     table, seq_lens, num_blocks = shuffled_pool(2, 32, 16)
     with pytest.raises(ValueError, match="mask_block_size 24 .* block_size 16"):
@@ -136,8 +136,8 @@ def test_flex_mask_block_must_be_a_multiple_of_the_block_size():
 
 
 def test_each_run_has_its_own_results_folder():
-    from kvlab.device import card_slug
-    from kvlab.kernels.bench_paged_attention import results_dir, run_id
+    from kvlab.tools.machine import card_slug
+    from kvlab.tools.bench_paged_attention import results_dir, run_id
 
     when = datetime.datetime(2026, 12, 2, 4, 5, 6, tzinfo=datetime.timezone.utc)
     assert run_id(when) == "bench-20261202-040506"
@@ -149,8 +149,8 @@ def test_each_run_has_its_own_results_folder():
 
 
 def test_small_points_are_timed_from_a_cuda_graph():
-    from kvlab.kernels.bench_paged_attention import FULL, bytes_moved, make_point
-    from kvlab.kernels.bench_timing import median_ms, timing_for
+    from kvlab.tools.bench_paged_attention import FULL, bytes_moved, make_point
+    from kvlab.tools.bench_timing import median_ms, timing_for
 
     cuda = torch.device("cuda")  # only its type is read
     assert timing_for(torch.device("cpu"), 1, FULL.graph_max_bytes) == "cpu_once"
@@ -166,7 +166,7 @@ def test_small_points_are_timed_from_a_cuda_graph():
 
 
 def test_kernel_record_reads_the_launched_binary():
-    from kvlab.kernels.bench_timing import kernel_record
+    from kvlab.tools.bench_timing import kernel_record
 
     launch = types.SimpleNamespace(grid=(64, 8, 1), constants=dict(TILE=32, SPLIT=False))
     loaded = []
@@ -183,7 +183,7 @@ def test_kernel_record_reads_the_launched_binary():
 def test_sdpa_backend_names_the_dispatchers_choice():
     from torch.nn.attention import SDPBackend
 
-    from kvlab.kernels.bench_timing import sdpa_backend
+    from kvlab.tools.bench_timing import sdpa_backend
 
     query, keys = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 40, 16)
     names = {name for name in dir(SDPBackend) if name.isupper()}  # a pybind enum: no iteration

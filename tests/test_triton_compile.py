@@ -5,7 +5,7 @@ card.
 
 Compiled ahead of time for NVIDIA targets (sm_75 = T4, sm_80 = A100, sm_90 = H100/H200) with the
 arguments `paged_attention_decode` launches with, specialised as the JIT specialises a launch
-(`kvlab.kernels.compiled`). At the headline shape (batch 64 x 4,096 tokens, 32 query / 8 KV heads,
+(`kvlab.tools.compiled`). At the headline shape (batch 64 x 4,096 tokens, 32 query / 8 KV heads,
 head_dim 128, bf16, block 16) on sm_90 the decode loop must keep 2+ K/V tiles in shared memory
 and not wait for every copy, with <= 128 registers per thread, so that PROGRAMS_PER_SM programs
 fit on each SM (one wave for the batch's 512 programs). Runs in a subprocess: this test process
@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kvlab.kernels.compiled import compile_in_subprocess  # noqa: E402
+from kvlab.tools.compiled import compile_in_subprocess  # noqa: E402
 from kvlab.kernels.split_kv import PROGRAMS_PER_SM, resident_programs  # noqa: E402
 
 # Shared memory per block a kernel may use (bytes): T4 64 KiB, A100 163 KiB, H100/H200 227 KiB.
@@ -85,7 +85,7 @@ import json, sys, torch, triton
 if "nvidia" not in triton.backends.backends:
     print(json.dumps({"skip": "this Triton has no NVIDIA backend"})); sys.exit(0)
 from kvlab.kernels import paged_attention as pa, write_kv as wk
-from kvlab.kernels.compiled import compile_launch
+from kvlab.tools.compiled import compile_launch
 
 meta = dict(device="meta")
 partial = torch.empty(64, 32, 64, 128, **meta)

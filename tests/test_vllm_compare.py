@@ -1,6 +1,6 @@
-"""kvlab.vllm_compare: the table and its parsing, the workloads, kvlab's side on the tiny model,
-and the one-line errors when vLLM is missing. The comparison against vLLM itself runs only where
-vLLM's venv exists ($KVLAB_VLLM_PYTHON); CI has none, so those tests skip and say so."""
+"""kvlab.tools.vllm_compare: the table and its parsing, the workloads, kvlab's side on the tiny
+model, and the one-line errors when vLLM is missing. The comparison against vLLM itself runs only
+where vLLM's venv exists ($KVLAB_VLLM_PYTHON); CI has none, so those tests skip and say so."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cli_run import run
 from kvlab.checkpoint import load_model, load_tokenizer
 from kvlab.fetch import model_available
 from kvlab.serving import generate_batch
-from kvlab.vllm_compare import (EngineSettings, RESULT_KEYS, VLLMUnavailable, chat_workload,
+from kvlab.tools.vllm_compare import (EngineSettings, RESULT_KEYS, VLLMUnavailable, chat_workload,
                                 check_result, check_vllm_python, compare, decisions_equal,
                                 first_difference, format_table, mooncake_workload, run_kvlab,
                                 run_vllm, timing)
@@ -71,7 +71,7 @@ def test_a_different_decision_is_named_with_its_first_step():
 
 
 def test_plot_is_written(tmp_path):
-    from kvlab.vllm_compare import plot_steps
+    from kvlab.tools.vllm_compare import plot_steps
 
     path = plot_steps(result(), result(engine="vllm"), tmp_path / "sub" / "steps.png", "t")
     assert path.read_bytes()[:4] == b"\x89PNG"
@@ -193,8 +193,8 @@ def test_cli_without_vllm_prints_kvlab_and_one_line_exit_2(capsys, tmp_path):
 
 def test_transformers_generate_gives_kvlab_s_tokens(tiny, tmp_path):
     """The no-server baseline: the same batch, left-padded, through transformers' generate."""
-    from kvlab.vllm_compare.export import export_hf_folder
-    from kvlab.vllm_compare.transformers_side import run_transformers
+    from kvlab.tools.vllm_compare.export import export_hf_folder
+    from kvlab.tools.vllm_compare.transformers_side import run_transformers
 
     model, tokenizer = tiny
     work = chat_workload(tokenizer, None, num_chats=3, max_tokens=6)
@@ -206,7 +206,7 @@ def test_transformers_generate_gives_kvlab_s_tokens(tiny, tmp_path):
 
 
 def test_transformers_missing_names_the_install_line(tiny, monkeypatch):
-    from kvlab.vllm_compare.transformers_side import run_transformers
+    from kvlab.tools.vllm_compare.transformers_side import run_transformers
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r'pip install "transformers>=4.45"'):
@@ -233,7 +233,7 @@ def test_cli_refuses_a_block_size_vllm_refuses(capsys):
                     reason="needs SmolLM2: run `kvlab fetch smollm2-135m`")
 def test_vllm_and_kvlab_agree_on_tokens_and_hits(tmp_path):
     """The real thing, small: 4 chats, enough blocks that nothing is preempted."""
-    from kvlab.vllm_compare import run_comparison
+    from kvlab.tools.vllm_compare import run_comparison
 
     settings = EngineSettings(block_size=32, num_blocks=64, max_model_len=1024)
     done = run_comparison("smollm2-135m", "chats", settings, VLLM_PYTHON, num_requests=4,
@@ -248,7 +248,7 @@ def test_vllm_and_kvlab_agree_on_tokens_and_hits(tmp_path):
 def test_speed_summary_takes_medians_over_repeats(tmp_path, capsys):
     import json
 
-    from kvlab.vllm_compare.speed import main, speed_rows
+    from kvlab.tools.vllm_compare.speed import main, speed_rows
 
     settings = {"num_blocks": 40, "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
     for rep, (ours, theirs) in enumerate([(1.0, 2.0), (2.0, 2.0), (4.0, 2.0)], 1):

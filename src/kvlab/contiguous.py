@@ -12,8 +12,9 @@ head_dim]; slab `s` is row `s`, token at position p lives at `[s, p]`.
 Two KV stores (see `kvlab.model.KVStore`) run a forward pass over slabs: `ContiguousSequence`, one
 sequence, for a notebook's own loop; `SlabBatchStore`, the new tokens of several sequences laid out
 flat, as the serving runner runs a step. `SlabBatchStore` takes any per-sequence memory of this
-shape, so the naive strategy's one tensor per request (`kvlab.oom_story.naive`) runs on it too. Like
-the paged store, it writes every token's K/V of a layer before any token of that layer attends.
+shape, so the naive strategy's one tensor per request (`kvlab.tools.oom_story.naive`) runs on it
+too. Like the paged store, it writes every token's K/V of a layer before any token of that layer
+attends.
 """
 
 from __future__ import annotations

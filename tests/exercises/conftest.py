@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch  # does not import Triton
 
-from kvlab.checker import ENV_EXERCISES_DIR
+from kvlab.tools.checker import ENV_EXERCISES_DIR
 
 # Stage 5's kernels run in Triton's CPU interpreter without a GPU; it is read when Triton is first
 # imported, so it is set before test_stage5.py imports it. One thread: the tensors are tiny.

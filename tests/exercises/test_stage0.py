@@ -10,7 +10,7 @@ import pytest
 
 from kvlab import sizing
 from kvlab.config import PRESETS
-from kvlab.grading import assert_equal
+from kvlab.tools.grading import assert_equal
 
 GiB = 2**30
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvlab.config import LlamaConfig
-from kvlab.grading import assert_close, expect_raises
+from kvlab.tools.grading import assert_close, expect_raises
 from kvlab.model import MLP, RMSNorm, RotaryEmbedding
 
 

@@ -12,7 +12,7 @@ import torch
 from kvlab import sizing
 from kvlab.config import PRESETS, LlamaConfig
 from kvlab.contiguous import ContiguousKVCache, KVCacheOutOfMemory, reservation_bytes
-from kvlab.grading import assert_close, assert_equal, expect_raises
+from kvlab.tools.grading import assert_close, assert_equal, expect_raises
 
 GiB = 2**30
 

@@ -13,7 +13,7 @@ from kvlab import gqa, sizing
 from kvlab.attention import repeat_kv
 from kvlab.oracles import sdpa_attention
 from kvlab.config import PRESETS
-from kvlab.grading import assert_close, assert_equal, expect_raises
+from kvlab.tools.grading import assert_close, assert_equal, expect_raises
 
 
 @pytest.fixture(scope="module")

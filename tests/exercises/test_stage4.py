@@ -13,7 +13,7 @@ import pytest
 from hypothesis import Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 
-from kvlab.grading import assert_equal, expect_raises
+from kvlab.tools.grading import assert_equal, expect_raises
 from kvlab.paged import BlockTable, KVCacheManager
 from kvlab.errors import RequestTooLongError
 

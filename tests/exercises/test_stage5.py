@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.grading import assert_close, assert_equal
+from kvlab.tools.grading import assert_close, assert_equal
 from kvlab.oracles import sdpa_attention
 
 triton = pytest.importorskip("triton")

@@ -10,7 +10,7 @@ import hashlib
 
 import pytest
 
-from kvlab.grading import assert_equal, expect_raises
+from kvlab.tools.grading import assert_equal, expect_raises
 from kvlab.prefix import (ROOT_HASH, PrefixCachingKVCacheManager, extra_keys_for, hash_block,
                           hash_full_blocks)
 from kvlab.serving import Request

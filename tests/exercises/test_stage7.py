@@ -11,7 +11,7 @@ import collections
 
 import pytest
 
-from kvlab.grading import assert_equal
+from kvlab.tools.grading import assert_equal
 from kvlab.serving import Request, Scheduler, SchedulerConfig, simulated_manager
 
 BYTES_PER_TOKEN = 100

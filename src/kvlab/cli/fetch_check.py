@@ -61,6 +61,6 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from ..checker import run_check
+    from kvlab.tools.checker import run_check
 
     return run_check(args.stage, target=args.target)

@@ -23,7 +23,7 @@ cache manager that allocates, a runner that executes), one module per idea, in r
 Beside this path, in the packages that own them: traces by name or file (`kvlab.traces.load_trace`),
 `kvlab report --measure`'s requests held (`kvlab.report_capacity`), the clock's fit
 (`kvlab.calibration`) and, on a GPU, the naive server (one KV tensor per request) running into
-`torch.OutOfMemoryError` (`kvlab.oom_story`).
+`torch.OutOfMemoryError` (`kvlab.tools.oom_story`).
 """
 
 from .cost_model import CARDS, Card, CostModel, get_card

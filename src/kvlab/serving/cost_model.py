@@ -162,7 +162,7 @@ class CostModel:
 
     def time_of_work(self, moved, flops, num_batched_tokens, maximum=max):
         """Seconds of a pass moving `moved` bytes and doing `flops` (numbers, or numpy arrays of
-        steps with maximum=np.maximum: how `kvlab.calibration` re-times recorded steps)."""
+        steps with maximum=np.maximum: how `kvlab.tools.calibration` re-times recorded steps)."""
         return (maximum(moved / self.bandwidth, flops / self.flops) + self.step_overhead_s
                 + self.allreduce_s + self.allreduce_s_per_token * num_batched_tokens)
 

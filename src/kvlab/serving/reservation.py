@@ -18,8 +18,8 @@ request). The designs differ in two things, kept apart:
   (`kvlab.paged.fragmentation.first_fit`, Knuth vol. 1, section 2.5), which counts the admissions
   refused although the free slots added up would have held the request (external fragmentation,
   the paper's figure 3); `ExactBlocksManager`, the same reservation in whole blocks from stage 4's
-  pool, so any free blocks will do; and on a GPU `kvlab.oom_story.naive.NaiveManager`, one tensor
-  per request placed by the CUDA caching allocator.
+  pool, so any free blocks will do; and on a GPU `kvlab.tools.oom_story.naive.NaiveManager`, one
+  tensor per request placed by the CUDA caching allocator.
 
 Token counts are the unit; bytes are tokens x KV bytes per token.
 """

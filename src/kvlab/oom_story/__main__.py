@@ -1,6 +1,0 @@
-"""`python -m kvlab.oom_story --out DIR [--dry-run]`: see `kvlab.oom_story.story`."""
-
-from .story import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

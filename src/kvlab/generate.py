@@ -27,7 +27,7 @@ from .contiguous import ContiguousKVCache
 from .model import LlamaForCausalLM
 from .paged import PagedKVCache
 from .paged.backends import BackendLike
-from .prefix.manager import PrefixCacheStats
+from .prefix.views import PrefixCacheStats
 from .checks import check_int, check_model_len, check_request
 from .sampling import check_temperature, make_generator, next_token
 from .prefix.chats import render_chat

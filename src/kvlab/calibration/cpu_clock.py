@@ -218,7 +218,7 @@ def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
     """
     import torch
 
-    from ..serving.engine_core import model_strategy
+    from ..serving.strategies import model_strategy
     from ..sizing import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(model.config, model.dtype)

@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..serving.cost_model import CostModel
-from ..serving.engine_core import SimulatedExecutor, serve, simulated_manager
+from ..serving.engine_core import SimulatedExecutor, serve
+from ..serving.strategies import simulated_manager
 from ..serving.metrics import ServeResult
 from ..serving.request import Request
 from ..serving.reservation import FirstFitSlabManager, power_of_two

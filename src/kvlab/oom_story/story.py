@@ -49,10 +49,11 @@ from ..config import load_config
 from ..model import LlamaForCausalLM
 from ..paged.budget import kv_block_bytes, num_blocks_for_budget
 from ..paged.paged_cache import PagedKVCache
-from ..serving import request as req
-from ..serving.engine_core import paged_manager, serve
+from .. import serving as req
+from ..serving.engine_core import serve
 from ..serving.model_runner import ModelRunner
 from ..serving.scheduler import SchedulerConfig
+from ..serving.strategies import paged_manager
 from ..traces import load_trace
 from ..sizing import format_bytes, kv_bytes_per_token
 from .allocator import ByteLimit, run_peaks

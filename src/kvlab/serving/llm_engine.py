@@ -39,10 +39,12 @@ from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
 from ..prefix.views import PrefixCacheStats
 from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
-from .engine_core import engine_step, paged_manager
+from ..sampling import SamplingParams, stop_token_ids
+from .engine_core import engine_step
 from .model_runner import ModelRunner
-from .request import Request, SamplingParams, stop_token_ids
+from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .strategies import paged_manager
 
 __all__ = ["EngineStats", "LLMEngine", "BatchResult", "generate_batch", "default_pool_size"]
 

@@ -13,13 +13,12 @@ default; Agrawal et al., Sarathi-Serve, OSDI 2024) and `max_num_seqs` requests r
    *newest* running request is preempted by recompute (Kwon et al., SOSP 2023, section 4.5): its
    memory is freed and it goes to the front of the waiting queue. The oldest always progress, so
    the server never livelocks.
-2. If nothing was preempted this step, waiting requests are admitted first come, first served,
-   while the manager has room, max_num_seqs allows and token budget is left. Room means room for
-   the whole prompt, not just the chunk computed now (`scheduler_reserve_full_isl`, vLLM 0.32's
-   default). The head of the queue that does not fit waits; nothing overtakes it, so it cannot
-   starve. A step that had to preempt admits nobody, as in vLLM v1: the first in line is the
-   request just preempted, which, let back in with a small first chunk, would only be preempted
-   again (thrashing).
+2. `admit_waiting()`: if nothing was preempted this step, waiting requests are admitted first
+   come, first served, while the manager has room for the whole prompt (not just the chunk
+   computed now: `scheduler_reserve_full_isl`, vLLM 0.32's default), max_num_seqs allows and
+   token budget is left. The head of the queue that does not fit waits; nothing overtakes it, so
+   it cannot starve. A step that had to preempt admits nobody, as in vLLM v1: the first in line
+   is the request just preempted, which would only be preempted again (thrashing).
 
 `update()` then records what the step computed: a request whose every token is computed has just
 produced its next token; one that reached max_output_tokens, or sampled one of its stop tokens,
@@ -27,11 +26,10 @@ finishes and frees its memory. A request for n completions is admitted with its 
 n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV
 (section 4.4).
 
-The scheduler calls the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
+It calls the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
 `allocate_slots`, `free`, `fork`; `kvlab.paged.KVCacheManager`): the same code runs the paged
-pool, the paged pool with a prefix cache and the reservations that answer the same verbs
-(`reservation.ContiguousManager`, ...), in model mode and simulation. Requests that can never
-fit are rejected on arrival, with the reason, and never enter the queue.
+pool, with or without a prefix cache, and the reservations that answer the same verbs
+(`reservation.ContiguousManager`, ...). Requests that can never fit are rejected on arrival.
 """
 
 from __future__ import annotations
@@ -118,15 +116,13 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: keep the running requests going, preempting when memory is
-        short, then admit waiting ones (see the module docstring)."""
+        """Decide this step's batch: 1. and 2. of the module docstring."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
-        # This loop runs for every token served, so it is written out: `for` over a list whose
-        # tail is popped (the victims) simply stops before the popped requests, and
-        # prompt_len + num_output_tokens is `num_tokens` without the property call.
+        # Run for every token served, so written out: `for` over a list whose tail is popped (the
+        # victims) stops before them; prompt_len + num_output_tokens is `num_tokens`, inlined.
         allocate_slots = self.kv.allocate_slots
         for request in self.running:
             if budget <= 0:
@@ -146,8 +142,15 @@ class Scheduler:
                 continue
             break  # `request` preempted itself: it was the newest, nothing is left after it
 
+        admitted, budget = ([], budget) if preempted else self.admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, admitted, preempted,
+                               self.config.max_num_batched_tokens - budget, self.kv.take_copies())
+
+    def admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]
+                      ) -> tuple[list[Request], int]:
+        """Step 2: admit from the queue's head into `scheduled`; (admitted, token budget left)."""
         admitted: list[Request] = []
-        while not preempted and self.waiting and budget > 0:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
@@ -168,8 +171,7 @@ class Scheduler:
             admitted.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, admitted, preempted,
-                               self.config.max_num_batched_tokens - budget, self.kv.take_copies())
+        return admitted, budget
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption (vLLM v1): free its KV, reset its progress, queue it first."""
@@ -196,9 +198,7 @@ class Scheduler:
                 family = [request] + self._fork(request)
             elif sampled is None and request.first_token_s is not None and (
                     request.num_output_tokens + 1 < request.max_output_tokens):
-                # Simulation's usual decode token: `_record_token` written out (no id to keep,
-                # not the first token, not the last).
-                request.num_output_tokens += 1
+                request.num_output_tokens += 1  # `_record_token` of a simulated middle token
                 continue
             else:
                 family = [request]
@@ -206,9 +206,9 @@ class Scheduler:
                 token = None if sampled is None else sampled[member.request_id]
                 if self._record_token(member, token, now_s):
                     done.append(member)
-        if done:
-            self.running = [r for r in self.running if r.state is RequestState.RUNNING]
-            self.finished += done
+        for request in done:
+            self.running.remove(request)
+        self.finished += done
         return done
 
     def _fork(self, parent: Request) -> list[Request]:

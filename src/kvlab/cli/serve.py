@@ -222,7 +222,8 @@ def _simulate(args, requests, strategies):
     from ..config import load_config
     from ..calibration.clock import clock_cost_model, clock_note
     from ..serving.cost_model import get_card
-    from ..serving.engine_core import SimulatedExecutor, serve
+    from ..lazy_decode import serve
+    from ..serving.engine_core import SimulatedExecutor
     from ..serving.strategies import simulated_manager
     from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token
 

@@ -13,9 +13,10 @@ work only for the requests at an event, the ones still prefilling and the ones a
 order of the running list, through the scheduler's and the KV cache manager's own code
 (`allocate_slots`, `Scheduler._preempt`, `admit_waiting`, `update`); the lazy ones enter the step's
 time and memory figures as sums kept up to date. A lazy request that is preempted is made whole
-first; one that the token budget leaves out of a step starts a tick later. A step with nothing
-running (admission from an empty server) is the ordinary `engine_step`. The decisions, the step
-series and every request's times are exactly those of `kvlab.serving.engine_core.serve`, which
+first. Two kinds of step run as the ordinary `engine_step`, every request made whole: one that
+starts with nothing running, and one where the token budget would run out before a lazy request
+(admission keeps the running requests within the budget, so it does not arise). The decisions, the
+step series and every request's times are exactly those of `kvlab.serving.engine_core.serve`, which
 stays the code to read: `tests/test_lazy_decode.py` replays slices of both traces, each strategy,
 both ways, and compares them step by step.
 
@@ -67,7 +68,7 @@ class _LazyReplay:
         self.scheduler = Scheduler(kv, config)
         self.paged = isinstance(kv, KVCacheManager)
         self.prefix = isinstance(kv, PrefixCachingKVCacheManager)
-        self.tick = 0          # fast steps so far
+        self.tick = 0  # lazy steps so far
         self.since: dict[int, int] = {}  # lazy request id -> tick at which it became lazy
         # tick -> (request, tick it became lazy): due then, unless woken since (preempted)
         self.events: dict[int, list[tuple[Request, int]]] = collections.defaultdict(list)

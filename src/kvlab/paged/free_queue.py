@@ -24,7 +24,7 @@ __all__ = ["Block", "FreeBlockQueue"]
 
 
 class Block:
-    """One block (page) of the pool: `block_size` token slots in every layer, named by `block_id`."""
+    """One block (page) of the pool: `block_size` token slots in every layer."""
 
     __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
 
@@ -90,7 +90,7 @@ class FreeBlockQueue:
         return taken
 
     def append(self, block: Block) -> None:
-        """Put a block at the tail (reused last); ValueError if it is queued already (double free)."""
+        """Put a block at the tail (reused last); ValueError if already queued (double free)."""
         if block.prev_free is not None:  # `block in self`, written out: it runs for every free
             raise ValueError(f"block {block.block_id} is already in the free block queue")
         last = self._tail.prev_free

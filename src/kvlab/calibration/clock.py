@@ -35,9 +35,8 @@ from ..config import PRESETS, LlamaConfig, load_config
 from ..sizing import default_kv_budget, kv_bytes_per_token
 from ..workload import SHAREGPT, from_sizes, poisson_arrivals, synthetic_requests
 from ..serving.cost_model import CostModel, get_card
-from ..serving.engine_core import serve
+from ..serving import serve, simulated_manager
 from ..serving.request import Request
-from ..serving.strategies import simulated_manager
 from ..serving.scheduler import SchedulerConfig
 
 __all__ = ["Measurement", "Factors", "Residual", "load_measurements", "stored_factors",

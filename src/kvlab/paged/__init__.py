@@ -13,7 +13,6 @@ One module per idea, in reading order:
 * `kv_cache_manager`: `KVCacheManager`, keyed by the request (vLLM v1's verbs:
   `get_computed_blocks`, `allocate_slots`, `free`, `fork` with copy-on-write; a refused call
   changes nothing).
-* `manager_views`: what a learner prints and counts of the block tables (`format_block_tables`).
 * `torch_attention`: write K/V by slot mapping; gather + attend for prefill and decode (the
   plain-PyTorch teaching implementation).
 * `backends`: `AttentionBackend`, `TorchBackend`, `BACKENDS` (the seam where stage 5's kernel

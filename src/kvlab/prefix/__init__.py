@@ -12,9 +12,8 @@ Modules, in reading order:
 * `block_hash`: `hash_block`, `hash_full_blocks`, `extra_keys_for` (cache_salt), SHA-256.
 * `prefix_cache`: `PrefixCache` (hash -> block, exact check), `CachingBlockPool` (LRU eviction).
 * `manager`: `PrefixCachingKVCacheManager(KVCacheManager)`: `get_computed_blocks` (the lookup, the
-  n - 1 cap), `allocate_slots` caching the blocks it fills.
-* `views`: its statistics (`PrefixCacheStats`: hit rate, blocks saved, prefill tokens skipped,
-  evictions) and printouts (`block_counts`, `format_block_tables`).
+  n - 1 cap), `allocate_slots` caching the blocks it fills, statistics (hit rate, blocks saved,
+  prefill tokens skipped, evictions).
 * `trace_blocks`: how the manager reads a request's tokens: real ids, or simulation's stand-in
   ids described block by block (`TraceBlocks`).
 * `trace_hit_rate`: the same manager replayed on the Mooncake traces' block hashes, no tensors:

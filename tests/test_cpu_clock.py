@@ -16,7 +16,7 @@ from kvlab.tools.calibration import against_vllm as av
 from kvlab.tools.calibration import cpu_clock as cc
 from kvlab.config import load_config
 from kvlab.serving import SchedulerConfig, SimulatedExecutor, serve
-from kvlab.serving.engine_core import paged_manager
+from kvlab.serving.strategies import paged_manager
 from kvlab.tools.vllm_compare.settings import EngineSettings
 from kvlab.tools.vllm_compare.table import timing
 from kvlab.tools.vllm_compare.workloads import Workload

@@ -13,7 +13,7 @@ from kvlab.serving import (CostModel, Request, SchedulerConfig, SimulatedExecuto
                            serve, simulated_manager, speed_up)
 from kvlab.prefix import PrefixCachingKVCacheManager, trace_blocks
 from kvlab.prefix.trace_blocks import TraceBlocks
-from kvlab.serving.request import from_sizes, shrink
+from kvlab.workload import from_sizes, shrink
 from kvlab.traces import load_trace
 from kvlab.sizing import kv_bytes_per_token
 

@@ -27,12 +27,11 @@ from .contiguous import ContiguousKVCache
 from .model import LlamaForCausalLM
 from .paged import PagedKVCache
 from .paged.backends import BackendLike
-from .prefix.manager import PrefixCacheStats
+from .prefix.views import PrefixCacheStats
 from .checks import check_int, check_model_len, check_request
-from .sampling import check_temperature, make_generator, next_token
+from .sampling import check_temperature, make_generator, next_token, stop_token_ids
 from .prefix.chats import render_chat
 from .serving.llm_engine import EngineStats, generate_batch
-from .serving.request import stop_token_ids
 
 __all__ = ["GenerationResult", "generate", "CACHE_KINDS", "default_cache", "ChatResult", "chat"]
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from .serving.engine_core import serve, simulated_manager
-from .serving.request import from_sizes
+from .serving.engine_core import serve
+from .serving.strategies import simulated_manager
+from .workload import from_sizes
 from .serving.scheduler import SchedulerConfig, SchedulerOutput
 
 __all__ = ["HeldMeasurement", "measure_requests_held"]

@@ -1,21 +1,32 @@
 """Choosing the next token: greedy, or a sample whose randomness belongs to its request.
 
-Temperature 0 is arg-max; T > 0 samples softmax(logits / T). Each sequence draws from its *own*
+What to do with a request's logits is its `SamplingParams` (vLLM's name): temperature 0 is
+arg-max; T > 0 samples softmax(logits / T). Each sequence draws from its *own*
 `torch.Generator`, so its samples do not depend on its batch, its index in it, or preemption. As
 with vLLM's `SamplingParams.seed`: sibling s of a seeded request uses a stream from (seed, s) only,
 the same alone or tenth in a batch, through any cache; an unseeded request's streams come from the
 engine's seed, its index and s, so two copies of a prompt sample independently. Seeds are
 SHA-256-hashed, so nearby seeds give unrelated streams.
+
+A request ends after any of its stop tokens. A model can have several: an instruct model ends a
+reply with its end-of-turn token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may
+differ from its end-of-sequence token, so a request carries a set of stop token ids, as vLLM's
+`SamplingParams.stop_token_ids`, HF's list-valued `GenerationConfig.eos_token_id` and llama.cpp's
+end-of-generation ids do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
 import torch
 
-__all__ = ["check_temperature", "stream_seed", "make_generator", "next_token"]
+from .checks import check_int
+
+__all__ = ["SamplingParams", "GREEDY", "stop_token_ids", "check_temperature", "stream_seed",
+           "make_generator", "next_token"]
 
 
 def check_temperature(temperature: float) -> float:
@@ -47,3 +58,63 @@ def next_token(logits: torch.Tensor, temperature: float,
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a request's next tokens are chosen from the logits (vLLM's `SamplingParams`, cut down).
+
+    Attributes:
+        temperature: 0 = greedy (arg-max); T > 0 samples from softmax(logits / T).
+        stream_seed: seed of the request's own random stream (`stream_seed`), so its samples do
+            not depend on its batch or on preemption; None with temperature 0.
+        stop_token_ids: the request finishes right after sampling any of these (finish reason
+            "stop"); empty: it runs to max_output_tokens (finish reason "length"). Any iterable
+            of ids is accepted and stored as a frozenset.
+        first_token: a forced first output token (the course's way to make greedy siblings
+            diverge, so copy-on-write shows); None: sampled like the rest.
+
+    Raises:
+        ValueError: a temperature that is not a finite number >= 0, a temperature > 0 without a
+            stream_seed, or a token id that is not an integer >= 0.
+    """
+
+    temperature: float = 0.0
+    stream_seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    first_token: int | None = None
+
+    def __post_init__(self) -> None:
+        check_temperature(self.temperature)
+        if self.temperature > 0 and self.stream_seed is None:
+            # Without it every such request would draw from one default stream: identical samples.
+            raise ValueError(f"temperature={self.temperature} needs a stream_seed (e.g. "
+                             f"kvlab.sampling.stream_seed('request', seed, sibling))")
+        if isinstance(self.stop_token_ids, (int, str)):  # one id where a set belongs: say so
+            raise ValueError(f"stop_token_ids must be a collection of token ids, got "
+                             f"{self.stop_token_ids!r} (write {{{self.stop_token_ids!r}}})")
+        # frozen: the normalised set is written once, here, through object.__setattr__
+        object.__setattr__(self, "stop_token_ids", frozenset(
+            _token_id("stop_token_ids entry", t) for t in self.stop_token_ids))
+        if self.first_token is not None:
+            _token_id("first_token", self.first_token)
+
+
+def _token_id(name: str, value) -> int:
+    """A token id >= 0, else ValueError (no vocabulary bound here: the engine checks that)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a token id >= 0, got {value!r}")
+    return value
+
+
+GREEDY = SamplingParams()
+
+
+def stop_token_ids(eos_token_id, vocab_size: int) -> frozenset[int]:
+    """The stop set of a request from an `eos_token_id` argument: None, one id, or several ids
+    (as HF's `GenerationConfig.eos_token_id`); ValueError for an id outside [0, vocab_size)."""
+    if eos_token_id is None:
+        return frozenset()
+    several = isinstance(eos_token_id, (list, tuple, set, frozenset))
+    ids = list(eos_token_id) if several else [eos_token_id]
+    return frozenset(check_int("eos_token_id", t, 0, vocab_size - 1) for t in ids)

@@ -24,6 +24,10 @@ give the figures). Use the real trace for waste and rejection figures; use the f
 
 ShareGPT statistics from the vLLM paper (input mean 161, output mean 338) are given as a second
 preset; the paper reports means only, so its fit assumes the same spreads as the Azure fit.
+
+The last functions turn any of these workloads into the requests a server replays
+(`kvlab.serving.Request`, `from_sizes`), then reshape them: Poisson arrivals, a trace sped up,
+lengths shrunk for a CPU, synthetic token ids for model mode.
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from .serving.request import Request as ServedRequest
 
 __all__ = ["Request", "LogNormalFit", "AZURE_CONV_2023", "SHAREGPT", "synthetic_requests",
-           "share_longer_than", "percentile", "TrafficStats", "traffic_stats", "compare_to_trace"]
+           "share_longer_than", "percentile", "TrafficStats", "traffic_stats", "compare_to_trace",
+           "from_sizes", "poisson_arrivals", "speed_up", "shrink", "synthetic_prompt_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +60,7 @@ class Request:
             (`kvlab.prefix.report_row`); 0 otherwise.
 
     The server's view of a request (progress, sampling) is `kvlab.serving.Request`, made from
-    these by `kvlab.serving.from_sizes`.
+    these by `from_sizes`.
     """
 
     prompt_len: int
@@ -198,3 +206,107 @@ def compare_to_trace(trace: Sequence[Request], fit: LogNormalFit = AZURE_CONV_20
     Shows where a log-normal fit to a trace's mean and median parts from the trace: the tail.
     """
     return traffic_stats(trace), traffic_stats(synthetic_requests(len(trace), fit, seed=seed))
+
+
+# ---- requests to serve ------------------------------------------------------------------------
+# kvlab.serving reads `percentile` from this module, so its Request is imported where it is used.
+
+def from_sizes(sizes: Iterable[Request], prompt_ids: bool = False, vocab_size: int = 0,
+               seed: int = 0) -> list[ServedRequest]:
+    """Requests to serve (`kvlab.serving.Request`) from a trace's or a fit's, in arrival order.
+
+    Rows with 0 output tokens are served as 1 (a server always returns at least one token).
+    Their `trace_block_ids` / `trace_block_size` are carried over. With prompt_ids=True every
+    request gets `synthetic_prompt_ids` (vocab_size needed).
+    """
+    from .serving.request import Request as ServedRequest
+
+    requests = []
+    for index, row in enumerate(sizes):
+        request = ServedRequest(index, float(row.arrival_s), int(row.prompt_len),
+                                max(1, int(row.output_len)),
+                                trace_block_ids=tuple(row.trace_block_ids),
+                                trace_block_size=int(row.trace_block_size))
+        if prompt_ids:
+            request.prompt_token_ids = synthetic_prompt_ids(request, vocab_size, seed)
+        requests.append(request)
+    requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    return requests
+
+
+def poisson_arrivals(requests: Sequence[ServedRequest], rate: float,
+                     seed: int = 0) -> list[ServedRequest]:
+    """The same requests arriving as a Poisson process of `rate` (> 0) requests per second: gaps
+    exponential with mean 1 / rate, the first at 0 (vLLM's `benchmark_serving --request-rate`)."""
+    if not rate > 0:
+        raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
+    rng, now, out = random.Random(seed), 0.0, []
+    for request in requests:
+        copy = request.fresh_copy()
+        copy.arrival_s = now
+        out.append(copy)
+        now += rng.expovariate(rate)
+    return out
+
+
+def speed_up(requests: Sequence[ServedRequest], factor: float) -> list[ServedRequest]:
+    """Arrival times divided by `factor` (> 0): the trace's bursts, `factor` times denser (the
+    load of `factor` such services sent to one deployment). Sizes are unchanged."""
+    if not factor > 0:
+        raise ValueError(f"speed-up factor must be > 0, got {factor}")
+    out = []
+    for request in requests:
+        copy = request.fresh_copy()
+        copy.arrival_s = request.arrival_s / factor
+        out.append(copy)
+    return out
+
+
+def shrink(requests: Sequence[ServedRequest], factor: int) -> list[ServedRequest]:
+    """Prompt and output lengths divided by `factor` (rounded, at least 1), arrival times kept.
+
+    For the tiny model on a CPU, whose max_position_embeddings is 1,024: the traffic keeps its shape
+    (long tail, bursts) at a size a CPU runs in seconds. Trace block ids are kept, with their
+    block size divided too (it must stay a whole number of tokens).
+
+    Raises:
+        ValueError: factor < 1, or a trace block size it does not divide.
+    """
+    from .serving.request import Request as ServedRequest
+
+    if not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"shrink factor must be a positive integer, got {factor!r}")
+    out = []
+    for r in requests:
+        if r.trace_block_size % factor:
+            raise ValueError(f"shrink factor {factor} does not divide the trace block size "
+                             f"{r.trace_block_size}")
+        out.append(ServedRequest(r.request_id, r.arrival_s, max(1, round(r.prompt_len / factor)),
+                                 max(1, round(r.max_output_tokens / factor)), None,
+                                 r.trace_block_ids, r.trace_block_size // factor))
+    return out
+
+
+def synthetic_prompt_ids(request: ServedRequest, vocab_size: int, seed: int = 0) -> list[int]:
+    """Token ids for a request known only by its length (model mode on a trace).
+
+    Ids are drawn uniformly from [0, vocab_size). With trace block ids, the tokens of each named
+    block are drawn from a generator seeded by (seed, position, block id), so two prompts that share
+    a prefix of blocks in the trace share exactly those token ids, and the prefix cache can find
+    them. The rest of the prompt is drawn from a generator seeded by (seed, request_id).
+
+    Raises:
+        ValueError: vocab_size < 1.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    ids: list[int] = []
+    size = request.trace_block_size
+    for position, block_id in enumerate(request.trace_block_ids if size else ()):
+        rng = random.Random(f"{seed}/{position}/{block_id}")
+        ids += [rng.randrange(vocab_size) for _ in range(size)]
+        if len(ids) >= request.prompt_len:
+            break
+    rng = random.Random(f"{seed}/request/{request.request_id}")
+    ids += [rng.randrange(vocab_size) for _ in range(request.prompt_len - len(ids))]
+    return ids[:request.prompt_len]

@@ -31,7 +31,8 @@ from typing import Sequence
 import numpy as np
 
 from kvlab.serving.cost_model import CostModel
-from kvlab.serving.engine_core import SimulatedExecutor, paged_manager
+from kvlab.serving.engine_core import SimulatedExecutor
+from kvlab.serving.strategies import paged_manager
 from ..vllm_compare.settings import EngineSettings
 from ..vllm_compare.table import first_difference, timing
 from ..vllm_compare.workloads import Workload

@@ -218,7 +218,7 @@ def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
     """
     import torch
 
-    from kvlab.serving.engine_core import model_strategy
+    from kvlab.serving.strategies import model_strategy
     from kvlab.sizing import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(model.config, model.dtype)

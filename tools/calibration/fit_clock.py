@@ -26,8 +26,10 @@ from kvlab.calibration.clock import (DATA_FILE, ROOFLINE, Factors, calibration_d
                                      clock_cost_model, error_band, stored_factors)
 from kvlab.config import PRESETS, LlamaConfig, load_config
 from kvlab.serving.cost_model import CostModel
-from kvlab.serving.engine_core import serve, simulated_manager
-from kvlab.serving.request import Request, from_sizes, poisson_arrivals
+from kvlab.serving.engine_core import serve
+from kvlab.serving.strategies import simulated_manager
+from kvlab.serving.request import Request
+from kvlab.workload import from_sizes, poisson_arrivals
 from kvlab.serving.scheduler import SchedulerConfig
 from kvlab.sizing import default_kv_budget, kv_bytes_per_token
 from kvlab.workload import SHAREGPT, synthetic_requests

@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvlab.serving.cost_model import CostModel
-from kvlab.serving.engine_core import SimulatedExecutor, serve, simulated_manager
+from kvlab.serving.engine_core import SimulatedExecutor, serve
+from kvlab.serving.strategies import simulated_manager
 from kvlab.serving.metrics import ServeResult
 from kvlab.serving.request import Request
 from kvlab.serving.reservation import FirstFitSlabManager, power_of_two

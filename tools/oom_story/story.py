@@ -49,8 +49,9 @@ from kvlab.config import load_config
 from kvlab.model import LlamaForCausalLM
 from kvlab.paged.budget import kv_block_bytes, num_blocks_for_budget
 from kvlab.paged.paged_cache import PagedKVCache
-from kvlab.serving import request as req
-from kvlab.serving.engine_core import paged_manager, serve
+from kvlab import serving as req
+from kvlab.serving.engine_core import serve
+from kvlab.serving.strategies import paged_manager
 from kvlab.serving.model_runner import ModelRunner
 from kvlab.serving.scheduler import SchedulerConfig
 from kvlab.traces import load_trace

@@ -164,9 +164,9 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from ..report import SERVING_STRATEGY
-    from ..serving import request as req
+    from .. import serving as req
     from ..serving.metrics import format_rows
-    from ..serving.engine_core import STRATEGIES
+    from ..serving.strategies import STRATEGIES
     from ..traces import load_trace
 
     check_flags(args)
@@ -215,7 +215,9 @@ def _simulate(args, requests, strategies):
     from ..config import load_config
     from ..calibration.clock import clock_cost_model, clock_note
     from ..serving.cost_model import get_card
-    from ..serving.engine_core import SimulatedExecutor, serve, simulated_manager
+    from ..lazy_decode import serve
+    from ..serving.engine_core import SimulatedExecutor
+    from ..serving.strategies import simulated_manager
     from ..sizing import default_kv_budget, format_bytes, kv_bytes_per_token
 
     config = load_config(args.model or "llama-3.1-70b")
@@ -265,8 +267,9 @@ def _run_model(args, requests, strategies):
 
     from ..checkpoint import load_model
     from ..dtypes import torch_dtype
-    from ..serving.request import synthetic_prompt_ids
-    from ..serving.engine_core import model_strategy, serve
+    from ..workload import synthetic_prompt_ids
+    from ..serving.engine_core import serve
+    from ..serving.strategies import model_strategy
     from ..sizing import format_bytes, local_gpu_memory
     from .generate import default_threads
 

@@ -23,16 +23,9 @@ __all__ = ["BlockPool"]
 
 
 class BlockPool:
-    """`num_blocks` blocks, a free block queue, and a ref count per block.
-
-    Args:
-        num_blocks: blocks in the pool (block ids 0 .. num_blocks - 1, all free at start).
-
-    Every block id argument must be in [0, num_blocks): a negative id would otherwise index the
-    list from its end and touch the wrong block.
-
-    Raises:
-        ValueError: num_blocks not a positive integer.
+    """`num_blocks` blocks (ids 0 .. num_blocks - 1, all free at start; ValueError unless a
+    positive integer), a free block queue, and a ref count per block. A block id argument out of
+    range is refused: a negative one would index the list from its end and touch the wrong block.
     """
 
     def __init__(self, num_blocks: int):
@@ -54,10 +47,7 @@ class BlockPool:
         return self.blocks[check_index("block_id", block_id, self.num_blocks)].ref_count
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` blocks from the head of the free block queue; each gets ref count 1.
-
-        Returns:
-            the block ids, in the order taken.
+        """Take `count` blocks from the head of the free block queue, ref count 1 each; their ids.
 
         Raises:
             ValueError: count is not an integer >= 0.
@@ -81,10 +71,7 @@ class BlockPool:
 
     def share(self, block_id: int) -> None:
         """One more block table holds this block (a fork): ref count + 1, no data is copied.
-
-        Raises:
-            ValueError: block_id out of range, or the block is free (only a held block can be shared).
-        """
+        ValueError: block_id out of range, or the block is free (only a held block is shared)."""
         block = self.blocks[check_index("block_id", block_id, self.num_blocks)]
         if block.ref_count == 0:
             raise ValueError(f"block {block_id} is free; only a held block can be shared")
@@ -104,9 +91,8 @@ class BlockPool:
         return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
 
     def release(self, block_ids: Iterable[int]) -> None:
-        """One block table lets go of each block: ref count - 1; at 0 the block joins the free queue.
-
-        A shared block stays held (and keeps its data) until its last holder releases it.
+        """One block table lets go of each block: ref count - 1; at 0 the block joins the free queue
+        (a shared block stays held, with its data, until its last holder releases it).
 
         Raises:
             ValueError: a block id out of range, or a block released more times than it is held

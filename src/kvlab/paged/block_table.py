@@ -39,11 +39,7 @@ class BlockTable:
     num_tokens: int = 0
 
     def slot(self, position: int) -> int:
-        """Slot of the token at `position`: block_id * block_size + offset.
-
-        Raises:
-            IndexError: the position is negative or has no block yet.
-        """
+        """Slot of the token at `position`; IndexError if negative or it has no block yet."""
         if not 0 <= position < len(self.block_ids) * self.block_size:
             raise IndexError(f"position {position} is outside the {len(self.block_ids)} blocks "
                              f"of {self.block_size} slots this table holds")
@@ -51,19 +47,10 @@ class BlockTable:
         return block_id * self.block_size + position % self.block_size
 
     def num_blocks_after(self, num_new_tokens: int) -> int:
-        """New blocks needed to hold `num_new_tokens` more tokens (0 while the last block has room).
-
-        Raises:
-            ValueError: num_new_tokens < 0.
-        """
+        """New blocks needed to hold `num_new_tokens` (>= 0, else ValueError) more tokens."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         return cdiv(self.num_tokens + num_new_tokens, self.block_size) - len(self.block_ids)
-
-    @property
-    def num_empty_slots(self) -> int:
-        """Reserved but unused slots: all in the last block, so always < block_size."""
-        return len(self.block_ids) * self.block_size - self.num_tokens
 
     def tokens_in_block(self, index: int) -> int:
         """Tokens held by logical block `index` (block_size for all but maybe the last)."""

@@ -24,19 +24,14 @@ __all__ = ["Block", "FreeBlockQueue"]
 
 
 class Block:
-    """One block (page) of the pool: `block_size` token slots in every layer, named by `block_id`.
-
-    Attributes:
-        block_id: index into the pool tensors, 0 .. num_blocks - 1 (block 0 is a real block).
-        ref_count: how many block tables hold this block; 0 = free, > 1 = shared after a fork.
-        prev_free, next_free: the free block queue's links; both None while the block is held.
-    """
+    """One block (page) of the pool: `block_size` token slots in every layer."""
 
     __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
+        self.block_id = block_id  # index into the pool tensors, 0 .. num_blocks - 1
+        self.ref_count = 0        # block tables holding it: 0 = free, > 1 = shared after a fork
+        # the free block queue's links; both None while the block is held
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -45,14 +40,8 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks: O(1) `popleft`, `append` and `remove`.
-
-    Args:
-        blocks: the blocks that start out free, in the order they should be handed out.
-
-    A block is in the queue exactly when its links are set (`block.prev_free is not None`), so
-    "is this block free?" is also O(1) and needs no separate set.
-    """
+    """Doubly linked list of free blocks (given in the order they are to be handed out). A block
+    is in it exactly when its links are set, so "is this block free?" is O(1) too."""
 
     def __init__(self, blocks: Iterable[Block] = ()):
         # Sentinels: the real blocks always sit between these two, so every queued block has a
@@ -77,11 +66,7 @@ class FreeBlockQueue:
             node = node.next_free
 
     def popleft(self) -> Block:
-        """Take the block at the head (freed longest ago).
-
-        Raises:
-            IndexError: the queue is empty.
-        """
+        """Take the block at the head (freed longest ago); IndexError if the queue is empty."""
         if self._length == 0:
             raise IndexError("popleft from an empty free block queue")
         block = self._head.next_free
@@ -105,11 +90,7 @@ class FreeBlockQueue:
         return taken
 
     def append(self, block: Block) -> None:
-        """Put a block at the tail (it will be reused last).
-
-        Raises:
-            ValueError: the block is already in the queue (a double free).
-        """
+        """Put a block at the tail (reused last); ValueError if already queued (double free)."""
         if block.prev_free is not None:  # `block in self`, written out: it runs for every free
             raise ValueError(f"block {block.block_id} is already in the free block queue")
         last = self._tail.prev_free
@@ -119,11 +100,7 @@ class FreeBlockQueue:
         self._length += 1
 
     def remove(self, block: Block) -> None:
-        """Unlink a block from anywhere in the queue: its two neighbours now point at each other.
-
-        Raises:
-            ValueError: the block is not in the queue.
-        """
+        """Unlink a block from anywhere in the queue (ValueError if it is not in it)."""
         if block.prev_free is None:  # `block not in self`
             raise ValueError(f"block {block.block_id} is not in the free block queue")
         block.prev_free.next_free = block.next_free

@@ -23,8 +23,8 @@ pairs to the model runner, which copies the K/V bytes in every layer before the 
 
 Slots are not built here: the block table is all the forward pass needs, and it computes its slot
 mapping (slot = block_id * block_size + offset) once, from the table (`PagedKVCache.batch_store`).
-A request is anything with `request_id` (any hashable), `prompt_len`, `max_output_tokens`,
-`total_len` and `forks`: `kvlab.serving.Request`.
+A request is a `kvlab.serving.Request` (or anything with its `request_id`, any hashable, and
+sizes). What a learner prints of the tables (`format_block_tables`, counts) is in `manager_views`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ..checks import check_int
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits
+from .manager_views import ManagerViews
 
 __all__ = ["KVCacheManager", "too_long_reason"]
 
@@ -48,13 +49,10 @@ def too_long_reason(request, max_model_len: int) -> str | None:
     return None
 
 
-class KVCacheManager:
-    """Block tables per request, allocated from one `BlockPool`.
-
-    Args:
-        num_blocks: blocks in the pool.
-        block_size: tokens per block (vLLM's default is 16; section 7.2 of the paper weighs it).
-        max_model_len: longest request accepted (default: the whole pool); the pool must hold one.
+class KVCacheManager(ManagerViews):
+    """Block tables per request, allocated from one `BlockPool` of num_blocks blocks of
+    block_size tokens (vLLM's default block_size is 16; section 7.2 of the paper weighs it).
+    max_model_len: the longest request accepted (default: the whole pool).
 
     Raises:
         ValueError: num_blocks, block_size or max_model_len not a positive integer.
@@ -63,7 +61,6 @@ class KVCacheManager:
 
     name = "paged"
     has_prefix_cache = False
-    supports_forks = True
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None):
         self.block_size = check_int("block_size", block_size, 1)
@@ -97,11 +94,8 @@ class KVCacheManager:
                        full_sequence_must_fit: bool = False) -> list[int] | None:
         """Room for `num_new_tokens` more tokens, after the ones the request holds and (at
         admission) after `new_computed_blocks`, holding `num_new_computed_tokens` tokens.
-
         full_sequence_must_fit: at admission, refuse unless the free blocks could hold all of
-        the request's tokens, although only num_new_tokens get slots now (vLLM v1's
-        `scheduler_reserve_full_isl` admission gate: a prompt prefilled in chunks is not let in
-        on the strength of its first chunk, to be preempted before its last).
+        the request's tokens now (the scheduler's `scheduler_reserve_full_isl` gate).
 
         Returns:
             the block ids taken from the pool (a copy-on-write copy first), possibly none; None
@@ -209,71 +203,9 @@ class KVCacheManager:
                 f"{cdiv(total, self.block_size)} blocks of {self.block_size}, more than the whole "
                 f"pool of {self.pool.num_blocks} blocks ({self.capacity_tokens} tokens)")
 
-    # ---- inspection --------------------------------------------------------------------------
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Physical blocks held (a shared block counts once)."""
-        return self.pool.num_used_blocks
+    # ---- what the engine records of each step ----------------------------------------------
 
     @property
     def num_reserved_tokens(self) -> int:
         """Slots of the blocks requests hold (cached blocks nobody holds are free memory)."""
         return self.pool.num_used_blocks * self.block_size
-
-    def usage(self) -> float:
-        """Share of the pool held now, 0 .. 1 (vLLM's `kv_cache_usage`)."""
-        return self.num_reserved_tokens / self.capacity_tokens
-
-    @property
-    def num_logical_blocks(self) -> int:
-        """Block table entries over all requests: the blocks needed if nothing were shared."""
-        return sum(len(table.block_ids) for table in self.tables.values())
-
-    @property
-    def num_stored_tokens(self) -> int:
-        """Distinct token slots holding data: a block shared by a fork counts once (shared blocks
-        are never written before a copy, so every holder sees the same fill level)."""
-        filled: dict[int, int] = {}
-        for table in self.tables.values():
-            for index, block_id in enumerate(table.block_ids):
-                filled[block_id] = max(filled.get(block_id, 0), table.tokens_in_block(index))
-        return sum(filled.values())
-
-    def num_tokens(self, request_id: Hashable) -> int:
-        """Tokens whose slots the request holds. KeyError if it has no table."""
-        return self._table(request_id).num_tokens
-
-    def block_ids(self, request_id: Hashable) -> list[int]:
-        """A copy of the request's block table (block ids in logical order). KeyError if none."""
-        return list(self._table(request_id).block_ids)
-
-    def format_block_tables(self) -> str:
-        """A printable picture: each request's block table, ref counts > 1 marked, the free queue.
-
-        Example:
-            block_size=4, 8 blocks: 3 used, 5 free, 1 shared
-              seq 'a'   6 tokens  [0 1*]   last block 2/4 full
-              seq 'b'   6 tokens  [0 1*]   last block 2/4 full
-            shared (block: ref count): 1: 2
-            free queue (head first): 2 3 4 5 6 7
-        """
-        pool = self.pool
-        shared = {b.block_id: b.ref_count for b in pool.blocks if b.ref_count > 1}
-        lines = [f"block_size={self.block_size}, {pool.num_blocks} blocks: "
-                 f"{pool.num_used_blocks} used, {pool.num_free_blocks} free, {len(shared)} shared"]
-        for request_id, table in self.tables.items():
-            ids = " ".join(f"{b}{'*' if b in shared else ''}" for b in table.block_ids)
-            last = table.tokens_in_block(len(table.block_ids) - 1) if table.block_ids else 0
-            lines.append(f"  seq {request_id!r:>5} {table.num_tokens:4d} tokens  [{ids}]   "
-                         f"last block {last}/{self.block_size} full")
-        if shared:
-            lines.append("shared (block: ref count): "
-                         + ", ".join(f"{b}: {r}" for b, r in sorted(shared.items())))
-        lines.append("free queue (head first): "
-                     + " ".join(str(block.block_id) for block in pool.free_queue))
-        return "\n".join(lines)

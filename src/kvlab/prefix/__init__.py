@@ -28,8 +28,9 @@ preemption becomes much cheaper.
 """
 
 from .block_hash import (ROOT_HASH, extra_keys_for, hash_block, hash_full_blocks, sha256, short)
-from .manager import PrefixCacheStats, PrefixCachingKVCacheManager
+from .manager import PrefixCachingKVCacheManager
 from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
+from .views import PrefixCacheStats
 
 __all__ = [
     "ROOT_HASH", "sha256", "extra_keys_for", "hash_block", "hash_full_blocks", "short",

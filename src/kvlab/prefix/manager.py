@@ -10,9 +10,9 @@
   prompt cached whole would otherwise have nothing to run. vLLM v1 caps at n - 1 tokens the same
   way; with whole-block hits that is at most (n - 1) // block_size blocks.
 * `allocate_slots` caches every block it fills (at admission, or later in decode): the block is
-  hashed and entered, so a later request can hit it. (Only full blocks are read, so the
-  manager's record of a request's tokens catches up when a block fills, not at every token.) Blocks are cached when their slots are
-  reserved, as vLLM v1 does, so a request admitted later in the same step may hit a block whose
+  hashed and entered, so a later request can hit it (only full blocks are read, so the manager's
+  record of a request's tokens catches up when a block fills). Blocks are cached when their slots
+  are reserved, as vLLM v1 does, so a request admitted later in the same step may hit a block whose
   K/V that step's forward pass has not written yet. The rule that makes this correct: a block is
   readable from the pass that writes it on; the model runner keeps it by writing the K/V of every
   token of a step, in each layer, before any token attends (`kvlab.serving.model_runner`).
@@ -40,57 +40,22 @@ Efficient Execution of Structured Language Model Programs", 2024) for the same i
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Hashable, Sequence
 
 from ..paged.kv_cache_manager import KVCacheManager
 from . import trace_blocks
-from .block_hash import BlockHash, HashFunction, extra_keys_for, sha256, short
+from .block_hash import BlockHash, HashFunction, extra_keys_for, sha256
 from .block_tokens import BlockTokens, as_block_tokens
 from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
+from .views import PrefixCacheStats, PrefixManagerViews
 
-__all__ = ["PrefixCacheStats", "PrefixCachingKVCacheManager"]
-
-
-@dataclasses.dataclass
-class PrefixCacheStats:
-    """What the prefix cache saved, in tokens and blocks (x bytes_per_token / block_bytes = bytes).
-
-    Attributes:
-        num_lookups: admissions looked up (re-admissions after preemption too).
-        num_query_tokens: tokens of those lookups.
-        num_hit_tokens: tokens found in the cache = prefill tokens skipped.
-        num_hit_blocks: blocks found in the cache = blocks neither allocated nor computed.
-        num_evictions: cached blocks reused for other tokens.
-        num_collisions: lookups where the hash matched an entry but the exact check refused it.
-    """
-
-    num_lookups: int = 0
-    num_query_tokens: int = 0
-    num_hit_tokens: int = 0
-    num_hit_blocks: int = 0
-    num_evictions: int = 0
-    num_collisions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Prefix cache hit rate: tokens hit / tokens queried (0 before any lookup)."""
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
-    @property
-    def prefill_tokens_skipped(self) -> int:
-        return self.num_hit_tokens
+__all__ = ["PrefixCachingKVCacheManager"]
 
 
-class PrefixCachingKVCacheManager(KVCacheManager):
-    """Block tables over a pool whose full blocks are cached by prefix.
-
-    Args:
-        num_blocks, block_size, max_model_len: as `KVCacheManager`.
-        hash_fn: bytes -> bytes block hash function (default SHA-256).
-        verify: confirm every hit against the stored tokens (default); False trusts the hash
-            alone, as vLLM does (only to show what a collision does).
-    """
+class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
+    """Block tables over a pool whose full blocks are cached by prefix. hash_fn: bytes -> bytes
+    (default SHA-256); verify=False trusts the hash alone, as vLLM does, instead of confirming
+    every hit against the stored tokens (only to show what a collision does)."""
 
     name = "paged+prefix"
     has_prefix_cache = True
@@ -121,9 +86,9 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         return [entry.block_id for entry in hits], len(hits) * self.block_size
 
     def _last_lookup(self, request) -> tuple[BlockTokens, tuple, list[CachedBlock]]:
-        """(tokens, extra keys, hits) of the request's last lookup if it was refused since (a
-        retry: the same request, tokens and hash chain), else of none (read afresh, no hits)."""
-        known = self._lookups.pop(request.request_id, None)
+        """(tokens, extra keys, hits) of the request's last lookup if it still holds (a retry after
+        a refused admission: the same tokens and hash chain), else read afresh, with no hits."""
+        known = self._lookups.get(request.request_id)
         if (known is not None and known[3] is self._hashes(request)
                 and len(known[0]) == request.num_tokens):
             return known[:3]
@@ -202,12 +167,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     def _admit(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                full_sequence_must_fit):
         rid = request.request_id
-        known = self._lookups.get(rid)
-        if (known is not None and known[3] is self._hashes(request)
-                and len(known[0]) == request.num_tokens):
-            tokens, extra_keys = known[:2]
-        else:  # admitted without a lookup (no computed blocks)
-            tokens, extra_keys = self.read_tokens(request), extra_keys_for(request.cache_salt)
+        tokens, extra_keys, _ = self._last_lookup(request)  # read afresh if it was not looked up
         chain = [self.prefix_cache.entry(block_id) for block_id in new_computed_blocks]
         if None in chain:
             raise ValueError(f"computed blocks {list(new_computed_blocks)} of request {rid!r} "
@@ -270,24 +230,3 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             # looked up over its own (simulation's stand-in ids differ in the prompt's own id).
             self._forked.discard(rid)
             request.kv_block_hashes = []
-
-    # ---- inspection --------------------------------------------------------------------------
-
-    @property
-    def prefix_stats(self) -> PrefixCacheStats:
-        """A snapshot of the hit, saving and eviction counts since start-up."""
-        self._stats.num_evictions = self.pool.num_evictions
-        return dataclasses.replace(self._stats)
-
-    def block_counts(self) -> dict[str, int]:
-        """{'free', 'cached', 'in_use'}: always adds up to the pool (see `CachingBlockPool`)."""
-        return self.pool.block_counts()
-
-    def format_block_tables(self) -> str:
-        """Stage 4's picture plus the cache: each free cached block with its hash, LRU first."""
-        lines = [super().format_block_tables()]
-        cached = [block for block in self.pool.free_queue if block.block_id in self.prefix_cache]
-        lines.append("cached and free (evicted first -> last): " + (" ".join(
-            f"{b.block_id}:{short(self.prefix_cache.entry(b.block_id).block_hash)}"
-            for b in cached) or "none"))
-        return "\n".join(lines)

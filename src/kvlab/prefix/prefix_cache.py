@@ -184,16 +184,3 @@ class CachingBlockPool(BlockPool):
             if block_id not in self.cache:
                 raise ValueError(f"block {block_id} is not cached; only a cached block can be hit")
         super().touch(block_ids)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix (evictable, and hittable)."""
-        blocks = self.blocks
-        return sum(1 for entry in self.cache.entries() if blocks[entry.block_id].ref_count == 0)
-
-    def block_counts(self) -> dict[str, int]:
-        """{'free': free and not cached, 'cached': free and cached, 'in_use': held}; they add up to
-        num_blocks (a held block may also be cached: it counts as in use)."""
-        cached = self.num_cached_free_blocks
-        return {"free": self.num_free_blocks - cached, "cached": cached,
-                "in_use": self.num_used_blocks}

@@ -3,7 +3,8 @@
 One scheduler for every KV-cache strategy, in the split of vLLM v1 (a scheduler that decides, a KV
 cache manager that allocates, a runner that executes), one module per idea, in reading order:
 
-* `request`: `Request` (sizes, arrival, progress), arrival processes (Poisson, speed-up).
+* `request`: `Request` (sizes, arrival, progress); a trace's requests come from
+  `kvlab.workload.from_sizes` (arrival processes: Poisson, speed-up; shrink; synthetic ids).
 * `reservation`: reserve at admission, one `KVManager` base with the scheduler's verbs and its
   placements: max_model_len slabs (`ContiguousManager`, stage 2), exact sizes first fit in one
   address space (`FirstFitSlabManager`, external fragmentation counted) or in blocks
@@ -14,8 +15,8 @@ cache manager that allocates, a runner that executes), one module per idea, in r
   derates it to published measurements: `kvlab.calibration`).
 * `model_runner`: `ModelRunner` (model mode: one forward pass a step, real cache, sampling).
 * `engine_core`: `engine_step` (decide, execute, record), `serve` (a trace arriving over time),
-  `SimulatedExecutor` (cost model), the one strategy factory (`simulated_manager`,
-  `model_strategy`, `STRATEGIES`).
+  `SimulatedExecutor` (cost model).
+* `strategies`: the one strategy factory (`STRATEGIES`, `simulated_manager`, `model_strategy`).
 * `metrics`: concurrency, KV usage, preemptions, TTFT/TPOT percentiles, tokens/s, plots.
 * `llm_engine`: `LLMEngine` and `generate_batch`, the same scheduler for a batch of prompts
   given up front (n > 1 with copy-on-write, sampling, prefix caching): what stages 4-6 run.
@@ -26,17 +27,18 @@ Beside this path, in the packages that own them: traces by name or file (`kvlab.
 `torch.OutOfMemoryError` (`kvlab.tools.oom_story`).
 """
 
+from ..sampling import SamplingParams
+from ..workload import from_sizes, poisson_arrivals, shrink, speed_up, synthetic_prompt_ids
 from .cost_model import CARDS, Card, CostModel, get_card
-from .engine_core import (STRATEGIES, SimulatedExecutor, StepResult, engine_step, model_strategy,
-                          serve, simulated_manager)
+from .engine_core import SimulatedExecutor, StepResult, engine_step, serve
 from .llm_engine import BatchResult, EngineStats, LLMEngine, default_pool_size, generate_batch
 from .metrics import ROW_KEYS, ServeResult, StepSeries, format_rows, percentile, plot_memory
 from .model_runner import ModelRunner
 from .reservation import (ContiguousManager, ExactBlocksManager, FirstFitSlabManager, GapRefusal,
                           KVManager)
-from .request import (Request, RequestState, SamplingParams, from_sizes, poisson_arrivals,
-                      shrink, speed_up, synthetic_prompt_ids)
+from .request import Request, RequestState
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .strategies import STRATEGIES, model_strategy, simulated_manager
 
 __all__ = [
     "Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",

@@ -39,19 +39,12 @@ __all__ = ["Card", "CARDS", "get_card", "CostModel"]
 
 @dataclasses.dataclass(frozen=True)
 class Card:
-    """A GPU's three roofline numbers.
+    """A GPU's three roofline numbers."""
 
-    Attributes:
-        name: as in `kvlab.sizing.GPU_MEMORY_GIB`.
-        memory_bytes: HBM capacity (bytes).
-        bandwidth_bytes_per_s: peak HBM bandwidth (bytes/s).
-        flops_per_s: peak dense bf16/fp16 tensor-core FLOP/s (no sparsity).
-    """
-
-    name: str
-    memory_bytes: int
-    bandwidth_bytes_per_s: float
-    flops_per_s: float
+    name: str                     # as in `kvlab.sizing.GPU_MEMORY_GIB`
+    memory_bytes: int             # HBM capacity
+    bandwidth_bytes_per_s: float  # peak HBM bandwidth
+    flops_per_s: float            # peak dense bf16/fp16 tensor-core FLOP/s (no sparsity)
 
 
 def _card(name: str, bandwidth_tb_s: float, dense_tflops: float) -> Card:
@@ -70,11 +63,7 @@ CARDS: dict[str, Card] = {card.name: card for card in [
 
 
 def get_card(name: str) -> Card:
-    """The card preset of that name (case-insensitive).
-
-    Raises:
-        SizingError: unknown card (the message lists the known ones).
-    """
+    """The card preset of that name (case-insensitive); SizingError listing the known ones."""
     for key, card in CARDS.items():
         if key.lower() == name.lower():
             return card

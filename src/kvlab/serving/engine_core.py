@@ -1,4 +1,4 @@
-"""The engine core: the serving loop, the two ways to execute a step, and the strategy factory.
+"""The engine core: one step (decide, execute, record) and the serving loop around it.
 
 `serve` is the whole server in one loop (vLLM v1's `EngineCore`, cut to its core):
 
@@ -17,9 +17,7 @@ The scheduler and the KV managers are the same in both modes; only the executor 
 * `SimulatedExecutor` (simulation mode) runs nothing: the cost model (`cost_model.CostModel`) says
   how long the step would take on a named card, so a 19,366-request trace replays in seconds.
 
-A strategy (`STRATEGIES`) is built in one place, `simulated_manager`: its KV manager for a budget,
-with no tensors behind it; `model_strategy` puts real cache tensors and a `ModelRunner` behind
-the same manager.
+The strategies (their KV managers, and the runner behind them) are built in `strategies`.
 """
 
 from __future__ import annotations
@@ -30,22 +28,14 @@ import operator
 import time
 from typing import Callable, Protocol, Sequence
 
-from ..contiguous import ContiguousKVCache
 from ..paged.kv_cache_manager import KVCacheManager
-from ..paged.paged_cache import PagedKVCache
-from ..prefix.block_hash import HashFunction, sha256
-from ..prefix.manager import PrefixCachingKVCacheManager
 from .cost_model import CostModel
-from .reservation import ContiguousManager, KVManager
 from .metrics import ServeResult, StepSeries, summarize
-from .model_runner import ModelRunner
 from .request import Request
+from .reservation import KVManager
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve", "STRATEGIES",
-           "simulated_manager", "paged_manager", "model_strategy"]
-
-STRATEGIES = ("contiguous", "paged", "prefix")
+__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve"]
 
 _computed = operator.attrgetter("num_computed_tokens")  # summed over the running, every step
 
@@ -115,20 +105,10 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
 def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor: Executor,
           config: SchedulerConfig = SchedulerConfig(), bytes_per_token: int = 0,
           progress: bool | None = None) -> ServeResult:
-    """Replay `requests` (by arrival time) through one strategy; returns its figures.
-
-    Args:
-        requests: the workload; copied, so the same list can go through several strategies.
-        kv: the strategy's KV manager (fresh: nothing held).
-        bytes_per_token: KV bytes per token (per GPU), only to label memory in bytes.
-        progress: a tqdm bar (default: over 2,000 requests), only when stderr is a terminal.
-
-    Returns:
-        `ServeResult`; its requests end FINISHED or REJECTED, never stuck.
-
-    Raises:
-        RuntimeError: a step scheduled nothing twice in a row while requests wait (a bug).
-    """
+    """Replay `requests` (copied: one list can go through several strategies) by arrival time
+    through a strategy's fresh KV manager; its `ServeResult`, every request FINISHED or REJECTED.
+    bytes_per_token (per GPU) only labels memory in bytes; progress: a tqdm bar (default: over
+    2,000 requests) when stderr is a terminal. RuntimeError: nothing scheduled twice in a row."""
     from tqdm.auto import tqdm
 
     pending = collections.deque(sorted((r.fresh_copy() for r in requests),
@@ -168,53 +148,3 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
     return summarize(kv.name, served, series, scheduler.num_preemptions,
                      scheduler.num_recomputed_tokens, hits, scheduler.num_queried_tokens,
                      kv.capacity_tokens, bytes_per_token, time.perf_counter() - started, events)
-
-
-def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
-                      max_model_len: int, block_size: int = 16,
-                      hash_fn: HashFunction = sha256) -> KVCacheManager | KVManager:
-    """The one factory of a strategy's KV manager, for a budget: slabs of max_model_len tokens
-    ("contiguous", stage 2), blocks ("paged", stage 4), blocks shared by prefix ("prefix",
-    stage 6). No tensors behind it (simulation); `model_strategy` gives it a cache. Raises
-    ValueError (unknown strategy, a budget of no block) or KVCacheOutOfMemory (no room for one
-    max_model_len request)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    if strategy == "contiguous":
-        return ContiguousManager(kv_budget_bytes // (max_model_len * bytes_per_token),
-                                 max_model_len)
-    num_blocks = kv_budget_bytes // (block_size * bytes_per_token)
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget of {kv_budget_bytes:,} B holds no block of "
-                         f"{block_size} tokens x {bytes_per_token:,} B")
-    return paged_manager(num_blocks, block_size, max_model_len, strategy == "prefix", hash_fn)
-
-
-def paged_manager(num_blocks: int, block_size: int, max_model_len: int,
-                  enable_prefix_caching: bool = False,
-                  hash_fn: HashFunction = sha256) -> KVCacheManager:
-    """The paged strategy's manager for a pool counted in blocks (stage 4's, or stage 6's)."""
-    if enable_prefix_caching:
-        return PrefixCachingKVCacheManager(num_blocks, block_size, max_model_len, hash_fn)
-    return KVCacheManager(num_blocks, block_size, max_model_len)
-
-
-def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: int,
-                   block_size: int = 16, cost_model: CostModel | None = None
-                   ) -> tuple[KVCacheManager | KVManager, ModelRunner]:
-    """A strategy's KV manager (`simulated_manager`, same errors) and a `ModelRunner` over real
-    cache tensors of `kv_budget_bytes` (a paged cache is given the manager the scheduler drives)."""
-    config = model.config
-    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
-                       * config.head_dim * model.dtype.itemsize)
-    manager = simulated_manager(strategy, kv_budget_bytes, bytes_per_token, max_model_len,
-                                block_size)
-    if strategy == "contiguous":
-        cache = ContiguousKVCache(config, manager.num_slabs, max_model_len, dtype=model.dtype,
-                                  device=model.device)
-    else:
-        cache = PagedKVCache(config, manager.pool.num_blocks, block_size, dtype=model.dtype,
-                             device=model.device, manager=manager)
-    executor = ModelRunner(model, cache, cost_model)
-    executor.bytes_per_token = bytes_per_token
-    return manager, executor

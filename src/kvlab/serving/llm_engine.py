@@ -36,13 +36,15 @@ from ..paged.budget import check_pool_fits, kv_block_bytes
 from ..paged.block_table import cdiv
 from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, extra_keys_for, sha256
-from ..prefix.manager import PrefixCacheStats
+from ..prefix.views import PrefixCacheStats
 from ..checks import check_int, check_model_len, check_request
 from ..sampling import check_temperature, stream_seed
-from .engine_core import engine_step, paged_manager
+from ..sampling import SamplingParams, stop_token_ids
+from .engine_core import engine_step
 from .model_runner import ModelRunner
-from .request import Request, SamplingParams, stop_token_ids
+from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .strategies import paged_manager
 
 __all__ = ["EngineStats", "LLMEngine", "BatchResult", "generate_batch", "default_pool_size"]
 

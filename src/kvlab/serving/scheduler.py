@@ -1,42 +1,35 @@
 """One scheduler for every KV-cache strategy: admit, run and preempt requests, one step at a time.
 
 Iteration-level scheduling (Orca, Yu et al., OSDI 2022): the batch is rebuilt at every step, so a
-request joins as soon as memory allows and leaves the moment it finishes, instead of the whole batch
-waiting for its longest member. Each step has two budgets, as in vLLM:
-
-* `max_num_batched_tokens`: tokens computed in one forward pass (decode tokens + prefill tokens).
-  A prompt bigger than what is left is computed in chunks over several steps (chunked prefill,
-  vLLM v1's default; Agrawal et al., Sarathi-Serve, OSDI 2024).
-* `max_num_seqs`: requests running at once.
+request joins as soon as memory allows and leaves the moment it finishes. Each step has two
+budgets, as in vLLM: `max_num_batched_tokens` tokens computed in one forward pass (a prompt
+bigger than what is left is computed in chunks over several steps: chunked prefill, vLLM v1's
+default; Agrawal et al., Sarathi-Serve, OSDI 2024) and `max_num_seqs` requests running at once.
 
 `schedule()` (after vLLM v1's scheduler, cut to its core):
 
 1. Running requests, oldest first, each get the tokens it has not computed yet (1 for a decode,
    a chunk for a prefill) while the token budget lasts. When the KV manager has no room, the
    *newest* running request is preempted by recompute (Kwon et al., SOSP 2023, section 4.5): its
-   memory is freed and it goes to the front of the waiting queue. Serving the oldest first means the
-   oldest always progress, so the server never livelocks.
-2. If nothing was preempted this step, waiting requests are admitted first come, first served,
-   while the manager has room, max_num_seqs allows and token budget is left. Room means room for
-   the whole prompt, not just the chunk computed now (`scheduler_reserve_full_isl`, vLLM 0.32's
-   default). The head of the queue that does not fit waits; nothing overtakes it, so it cannot
-   starve. A step that had to preempt
-   admits nobody, as in vLLM v1: memory is already too short for the requests running, and the
-   first in line is the request just preempted, which, let back in with a small first chunk,
-   would only be preempted again (thrashing).
+   memory is freed and it goes to the front of the waiting queue. The oldest always progress, so
+   the server never livelocks.
+2. `admit_waiting()`: if nothing was preempted this step, waiting requests are admitted first
+   come, first served, while the manager has room for the whole prompt (not just the chunk
+   computed now: `scheduler_reserve_full_isl`, vLLM 0.32's default), max_num_seqs allows and
+   token budget is left. The head of the queue that does not fit waits; nothing overtakes it, so
+   it cannot starve. A step that had to preempt admits nobody, as in vLLM v1: the first in line
+   is the request just preempted, which would only be preempted again (thrashing).
 
 `update()` then records what the step computed: a request whose every token is computed has just
 produced its next token; one that reached max_output_tokens, or sampled one of its stop tokens,
-finishes and frees its memory. A request for n completions is admitted with its n - 1 forks
-(all n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV,
-and run as requests of their own from their first token on (Kwon et al., section 4.4).
+finishes and frees its memory. A request for n completions is admitted with its n - 1 forks (all
+n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV
+(section 4.4).
 
-The scheduler talks to the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
+It calls the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
 `allocate_slots`, `free`, `fork`; `kvlab.paged.KVCacheManager`): the same code runs the paged
-pool, the paged pool with a prefix cache (`kvlab.prefix.PrefixCachingKVCacheManager`) and the
-reservations that answer the same verbs (`reservation.ContiguousManager`, ...), in model mode and
-simulation.
-Requests that can never fit are rejected on arrival, with the reason, and never enter the queue.
+pool, with or without a prefix cache, and the reservations that answer the same verbs
+(`reservation.ContiguousManager`, ...). Requests that can never fit are rejected on arrival.
 """
 
 from __future__ import annotations
@@ -52,20 +45,12 @@ __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """The step budgets and the admission gate (vLLM's names).
+    """The step budgets and the admission gate (vLLM's names and, in comments, its defaults)."""
 
-    Attributes:
-        max_num_seqs: most requests running at once (vLLM v1: 1,024 on large GPUs, 256 elsewhere).
-        max_num_batched_tokens: most tokens computed in one step (vLLM v1 uses 8,192 for online
-            serving on large GPUs, 2,048 elsewhere; a prompt beyond it is prefilled in chunks).
-        scheduler_reserve_full_isl: admit a request only if its whole input (prompt, or prompt
-            and outputs after a preemption) fits in the free blocks now, although only its first
-            chunk gets slots (vLLM 0.32's default: vllm/config/scheduler.py, the same name):
-            otherwise a long prompt is let in on its first chunk and preempted before its last.
-    """
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256             # vLLM v1: 1,024 on large GPUs, 256 elsewhere
+    max_num_batched_tokens: int = 8192  # vLLM v1 online: 8,192 on large GPUs, 2,048 elsewhere
+    # Admit only if the whole input (prompt, or prompt and outputs after a preemption) fits in
+    # the free blocks now, though only its first chunk gets slots (vllm/config/scheduler.py).
     scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
@@ -77,44 +62,27 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """What one step runs.
+    """What one step runs."""
 
-    Attributes:
-        scheduled: (request, num_new_tokens) in execution order: running requests first, then the
-            ones admitted this step. Tokens num_computed_tokens .. + num_new_tokens - 1 of each.
-        admitted: requests admitted this step (new, or back after a preemption).
-        preempted: requests preempted this step (their memory is already freed).
-        num_batched_tokens: sum of num_new_tokens.
-        blocks_to_copy: (source, destination) block ids to copy before the forward pass
-            (copy-on-write; vLLM v0's name).
-    """
-
+    # (request, num_new_tokens): its tokens num_computed_tokens .. + num_new_tokens - 1, running
+    # requests first, then the ones admitted this step
     scheduled: list[tuple[Request, int]]
-    admitted: list[Request]
-    preempted: list[Request]
-    num_batched_tokens: int
+    admitted: list[Request]   # new, or back after a preemption
+    preempted: list[Request]  # their memory is already freed
+    num_batched_tokens: int   # sum of num_new_tokens
+    # (source, destination) block ids to copy before the forward pass (copy-on-write; vLLM v0)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
-    """Continuous batching under a KV manager and the step budgets.
-
-    Args:
-        kv: the strategy's KV cache manager (`KVCacheManager`, or one with its verbs).
-        config: `SchedulerConfig`.
-
-    Attributes:
-        waiting: arrived requests not running, in service order (preempted ones at the front).
-        running: requests holding memory, oldest admission first.
-        rejected / finished: requests that ended, in the order they ended.
-        num_preemptions: preemptions so far.
-    """
+    """Continuous batching under a KV cache manager (or one with its verbs) and the budgets."""
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig = SchedulerConfig()):
         self.kv, self.config = kv, config
+        # waiting: service order, preempted ones at the front; running: oldest admission first
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.rejected: list[Request] = []
+        self.rejected: list[Request] = []   # these two in the order they ended
         self.finished: list[Request] = []
         self.num_preemptions = 0
         self.num_unforked = 0  # forks admitted inside a running request, not yet made
@@ -148,15 +116,13 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: keep the running requests going, preempting when memory is
-        short, then admit waiting ones (see the module docstring)."""
+        """Decide this step's batch: 1. and 2. of the module docstring."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
-        # This loop runs for every token served, so it is written out: `for` over a list whose
-        # tail is popped (the victims) simply stops before the popped requests, and
-        # prompt_len + num_output_tokens is `num_tokens` without the property call.
+        # Run for every token served, so written out: `for` over a list whose tail is popped (the
+        # victims) stops before them; prompt_len + num_output_tokens is `num_tokens`, inlined.
         allocate_slots = self.kv.allocate_slots
         for request in self.running:
             if budget <= 0:
@@ -176,8 +142,15 @@ class Scheduler:
                 continue
             break  # `request` preempted itself: it was the newest, nothing is left after it
 
+        admitted, budget = ([], budget) if preempted else self.admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, admitted, preempted,
+                               self.config.max_num_batched_tokens - budget, self.kv.take_copies())
+
+    def admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]
+                      ) -> tuple[list[Request], int]:
+        """Step 2: admit from the queue's head into `scheduled`; (admitted, token budget left)."""
         admitted: list[Request] = []
-        while not preempted and self.waiting and budget > 0:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
@@ -198,8 +171,7 @@ class Scheduler:
             admitted.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, admitted, preempted,
-                               self.config.max_num_batched_tokens - budget, self.kv.take_copies())
+        return admitted, budget
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption (vLLM v1): free its KV, reset its progress, queue it first."""
@@ -215,14 +187,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[int, int] | None,
                now_s: float) -> list[Request]:
         """Record the step: computed tokens, and one new token for every request that computed all
-        of its tokens. Returns the requests that finished (their memory is freed).
-
-        Args:
-            output: this step's `SchedulerOutput`.
-            sampled: request_id -> sampled token id (model mode; forks made this step included),
-                or None (simulation: only the count of tokens matters).
-            now_s: time at the end of the step (first-token and finish times).
-        """
+        of its tokens. `sampled`: request_id -> token id (model mode; forks made this step
+        included), or None (simulation); `now_s`: the step's end. Returns the requests finished."""
         done = []
         for request, num_new in output.scheduled:
             request.num_computed_tokens += num_new
@@ -232,9 +198,7 @@ class Scheduler:
                 family = [request] + self._fork(request)
             elif sampled is None and request.first_token_s is not None and (
                     request.num_output_tokens + 1 < request.max_output_tokens):
-                # Simulation's usual decode token: `_record_token` written out (no id to keep,
-                # not the first token, not the last).
-                request.num_output_tokens += 1
+                request.num_output_tokens += 1  # `_record_token` of a simulated middle token
                 continue
             else:
                 family = [request]
@@ -242,9 +206,9 @@ class Scheduler:
                 token = None if sampled is None else sampled[member.request_id]
                 if self._record_token(member, token, now_s):
                     done.append(member)
-        if done:
-            self.running = [r for r in self.running if r.state is RequestState.RUNNING]
-            self.finished += done
+        for request in done:
+            self.running.remove(request)
+        self.finished += done
         return done
 
     def _fork(self, parent: Request) -> list[Request]:

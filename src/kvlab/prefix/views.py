@@ -1,0 +1,80 @@
+"""What the prefix cache saved, and what a learner prints of it; no step runs these.
+
+`PrefixCachingKVCacheManager` inherits `PrefixManagerViews` (over stage 4's
+`kvlab.paged.manager_views.ManagerViews`), so its file holds the verbs of a step only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from ..paged.manager_views import ManagerViews
+from .block_hash import short
+
+if TYPE_CHECKING:
+    from .prefix_cache import CachingBlockPool, PrefixCache
+
+__all__ = ["PrefixCacheStats", "PrefixManagerViews"]
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """What the prefix cache saved, in tokens and blocks (x bytes_per_token / block_bytes = bytes).
+
+    Attributes:
+        num_lookups: admissions looked up (re-admissions after preemption too).
+        num_query_tokens: tokens of those lookups.
+        num_hit_tokens: tokens found in the cache = prefill tokens skipped.
+        num_hit_blocks: blocks found in the cache = blocks neither allocated nor computed.
+        num_evictions: cached blocks reused for other tokens.
+        num_collisions: lookups where the hash matched an entry but the exact check refused it.
+    """
+
+    num_lookups: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_hit_blocks: int = 0
+    num_evictions: int = 0
+    num_collisions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix cache hit rate: tokens hit / tokens queried (0 before any lookup)."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    @property
+    def prefill_tokens_skipped(self) -> int:
+        return self.num_hit_tokens
+
+
+class PrefixManagerViews(ManagerViews):
+    """Stage 4's views plus the cache's: counts since start-up, free cached blocks."""
+
+    pool: CachingBlockPool
+    prefix_cache: PrefixCache
+    _stats: PrefixCacheStats
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """A snapshot of the hit, saving and eviction counts since start-up."""
+        self._stats.num_evictions = self.pool.num_evictions
+        return dataclasses.replace(self._stats)
+
+    def block_counts(self) -> dict[str, int]:
+        """{'free': free and not cached, 'cached': free and cached (evictable, and hittable),
+        'in_use': held}; they add up to the pool (a held block may also be cached: in use)."""
+        blocks = self.pool.blocks
+        cached = sum(1 for entry in self.prefix_cache.entries()
+                     if blocks[entry.block_id].ref_count == 0)
+        return {"free": self.pool.num_free_blocks - cached, "cached": cached,
+                "in_use": self.pool.num_used_blocks}
+
+    def format_block_tables(self) -> str:
+        """Stage 4's picture plus the cache: each free cached block with its hash, LRU first."""
+        lines = [super().format_block_tables()]
+        cached = [block for block in self.pool.free_queue if block.block_id in self.prefix_cache]
+        lines.append("cached and free (evicted first -> last): " + (" ".join(
+            f"{b.block_id}:{short(self.prefix_cache.entry(b.block_id).block_hash)}"
+            for b in cached) or "none"))
+        return "\n".join(lines)

@@ -71,11 +71,13 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
     counts = {"queries": 0, "hits": 0}
     times: list[list[float]] = [[] for _ in workload.prompts]
     start: list[float] = []
+    cpu_start: list[float] = []
     before: dict[int, int] = {}
 
     def on_schedule(scheduler, output) -> None:
         if not start:
             start.append(time.perf_counter())
+            cpu_start.append(time.process_time())
         running.append(len(scheduler.running))
         waiting.append(len(scheduler.waiting))
         for request in output.admitted:
@@ -95,9 +97,10 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
 
     outputs, preemptions, free_blocks = _run_engine(model, workload, settings, on_schedule,
                                                     on_update)
+    cpu_s = time.process_time() - cpu_start[0] if cpu_start else None
     return {"engine": "kvlab", "version": __version__, "kv_capacity_blocks": free_blocks,
             "kv_capacity_tokens": free_blocks * settings.block_size, "outputs": outputs,
             "num_cached_tokens": cached, "prefix_cache_queries": counts["queries"],
             "prefix_cache_hits": counts["hits"], "num_preemptions": preemptions,
             "steps": {"running": running, "waiting": waiting}, "token_times_s": times,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "cpu_s": cpu_s}

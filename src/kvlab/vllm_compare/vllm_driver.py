@@ -34,7 +34,7 @@ def run(spec: dict) -> dict:
     import torch
 
     settings, workload = spec["settings"], spec["workload"]
-    running, waiting, start, capacity, threads, cpu_start = [], [], [], [], [], []
+    running, waiting, batched, start, capacity, threads, cpu_start = [], [], [], [], [], [], []
     times = {}  # vLLM request id -> token times
 
     class RecordingScheduler(Scheduler):
@@ -50,6 +50,7 @@ def run(spec: dict) -> dict:
             now_running, now_waiting = self.get_request_counts()  # what its stat loggers read
             running.append(now_running)
             waiting.append(now_waiting)
+            batched.append(output.total_num_scheduled_tokens)
             return output
 
         def update_from_output(self, *args, **kwargs):
@@ -102,7 +103,7 @@ def run(spec: dict) -> dict:
             "prefix_cache_queries": counter("vllm:prefix_cache_queries") or 0,
             "prefix_cache_hits": counter("vllm:prefix_cache_hits") or 0,
             "num_preemptions": counter("vllm:num_preemptions") or 0,
-            "steps": {"running": running, "waiting": waiting}, "token_times_s": token_times,
+            "steps": {"running": running, "waiting": waiting, "batched_tokens": batched}, "token_times_s": token_times,
             "torch_threads": threads[0] if threads else None, "cpu_s": cpu_s}
 
 

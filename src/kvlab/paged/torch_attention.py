@@ -53,8 +53,9 @@ def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
     """
     if values.numel() == 0:
         return
-    bad = (values < low) | (values > high)
-    if bool(bad.any()):
+    smallest, largest = (int(v) for v in torch.aminmax(values))  # one pass, two numbers back
+    if smallest < low or largest > high:
+        bad = (values < low) | (values > high)
         raise ValueError(f"{name} must be in [{low}, {high}], got {int(values[bad][0])}")
 
 

@@ -60,3 +60,21 @@ def test_autograd_and_other_dtypes_fall_back_to_f_linear():
     with torch.no_grad():
         y = model(torch.randn(3, 64, dtype=torch.float64))
     assert y.dtype == torch.float64
+
+
+def test_projections_that_read_one_input_run_as_one_matmul(small_llama):
+    """Attention.qkv and MLP.gate_up become one packed matmul each; the outputs equal the
+    layers' own, and a layer changed in place is packed again."""
+    layer = small_llama.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    x = torch.randn(5, attention.q_proj.in_features)
+    with torch.no_grad():
+        expected = [F.linear(x, attention.q_proj.weight), F.linear(x, attention.k_proj.weight),
+                    F.linear(x, attention.v_proj.weight), F.linear(x, mlp.gate_proj.weight),
+                    F.linear(x, mlp.up_proj.weight)]
+        pack_linear_weights(small_llama)
+        assert "qkv" in attention.__dict__ and "gate_up" in mlp.__dict__
+        for got, want in zip([*attention.qkv(x), *mlp.gate_up(x)], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        attention.k_proj.weight.mul_(-1.0)
+        torch.testing.assert_close(attention.qkv(x)[1], -expected[1], rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from cli_run import run
 
 ROOT = Path(kvlab.__file__).parent
 KERNELS = Path(kvlab.__file__).parent.parent.parent / "kernels"
-DEEPEST = {"write_kv", "paged_decode_attention", "paged_prefill_attention", "allocate_slots",
+DEEPEST = {"write_kv", "decode_attention", "paged_prefill_attention", "allocate_slots",
            "update"}
 
 
@@ -43,7 +43,7 @@ def test_serve_to_the_forward_pass_and_back_is_short(capsys):
     finally:
         sys.setprofile(None)
     assert code == 0, out
-    assert {"write_kv", "paged_decode_attention", "allocate_slots", "update"} <= set(stacks)
+    assert {"write_kv", "decode_attention", "allocate_slots", "update"} <= set(stacks)
     files = {name for stack in stacks.values() for name, _ in stack}
     hops = {where: len(stack) - 1 for where, stack in stacks.items()}
     assert max(hops.values()) <= 20, hops

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["pack_linear_weights", "onednn_available"]
+__all__ = ["pack_linear_weights", "onednn_available", "FUSED_METHODS"]
 
 
 def onednn_available() -> bool:
@@ -35,53 +35,83 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class _OneDNNForward:
-    """A replacement `forward` for one nn.Linear: oneDNN with the weight packed once."""
+# Linear layers that read the same input, by the module method that calls them: run as one matmul
+# over their stacked weights (vLLM's QKVParallelLinear and MergedColumnParallelLinear). One call
+# instead of three reads the input once and pays oneDNN's per-call cost once (measured here, 30
+# SmolLM2 layers, 1 thread: 5 % less time at 16 rows, 8 % at 1 row).
+FUSED_METHODS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
-    def __init__(self, linear: nn.Linear):
-        self.linear = linear
+
+class _OneDNNLinears:
+    """One oneDNN matmul for one nn.Linear (a replacement `forward`), or for several that read the
+    same input (a replacement for the method that calls them, returning their outputs as views)."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.out_features = [linear.out_features for linear in linears]
         self.packed, self.packed_from = None, None
-        if self._eligible(linear.weight):
-            self._pack(linear.weight)  # now, at load time, as vLLM does: not in the first step
+        if self._eligible():
+            self._pack()  # now, at load time, as vLLM does: not in the first step
 
-    @staticmethod
-    def _eligible(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.float32 and weight.device.type == "cpu"
+    def _eligible(self) -> bool:
+        return all(linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+                   for linear in self.linears)
 
-    def _pack(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.packed_from = self._fingerprint(weight)
+    def _pack(self) -> None:
+        weight = torch.cat([linear.weight.detach() for linear in self.linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed_from = self._fingerprint()
 
-    @staticmethod
-    def _fingerprint(weight: torch.Tensor) -> tuple:
-        """What identifies the weight's current values: its storage and in-place version."""
-        return weight.data_ptr(), weight._version, weight.dtype, weight.device, weight.shape
+    def _fingerprint(self) -> tuple:
+        """What identifies the weights' current values: each one's storage (a new dtype, device
+        or shape is a new storage) and in-place version counter."""
+        return tuple((linear.weight.data_ptr(), linear.weight._version)
+                     for linear in self.linears)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or not self._eligible(weight)
-                or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
-            return F.linear(x, weight, bias)
-        if self._fingerprint(weight) != self.packed_from:  # replaced or changed: pack again
-            self._pack(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed,
-                                                  None if bias is None else bias.detach(),
-                                                  "none", [], "")
+    def __call__(self, x: torch.Tensor):
+        # Called for every linear layer of every step: the common case is tested first.
+        if (x.dtype is torch.float32 and x.device.type == "cpu" and self._eligible()
+                and not (torch.is_grad_enabled()
+                         and (x.requires_grad or any(l.weight.requires_grad
+                                                     for l in self.linears)))):
+            if self._fingerprint() != self.packed_from:  # replaced or changed: pack again
+                self._pack()
+            biases = [linear.bias for linear in self.linears]
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        else:  # autograd, another dtype or device: PyTorch's own op, layer by layer
+            outputs = tuple(F.linear(x, l.weight, l.bias) for l in self.linears)
+            return outputs[0] if len(outputs) == 1 else outputs
+        return out if len(self.linears) == 1 else out.split(self.out_features, dim=-1)
 
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Run every nn.Linear of `model` through oneDNN (see the module docstring); idempotent.
 
-    Returns the number of layers now routed through oneDNN (0 when this build lacks it). The
-    parameters are kept, so `state_dict` and tied weights are unchanged; each packed copy costs the
-    weight's bytes again (a tied LM head is packed separately from the embedding it shares).
+    Layers called together by a method of `FUSED_METHODS` (`Attention.qkv`, `MLP.gate_up`) run as
+    one matmul through that method (called one by one, they then run `F.linear`); every other
+    layer through its own `forward`. Returns the number of layers now routed through oneDNN (0
+    when this build lacks it). The parameters are kept, so `state_dict` and tied weights are
+    unchanged; each packed copy costs the weights' bytes again (a tied LM head is packed
+    separately from the embedding it shares).
     """
     if not onednn_available():
         return 0
+    fused: set[int] = set()
     count = 0
     for module in model.modules():
+        for method, names in FUSED_METHODS.items():
+            linears = [getattr(module, name, None) for name in names]
+            if callable(getattr(module, method, None)) and all(
+                    isinstance(linear, nn.Linear) and linear.in_features == linears[0].in_features
+                    for linear in linears):
+                if not isinstance(module.__dict__.get(method), _OneDNNLinears):
+                    setattr(module, method, _OneDNNLinears(linears))
+                fused.update(id(linear) for linear in linears)
+    for module in model.modules():
         if isinstance(module, nn.Linear):
-            if not isinstance(module.__dict__.get("forward"), _OneDNNForward):
-                module.forward = _OneDNNForward(module)
             count += 1
+            if id(module) not in fused and not isinstance(module.__dict__.get("forward"),
+                                                         _OneDNNLinears):
+                module.forward = _OneDNNLinears([module])
     return count

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .attention import grouped_attention
 from .config import ConfigError, LlamaConfig
@@ -71,8 +72,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm is exactly x32 * rsqrt(mean(x32^2) + eps), in one op instead of five (it runs
+        # twice per layer per step); the weight multiplies after rounding back, as in HF's Llama.
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -131,14 +133,20 @@ class Attention(nn.Module):
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """cos_sin: `rope.cos_sin(positions)`, if the caller computed it once for every layer."""
         num_tokens = x.shape[0]
-        query = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key, value = self.qkv(x)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if cos_sin is None:
             cos_sin = self.rope.cos_sin(positions)
         query, key = self.rope.rotate(query, cos_sin), self.rope.rotate(key, cos_sin)
         out = kv.attend(self.layer_index, query, key, value, positions)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections of x (`kvlab.cpu_linear` runs them as one matmul, as vLLM's
+        QKVParallelLinear does)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class MLP(nn.Module):
@@ -151,7 +159,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_proj(x), up_proj(x) (one matmul under `kvlab.cpu_linear`, as vLLM's
+        MergedColumnParallelLinear)."""
+        return self.gate_proj(x), self.up_proj(x)
 
 
 class DecoderLayer(nn.Module):

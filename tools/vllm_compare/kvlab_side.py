@@ -67,17 +67,21 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
     torch.set_num_threads(settings.threads)
     running: list[int] = []
     waiting: list[int] = []
+    batched: list[int] = []
     cached = [0] * len(workload.prompts)
     counts = {"queries": 0, "hits": 0}
     times: list[list[float]] = [[] for _ in workload.prompts]
     start: list[float] = []
+    cpu_start: list[float] = []
     before: dict[int, int] = {}
 
     def on_schedule(scheduler, output) -> None:
         if not start:
             start.append(time.perf_counter())
+            cpu_start.append(time.process_time())
         running.append(len(scheduler.running))
         waiting.append(len(scheduler.waiting))
+        batched.append(output.num_batched_tokens)
         for request in output.admitted:
             if request.num_preemptions == 0:  # first admission only, as vLLM counts
                 cached[request.request_id] = request.num_cached_tokens
@@ -95,9 +99,10 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
 
     outputs, preemptions, free_blocks = _run_engine(model, workload, settings, on_schedule,
                                                     on_update)
+    cpu_s = time.process_time() - cpu_start[0] if cpu_start else None
     return {"engine": "kvlab", "version": __version__, "kv_capacity_blocks": free_blocks,
             "kv_capacity_tokens": free_blocks * settings.block_size, "outputs": outputs,
             "num_cached_tokens": cached, "prefix_cache_queries": counts["queries"],
             "prefix_cache_hits": counts["hits"], "num_preemptions": preemptions,
-            "steps": {"running": running, "waiting": waiting}, "token_times_s": times,
-            "torch_threads": torch.get_num_threads()}
+            "steps": {"running": running, "waiting": waiting, "batched_tokens": batched}, "token_times_s": times,
+            "torch_threads": torch.get_num_threads(), "cpu_s": cpu_s}

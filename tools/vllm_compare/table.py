@@ -3,7 +3,7 @@
 Rows: tokens identical (requests whose generated ids are equal); cached tokens identical per
 request; KV capacity (free blocks before the first step, and their tokens); prefix-cache queries
 and hits; preemptions; per-step running and waiting (equal over how many steps, the first step
-they differ); engine steps; output tokens/s; TTFT and TPOT (p50, p99). Timing comes from each
+they differ); engine steps; output tokens/s and per CPU-second; TTFT and TPOT (p50, p99). Timing comes from each
 result's `token_times_s` through `timing`, the same arithmetic for both.
 """
 
@@ -108,11 +108,21 @@ def compare(kvlab: dict, vllm: dict) -> list[Row]:
     rows.append(_series_row("waiting per step", steps_a["waiting"], steps_b["waiting"]))
     ta, tb = timing(kvlab), timing(vllm)
     rows.append(Row("output tokens/s", f"{ta.tokens_per_s:.1f}", f"{tb.tokens_per_s:.1f}", None))
+    rows.append(Row("output tokens per CPU-second", _per_cpu_second(kvlab, ta),
+                    _per_cpu_second(vllm, tb), None))
     for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"),
                        ("TPOT p50", "tpot_p50_s"), ("TPOT p99", "tpot_p99_s")):
         rows.append(Row(f"{label} (ms)", f"{1000 * getattr(ta, key):.0f}",
                         f"{1000 * getattr(tb, key):.0f}", None))
     return rows
+
+
+def _per_cpu_second(result: dict, t: Timing) -> str:
+    """Output tokens over the process's CPU time from the first step to the end (all its
+    threads): on a shared machine the wall clock also counts other jobs' turns, this does not;
+    above tokens/s means the engine used more than one core. '-' where not recorded."""
+    cpu_s = result.get("cpu_s")
+    return f"{t.output_tokens / cpu_s:.1f}" if cpu_s else "-"
 
 
 def decisions_equal(rows: list[Row]) -> bool:

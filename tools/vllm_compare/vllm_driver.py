@@ -19,6 +19,7 @@ import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+OVERRIDE_POOL_BYTES = 256 * 2**20  # see `run`: a placeholder the block-count override replaces
 
 
 def run(spec: dict) -> dict:
@@ -33,7 +34,7 @@ def run(spec: dict) -> dict:
     import torch
 
     settings, workload = spec["settings"], spec["workload"]
-    running, waiting, start, capacity, threads = [], [], [], [], []
+    running, waiting, batched, start, capacity, threads, cpu_start = [], [], [], [], [], [], []
     times = {}  # vLLM request id -> token times
 
     class RecordingScheduler(Scheduler):
@@ -44,10 +45,12 @@ def run(spec: dict) -> dict:
                 capacity.append(self.kv_cache_manager.block_pool.get_num_free_blocks())
                 threads.append(torch.get_num_threads())  # vLLM's CPU worker may bind its own
                 start.append(time.perf_counter())
+                cpu_start.append(time.process_time())
             output = super().schedule(*args, **kwargs)
             now_running, now_waiting = self.get_request_counts()  # what its stat loggers read
             running.append(now_running)
             waiting.append(now_waiting)
+            batched.append(output.total_num_scheduled_tokens)
             return output
 
         def update_from_output(self, *args, **kwargs):
@@ -61,12 +64,14 @@ def run(spec: dict) -> dict:
     if settings.get("kv_cache_memory_bytes"):  # vLLM sizes the pool from the bytes
         pool = {"kv_cache_memory_bytes": settings["kv_cache_memory_bytes"]}
     else:
-        pool = {"num_gpu_blocks_override": settings["num_blocks"]}
+        # The pool is num_gpu_blocks_override blocks whatever the bytes (vLLM clamps to it in
+        # get_kv_cache_configs). The bytes are given only so that vLLM's CPU worker skips its
+        # gpu_memory_utilization arithmetic, which fails when the node's share it computes is
+        # below the process's own RSS ("requested memory for kv (-0.02/1.32 GiB)").
+        pool = {"num_gpu_blocks_override": settings["num_blocks"],
+                "kv_cache_memory_bytes": OVERRIDE_POOL_BYTES}
     llm = LLM(model=spec["model_dir"], dtype="float32", enforce_eager=True, **pool,
               skip_tokenizer_init=True, disable_log_stats=False, seed=0,
-              # On the CPU backend this is the share of the machine's memory vLLM checks is free
-              # at start-up; the pool itself is num_gpu_blocks_override blocks.
-              gpu_memory_utilization=0.1,
               block_size=settings["block_size"],
               max_num_seqs=settings["max_num_seqs"],
               max_num_batched_tokens=settings["max_num_batched_tokens"],
@@ -77,6 +82,7 @@ def run(spec: dict) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload["max_tokens"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    cpu_s = time.process_time() - cpu_start[0] if cpu_start else None
     metrics = {m.name: m for m in llm.get_metrics()}
 
     def counter(name):
@@ -97,8 +103,8 @@ def run(spec: dict) -> dict:
             "prefix_cache_queries": counter("vllm:prefix_cache_queries") or 0,
             "prefix_cache_hits": counter("vllm:prefix_cache_hits") or 0,
             "num_preemptions": counter("vllm:num_preemptions") or 0,
-            "steps": {"running": running, "waiting": waiting}, "token_times_s": token_times,
-            "torch_threads": threads[0] if threads else None}
+            "steps": {"running": running, "waiting": waiting, "batched_tokens": batched}, "token_times_s": token_times,
+            "torch_threads": threads[0] if threads else None, "cpu_s": cpu_s}
 
 
 def main() -> int:

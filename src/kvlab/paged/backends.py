@@ -31,7 +31,7 @@ from typing import Callable, Protocol, Union
 import torch
 
 from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
-from .torch_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from .torch_attention import decode_attention, decode_gather, paged_prefill_attention, write_kv
 
 __all__ = ["AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend"]
 
@@ -73,6 +73,7 @@ class TorchBackend:
 
     def __init__(self, layout: str = TOKEN_MAJOR):
         self.layout = check_layout(layout)
+        self._gather, self._gather_for = None, None
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
         write_kv(k_cache, v_cache, key, value, slot_mapping, layout=self.layout)
@@ -83,8 +84,20 @@ class TorchBackend:
                                        layout=self.layout)
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale):
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                      layout=self.layout)
+        return decode_attention(query, k_cache, v_cache,
+                                self._decode_gather(block_tables, seq_lens, k_cache), scale)
+
+    def _decode_gather(self, block_tables, seq_lens, k_cache):
+        """`decode_gather` once per forward pass: every layer of a pass reads the same block
+        tables, so the rows to gather are worked out (and checked) for the first layer and reused
+        by the others (vLLM builds its attention metadata once per step, for all layers). Reused
+        only for equal tables and lengths (compared, not trusted) over a pool of the same shape."""
+        last = self._gather_for
+        if not (last is not None and last[2] == k_cache.shape
+                and torch.equal(last[0], block_tables) and torch.equal(last[1], seq_lens)):
+            self._gather = decode_gather(block_tables, seq_lens, k_cache, self.layout)
+            self._gather_for = (block_tables.clone(), seq_lens.clone(), k_cache.shape)
+        return self._gather
 
     def __repr__(self) -> str:
         return f"TorchBackend(layout={self.layout!r})"

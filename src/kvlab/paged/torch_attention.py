@@ -31,13 +31,16 @@ never reads them (`paged_decode_attention`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from torch.nn import functional as F
 
 from ..attention import grouped_attention, kv_group_size
 from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
 
 __all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention",
-           "token_major_view"]
+           "DecodeGather", "decode_gather", "decode_attention", "token_major_view"]
 
 
 def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
@@ -50,8 +53,9 @@ def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
     """
     if values.numel() == 0:
         return
-    bad = (values < low) | (values > high)
-    if bool(bad.any()):
+    smallest, largest = (int(v) for v in torch.aminmax(values))  # one pass, two numbers back
+    if smallest < low or largest > high:
+        bad = (values < low) | (values > high)
         raise ValueError(f"{name} must be in [{low}, {high}], got {int(values[bad][0])}")
 
 
@@ -155,6 +159,63 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return grouped_attention(query, keys, values, query_positions=query_positions, scale=scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeGather:
+    """Which rows of a layer's pool (seen as [-1, head_dim]) a decode batch reads, in the layout
+    attention wants: rows [num_seqs * num_key_value_heads * num_slots] int64; score_bias
+    [num_seqs, 1, 1, num_slots] float32, 0 where the position holds one of the sequence's tokens
+    and -inf elsewhere (added to the scores); shape (num_seqs, num_key_value_heads, num_slots,
+    head_dim). The same for every layer of a pass."""
+
+    rows: torch.Tensor
+    score_bias: torch.Tensor
+    shape: tuple[int, int, int, int]
+
+
+def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor,
+                  layout: str = TOKEN_MAJOR) -> DecodeGather:
+    """The pool rows a batch of decode queries reads, from its block tables (see
+    `paged_decode_attention`). ValueError: a block id outside the pool, or a seq_len outside
+    [1, max_blocks_per_seq * block_size]."""
+    num_seqs, width = block_tables.shape
+    num_blocks, block_size, num_kv_heads, head_dim = token_major_view(k_cache, layout).shape
+    _check_range("block_tables", block_tables, 0, num_blocks - 1)
+    _check_range("seq_lens", seq_lens, 1, width * block_size)
+    num_slots = width * block_size
+    positions = torch.arange(num_slots, device=block_tables.device)
+    holds_token = positions[None, :] < seq_lens[:, None]  # [num_seqs, num_slots]
+    # Each position's slot through the block table. A position the sequence does not hold reads
+    # its own first slot instead, so no slot it does not own is ever read (another request's
+    # tokens, NaN perhaps); its score is masked out, so it weighs exactly 0.
+    slots = block_tables[:, positions // block_size] * block_size + positions % block_size
+    slots = torch.where(holds_token, slots, slots[:, :1])
+    rows = _pool_rows(slots, num_kv_heads, block_size, layout).reshape(-1)
+    score_bias = torch.zeros(num_seqs, 1, 1, num_slots, device=block_tables.device)
+    score_bias.masked_fill_(~holds_token[:, None, None, :], float("-inf"))
+    return DecodeGather(rows, score_bias, (num_seqs, num_kv_heads, num_slots, head_dim))
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     gather: DecodeGather, scale: float | None = None) -> torch.Tensor:
+    """`paged_decode_attention` with the rows to read already worked out (`decode_gather`)."""
+    num_seqs, num_kv_heads, _, head_dim = gather.shape
+    num_heads = query.shape[1]
+    group = kv_group_size(num_heads, num_kv_heads)
+    # Gather K and V straight into the layout attention reads, [num_seqs, H_kv, num_slots, D]:
+    # one index_select of head_dim-long rows of the pool (one copy, no permute).
+    keys = k_cache.reshape(-1, head_dim).index_select(0, gather.rows).view(gather.shape)
+    values = v_cache.reshape(-1, head_dim).index_select(0, gather.rows).view(gather.shape)
+    # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
+    # head h = kv * G + g reads KV head kv, so the G heads of a group are G query rows over the
+    # same keys. A sequence's one query sits at its last position, so causality is just the
+    # positions it holds (`score_bias`). PyTorch's fused SDPA does scores, mask, softmax and the
+    # weighted sum in one call, in float32.
+    grouped_q = query.reshape(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(grouped_q.float(), keys.float(), values.float(),
+                                         attn_mask=gather.score_bias, scale=scale)  # [S,H_kv,G,D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float | None = None, layout: str = TOKEN_MAJOR) -> torch.Tensor:
@@ -183,34 +244,5 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ValueError: a block id outside the pool, or a seq_len outside [1, max_blocks_per_seq *
             block_size] (a sequence with no token has nothing to attend to).
     """
-    num_seqs, width = block_tables.shape
-    num_blocks, block_size, num_kv_heads, head_dim = token_major_view(k_cache, layout).shape
-    _check_range("block_tables", block_tables, 0, num_blocks - 1)
-    _check_range("seq_lens", seq_lens, 1, width * block_size)
-    num_heads = query.shape[1]
-    group = kv_group_size(num_heads, num_kv_heads)
-    num_slots = width * block_size
-    positions = torch.arange(num_slots, device=query.device)
-    holds_token = positions[None, :] < seq_lens[:, None]  # [num_seqs, num_slots]
-    # Each position's slot through the block table. A position the sequence does not hold reads
-    # its own first slot instead, so no slot it does not own is ever read (another request's
-    # tokens, NaN perhaps); its score is masked to -inf below, so it weighs exactly 0.
-    slots = block_tables[:, positions // block_size] * block_size + positions % block_size
-    slots = torch.where(holds_token, slots, slots[:, :1])
-    # Gather K and V straight into the layout the matmuls read, [num_seqs, H_kv, num_slots, D]:
-    # one index_select of head_dim-long rows of the pool (one copy, no permute).
-    rows = _pool_rows(slots, num_kv_heads, block_size, layout).reshape(-1)
-    shape = (num_seqs, num_kv_heads, num_slots, head_dim)
-    keys = k_cache.reshape(-1, head_dim).index_select(0, rows).view(shape)
-    values = v_cache.reshape(-1, head_dim).index_select(0, rows).view(shape)
-    # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
-    # head h = kv * G + g reads KV head kv. The one query of a sequence sits at its last
-    # position, so causality is just `holds_token`. Scores and softmax in float32.
-    grouped_q = query.reshape(num_seqs, num_kv_heads, group, head_dim).float()
-    if scale is None:
-        scale = head_dim ** -0.5
-    scores = torch.matmul(grouped_q, keys.float().transpose(-1, -2)) * scale  # [S, H_kv, G, slots]
-    scores.masked_fill_(~holds_token[:, None, None, :], float("-inf"))  # in place: our own copy
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.float())  # [S, H_kv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    return decode_attention(query, k_cache, v_cache,
+                            decode_gather(block_tables, seq_lens, k_cache, layout), scale)

@@ -252,7 +252,9 @@ def test_speed_summary_takes_medians_over_repeats(tmp_path, capsys):
 
     settings = {"num_blocks": 40, "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
     for rep, (ours, theirs) in enumerate([(1.0, 2.0), (2.0, 2.0), (4.0, 2.0)], 1):
-        stored = {"kvlab": result(token_times_s=[[ours]]), "vllm": result(token_times_s=[[theirs]]),
+        # CPU seconds of each engine's process: ratios 2 / 1, 2 / 4 and 2 / 0.5
+        stored = {"kvlab": {**result(token_times_s=[[ours]]), "cpu_s": [1.0, 4.0, 0.5][rep - 1]},
+                  "vllm": {**result(token_times_s=[[theirs]]), "cpu_s": 2.0},
                   "transformers": {"tokens_per_s": float(rep)}, "settings": settings,
                   "workload": {"name": "chats"}}
         (tmp_path / f"any_name_{rep}.json").write_text(json.dumps(stored))
@@ -260,6 +262,7 @@ def test_speed_summary_takes_medians_over_repeats(tmp_path, capsys):
     [row] = speed_rows(tmp_path)  # a run without vLLM has no ratio: left out
     name = "chats, prefix caching on, 40 blocks, 2,048 tokens a step"
     assert row[:5] == (name, "3", "0.5 [0.2-1.0]", "0.5 [0.5-0.5]", "1.00 [0.50-2.00]")
-    assert row[6] == "2.0 [1.0-3.0]"
+    assert row[5] == "2.00 [0.50-4.00]"  # kvlab / vLLM per CPU-second
+    assert row[7] == "2.0 [1.0-3.0]"
     assert main([str(tmp_path)]) == 0 and f"| {name} | 3 |" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2

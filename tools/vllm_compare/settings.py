@@ -15,7 +15,9 @@ A result (`RESULT_KEYS`), the same JSON from either engine:
 * prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found at first admissions
   (vLLM's `vllm:prefix_cache_queries` / `_hits`, which leave re-admissions after a preemption out);
 * num_preemptions; steps: per engine step, `running` and `waiting` requests right after the
-  scheduler decided (a request that finishes in the step is still running then);
+  scheduler decided (a request that finishes in the step is still running then) and
+  `batched_tokens`, the tokens it computes;
+* cpu_s: the process's CPU seconds from the first step to the last token (all its threads);
 * token_times_s: per request, when each output token was sampled: the end of its step, in seconds
   after the first step began (every request arrives then).
   `kvlab.tools.vllm_compare.table.timing` turns them into TTFT, TPOT and tokens/s, the same

@@ -3,7 +3,9 @@
 On a shared machine one run's tokens/s moves by tens of percent, and both engines of a run share
 its load, so the ratio within a run is steadier than either figure. This summary groups stored
 `kvlab compare-vllm --json` results by their configuration (workload, prefix caching, step budget,
-pool, as each result's settings record them) and gives, per configuration: tokens/s of each engine, the ratio kvlab / vLLM, TPOT p50 of each, and
+pool, as each result's settings record them) and gives, per configuration: tokens/s of each
+engine, the ratio kvlab / vLLM, the same ratio per CPU-second of each engine's process (where the
+runs recorded it: it leaves out the time other jobs took the cores), TPOT p50 of each, and
 transformers' `generate` where the run had `--transformers`.
 
     python -m kvlab.tools.vllm_compare.speed results/cpu-vllm/speed-20261202
@@ -38,8 +40,8 @@ def configuration(stored: dict) -> str:
 
 
 def speed_rows(folder: str | Path) -> list[tuple[str, ...]]:
-    """(configuration, runs, kvlab tok/s, vLLM tok/s, ratio, TPOT p50 ms kvlab / vLLM,
-    transformers tok/s) per configuration, each as median [lowest-highest]."""
+    """(configuration, runs, kvlab tok/s, vLLM tok/s, ratio, ratio per CPU-second, TPOT p50 ms
+    kvlab / vLLM, transformers tok/s) per configuration, each as median [lowest-highest]."""
     groups: dict[str, list[dict]] = {}
     for path in sorted(Path(folder).glob("*.json")):
         stored = json.loads(path.read_text())
@@ -51,9 +53,12 @@ def speed_rows(folder: str | Path) -> list[tuple[str, ...]]:
         theirs = [timing(run["vllm"]) for run in runs]
         baseline = [run["transformers"]["tokens_per_s"] for run in runs
                     if run.get("transformers") and "tokens_per_s" in run["transformers"]]
+        per_cpu = [run["vllm"]["cpu_s"] / run["kvlab"]["cpu_s"]  # the same tokens on both sides
+                   for run in runs if run["kvlab"].get("cpu_s") and run["vllm"].get("cpu_s")]
         rows.append((name, str(len(runs)), _spread([t.tokens_per_s for t in ours], 1),
                      _spread([t.tokens_per_s for t in theirs], 1),
                      _spread([a.tokens_per_s / b.tokens_per_s for a, b in zip(ours, theirs)], 2),
+                     _spread(per_cpu, 2) if per_cpu else "-",
                      f"{statistics.median(1000 * t.tpot_p50_s for t in ours):.0f} / "
                      f"{statistics.median(1000 * t.tpot_p50_s for t in theirs):.0f}",
                      _spread(baseline, 1) if baseline else "-"))
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     header = ("configuration", "runs", "kvlab tok/s", "vLLM tok/s", "kvlab / vLLM",
-              "TPOT p50 ms kvlab / vLLM", "transformers tok/s")
+              "kvlab / vLLM per CPU-second", "TPOT p50 ms kvlab / vLLM", "transformers tok/s")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in speed_rows(args[0]):

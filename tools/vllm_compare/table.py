@@ -2,9 +2,10 @@
 
 Rows: tokens identical (requests whose generated ids are equal); cached tokens identical per
 request; KV capacity (free blocks before the first step, and their tokens); prefix-cache queries
-and hits; preemptions; per-step running and waiting (equal over how many steps, the first step
-they differ); engine steps; output tokens/s and per CPU-second; TTFT and TPOT (p50, p99). Timing comes from each
-result's `token_times_s` through `timing`, the same arithmetic for both.
+and hits; preemptions; per-step running and waiting, and tokens computed where recorded (equal
+over how many steps, the first step they differ); engine steps; output tokens/s and per
+CPU-second; TTFT and TPOT (p50, p99). Timing comes from each result's `token_times_s` through
+`timing`, the same arithmetic for both.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def compare(kvlab: dict, vllm: dict) -> list[Row]:
                     len(steps_a["running"]) == len(steps_b["running"])))
     rows.append(_series_row("running per step", steps_a["running"], steps_b["running"]))
     rows.append(_series_row("waiting per step", steps_a["waiting"], steps_b["waiting"]))
+    if "batched_tokens" in steps_a and "batched_tokens" in steps_b:  # recorded by runs since 2026-12-02 09:35
+        rows.append(_series_row("tokens computed per step", steps_a["batched_tokens"],
+                                steps_b["batched_tokens"]))
     ta, tb = timing(kvlab), timing(vllm)
     rows.append(Row("output tokens/s", f"{ta.tokens_per_s:.1f}", f"{tb.tokens_per_s:.1f}", None))
     rows.append(Row("output tokens per CPU-second", _per_cpu_second(kvlab, ta),

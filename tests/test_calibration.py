@@ -36,16 +36,17 @@ def test_calibrated_step_time_by_hand():
                      bandwidth_efficiency=0.8, step_overhead_s=0.002, allreduce_latency_s=1e-5,
                      link_bytes_per_s=450e9, clock="calibrated")
     roofline = CostModel(config, get_card("H100-80GB"), tp=4)
-    moved, _ = roofline.step_work(100, 100_000, 100 * 1001)
+    moved, _ = roofline.step_work(100, 100_000, 100 * 1001, 100)
     # 160 all-reduces (2 a layer), each 1e-5 s + 100 tokens x 8,192 x 2 B x 2 x 3/4 over 450 GB/s
     allreduce = 160 * (1e-5 + 100 * 8192 * 2 * 1.5 / 450e9)
-    assert cost.step_time(100, 100_000, 100 * 1001) == pytest.approx(
+    assert cost.step_time(100, 100_000, 100 * 1001, 100) == pytest.approx(
         moved / (0.8 * 3.35e12) + 0.002 + allreduce)
     assert cost.describe_clock() == ("clock: calibrated: 50.0 % of peak FLOP/s, 80.0 % of peak "
                                      "bandwidth, +2.00 ms a step, +10.0 \N{MICRO SIGN}s for each "
                                      "of 160 all-reduces a step")
     single = CostModel(config, get_card("H100-80GB"), tp=1, allreduce_latency_s=1.0)
-    assert single.step_time(1, 0, 1) == CostModel(config, get_card("H100-80GB")).step_time(1, 0, 1)
+    alone = CostModel(config, get_card("H100-80GB"))
+    assert single.step_time(1, 0, 1, 1) == alone.step_time(1, 0, 1, 1)
     with pytest.raises(ValueError, match="compute_efficiency must be in"):
         CostModel(config, get_card("H100-80GB"), compute_efficiency=1.5)
 
@@ -101,7 +102,9 @@ def test_the_stored_fit_is_the_codes():
         assert r.roofline / r.measurement.value - 1 == pytest.approx(
             stored["roofline_errors"][r.measurement.id], abs=1e-4)
     factors = cal.stored_factors()
-    assert 0 < factors.shared_compute_efficiency < 1 and 0 < factors.shared_bandwidth_efficiency < 1
+    # shares of the datasheet's peaks; the bandwidth's may reach 1 (the published measurements
+    # do not separate it from the per-step overhead: docs/simulation_clock.md)
+    assert 0 < factors.shared_compute_efficiency < 1 and 0 < factors.shared_bandwidth_efficiency <= 1
     assert factors.efficiencies("L4") == (factors.shared_compute_efficiency,
                                           factors.shared_bandwidth_efficiency)  # not measured
 

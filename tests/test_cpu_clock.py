@@ -31,7 +31,8 @@ def test_fit_recovers_the_clock_that_made_the_step_times():
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 2048, 60)
     cached = rng.integers(0, 1024, 60)
-    sizes = np.stack([tokens, cached, tokens * cached + tokens * (tokens + 1) // 2], axis=1)
+    sizes = np.stack([tokens, cached, tokens * cached + tokens * (tokens + 1) // 2,
+                      rng.integers(0, 8, 60)], axis=1)
     sizes[:20, 0] = rng.integers(1, 4, 20)  # some decode steps: bandwidth-bound
     cost = CLOCK.cost_model(SMOLLM)
     seconds = np.array([cost.step_time(*map(int, row)) for row in sizes])
@@ -106,8 +107,25 @@ def test_time_steps_gives_one_median_per_step_of_kvlabs_model_mode():
     workload = Workload("w", [[5, 6, 7, 8] * 10, [9, 10] * 30, [11] * 50], [4, 3, 6], {})
     settings = EngineSettings(num_blocks=12, max_num_batched_tokens=64, max_model_len=256)
     (steps,) = cc.time_steps(model, [(workload, settings)], repeats=2)
-    assert steps.sizes.shape == (len(steps.ends), 3) and np.all(np.diff(steps.ends) > 0)
+    assert steps.sizes.shape == (len(steps.ends), 4) and np.all(np.diff(steps.ends) > 0)
     assert steps.sizes[:, 0].sum() == 40 + 60 + 50 + (3 + 2 + 5)  # prompts, then the decodes
+    assert steps.sizes[:, 3].sum() == 4 + 3 + 6  # one row sampled per output token
+
+
+def test_a_stored_clock_is_the_fit_of_its_stored_steps_by_todays_cost_model():
+    # results/cpu-vllm/cpu_clock_avx2.json (refitted when the LM head moved to sampled rows only):
+    # its probes replay to the stored steps, and fitting them again gives the stored numbers.
+    stored = cc.CpuClock.load(ROOT / "results" / "cpu-vllm" / "cpu_clock_avx2.json")
+    again = cc.refit(stored, SMOLLM)
+    assert [p["sizes"] for p in again.measured["probes"]] == \
+        [p["sizes"] for p in stored.measured["probes"]]
+    assert again.flops_per_s == pytest.approx(stored.flops_per_s, rel=1e-6)
+    assert again.step_overhead_s == pytest.approx(stored.step_overhead_s, rel=1e-6)
+    assert again.bandwidth_bytes_per_s == stored.bandwidth_bytes_per_s  # measured, kept
+    older = dataclasses.replace(stored, measured={**stored.measured, "probes": [
+        {**p, "sizes": p["sizes"][1:]} for p in stored.measured["probes"]]})
+    with pytest.raises(ValueError, match="other steps"):
+        cc.refit(older, SMOLLM)
 
 
 def test_the_read_bandwidth_is_the_weights_bytes_over_the_median_pass(monkeypatch):

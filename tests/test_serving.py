@@ -244,12 +244,12 @@ def test_cost_model_roofline_by_hand():
     # decode: 100 requests holding 1,000 tokens each -> memory-bound
     per_token = 2 * 80 * 2 * 128 * 2  # 2 KV heads per GPU at tp=4, bf16
     assert cost.kv_bytes_per_token == per_token
-    seconds = cost.step_time(100, 100 * 1000, 100 * 1001)
+    seconds = cost.step_time(100, 100 * 1000, 100 * 1001, 100)
     assert seconds == pytest.approx((weights + 100 * 1001 * per_token) / 3.35e12)
-    # a 8,192-token prefill -> compute-bound
+    # a 8,192-token prefill -> compute-bound; its last row samples (the LM head once)
     pairs = 8192 * 8193 // 2
-    flops = 2 * cost.params_per_gpu * 8192 + 4 * 80 * 16 * 128 * pairs
-    assert cost.step_time(8192, 0, pairs) == pytest.approx(flops / 989e12)
+    flops = 2 * cost.layer_params * 8192 + 2 * cost.lm_head_params + 4 * 80 * 16 * 128 * pairs
+    assert cost.step_time(8192, 0, pairs, 1) == pytest.approx(flops / 989e12)
 
 
 def test_percentile_matches_numpy():

@@ -90,11 +90,34 @@ def test_causal_attention_pairs_of_a_chunked_prefill():
     request.num_computed_tokens = 6144
     n, c = 2048, 6144
     pairs = n * c + n * (n + 1) // 2
-    flops = 2 * cost.params_per_gpu * n + 4 * 80 * (64 // 4) * 128 * pairs  # compute-bound
+    # the chunk ends the prompt, so its last row samples: the LM head runs once
+    flops = (2 * cost.layer_params * n + 2 * cost.lm_head_params
+             + 4 * 80 * (64 // 4) * 128 * pairs)  # compute-bound
     assert cost.step_time_of([(request, n)]) == pytest.approx(flops / 989e12, rel=1e-9)
     # Decode (n = 1) attends to every cached token and itself: c + 1 pairs, c keys read.
     decode = cost.step_time_of([(request, 1)])
-    assert decode == pytest.approx(cost.step_time(1, c, c + 1), rel=1e-12)
+    assert decode == pytest.approx(cost.step_time(1, c, c + 1, 0), rel=1e-12)
+
+
+def test_the_lm_head_runs_on_sampled_rows_only():
+    # Llama-3.1-8B: untied embedding and LM head, 128,256 x 4,096 each; neither multiplies a
+    # token that does not sample (the embedding is a lookup).
+    config = load_config("llama-3.1-8b")
+    cost = CostModel(config, get_card("H100-80GB"), tp=2, dtype="bf16")
+    head = 128256 * 4096 // 2
+    assert cost.lm_head_params == head
+    assert cost.layer_params == cost.weights_bytes // 2 - 2 * head
+    # A 1,000-token prompt in two chunks: the first samples nothing, the second one row.
+    request = Request(0, 0.0, 1000, 4)
+    assert CostModel.step_sizes([(request, 600)]) == (600, 0, 600 * 601 // 2, 0)
+    request.num_computed_tokens = 600
+    assert CostModel.step_sizes([(request, 400)])[3] == 1
+    _, one = cost.step_work(400, 600, 0, 1)
+    _, none = cost.step_work(400, 600, 0, 0)
+    assert one - none == 2 * head
+    # Tied (SmolLM2): the one matrix is the LM head, counted once.
+    tied = CostModel(load_config("smollm2-135m"), get_card("H100-80GB"), dtype="fp32")
+    assert tied.layer_params + tied.lm_head_params == tied.weights_bytes // 4
 
 
 @pytest.mark.parametrize("strategy, expected", [

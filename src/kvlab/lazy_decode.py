@@ -199,7 +199,9 @@ class _LazyReplay:
         tokens = num_lazy + sum(n for _, n in scheduled)
         pairs = self.lazy_computed + num_lazy + sum(
             n * r.num_computed_tokens + n * (n + 1) // 2 for r, n in scheduled)
-        seconds = self.step_time(tokens, computed, pairs)
+        # every lazy (decoding) request samples; a scheduled one when its chunk reaches its end
+        sampled = num_lazy + sum(r.num_computed_tokens + n == r.num_tokens for r, n in scheduled)
+        seconds = self.step_time(tokens, computed, pairs, sampled)
         # held during the step: every running request's computed tokens and the step's own
         still_running = [r for r in active if r.state is RequestState.RUNNING] + admitted
         used = self.lazy_computed + tokens + sum(r.num_computed_tokens for r in still_running)

@@ -182,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, repeats in configurations.items():  # a clock from vLLM's other configurations
         others = [engine_steps(s, w, cost, "vllm") for other, more in configurations.items()
                   if other != name for s, w in more]
-        fitted = fit_cpu_clock(config, others)
+        # the bandwidth is this machine's, measured with the clock: decode steps all read about
+        # the same bytes, so the intervals alone cannot tell it from the per-step overhead
+        fitted = fit_cpu_clock(config, others, bandwidth_bytes_per_s=clock.bandwidth_bytes_per_s)
         print(f"{name}: fitted to vLLM's runs of the other configurations: {fitted.describe()}")
         rows.append((name, "vllm", [predict_comparison(s, w, fitted.cost_model(config))
                                     for s, w in repeats]))

@@ -7,7 +7,7 @@ end: vLLM's CPU build, run by `kvlab compare-vllm` on the same workloads with th
 
 1. `time_steps` runs probe workloads (`probes`) through kvlab's model mode (SmolLM2-135M, fp32,
    1 thread) and keeps every engine step's sizes (tokens computed, cached tokens read, attention
-   pairs: `CostModel.step_sizes`) and wall seconds (the whole step: schedule, forward pass,
+   pairs, rows sampled: `CostModel.step_sizes`) and wall seconds (the whole step: schedule, forward pass,
    sampling, update), the median of a few repeats. Every request arrives at once, so no decision
    depends on the clock and the repeats' steps line up.
 2. `fit_cpu_clock` chooses the cost model's numbers for this CPU: its memory bandwidth is measured
@@ -49,7 +49,7 @@ from .fit_clock import levenberg_marquardt
 
 __all__ = ["StepTimes", "CpuClock", "run_batch", "batch_requests", "scheduler_config",
            "pool_blocks", "time_steps", "fit_cpu_clock", "measure_read_bandwidth", "probes",
-           "DEFAULT_FILE"]
+           "probe_sizes", "refit", "DEFAULT_FILE"]
 
 CARD_NAME = "this CPU, 1 thread (fitted)"
 DEFAULT_FILE = "results/cpu-vllm/cpu_clock.json"
@@ -57,8 +57,8 @@ DEFAULT_FILE = "results/cpu-vllm/cpu_clock.json"
 
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
-    """One run's engine steps: `sizes` (steps, 3): tokens computed, cached tokens read, attention
-    pairs; `ends` (steps,): seconds from the run's start at which each step ended, nan where no
+    """One run's engine steps: `sizes` (steps, 4): tokens computed, cached tokens read, attention
+    pairs, rows sampled; `ends` (steps,): seconds from the run's start at which each step ended, nan where no
     token was sampled (an engine's token times show only the ends of steps that sample)."""
 
     sizes: np.ndarray
@@ -171,7 +171,7 @@ def run_batch(requests: Sequence[Request], kv, executor: Executor, config: Sched
             "token_times_s": [times[r.request_id] for r in requests],
             "token_steps": [token_steps[r.request_id] for r in requests],
             "num_preemptions": scheduler.num_preemptions,
-            "step_times": StepTimes.from_seconds(np.array(sizes).reshape(-1, 3), seconds)}
+            "step_times": StepTimes.from_seconds(np.array(sizes).reshape(-1, 4), seconds)}
 
 
 def batch_requests(workload: Workload) -> list[Request]:
@@ -239,6 +239,45 @@ def time_steps(model, timed: Sequence[tuple[Workload, EngineSettings]],
     return probes_timed
 
 
+def probe_sizes(config: LlamaConfig) -> list[np.ndarray]:
+    """Each probe's step sizes (steps, 4), from a simulated replay: the batch arrives at once, so
+    no decision depends on the clock, and the steps are the ones `time_steps` times."""
+    from kvlab.serving.engine_core import SimulatedExecutor
+    from kvlab.serving.strategies import paged_manager
+
+    any_clock = CpuClock(1e10, 1e10, 0.0).cost_model(config)
+    return [run_batch(batch_requests(workload),
+                      paged_manager(pool_blocks(settings, config), settings.block_size,
+                                    settings.max_model_len),
+                      SimulatedExecutor(any_clock), scheduler_config(settings))["step_times"].sizes
+            for workload, settings in probes(config.vocab_size)]
+
+
+def refit(clock: CpuClock, config: LlamaConfig) -> CpuClock:
+    """`clock` fitted again to its stored step times, with today's cost model: each stored probe's
+    steps get the sizes a replay gives now (the stored columns must agree), its bandwidth stays
+    the measured one. How a change to the cost model is carried to clocks already measured.
+
+    Raises:
+        ValueError: the stored probes are not today's (other steps).
+    """
+    stored = clock.measured["probes"]
+    sizes = probe_sizes(config)
+    for number, (probe, now) in enumerate(zip(stored, sizes)):
+        old = np.asarray(probe["sizes"])
+        if len(stored) != len(sizes) or not np.array_equal(old, now[:, :old.shape[1]]):
+            raise ValueError(f"stored probe {number} made other steps than today's probes")
+    fitted = fit_cpu_clock(config, [StepTimes.from_seconds(now, probe["seconds"])
+                                    for probe, now in zip(stored, sizes)], clock.dtype,
+                           clock.bandwidth_bytes_per_s)
+    errors = fitted.measured["errors"]
+    probes_now = [{**probe, "sizes": now.astype(int).tolist()} for probe, now in zip(stored, sizes)]
+    return dataclasses.replace(fitted, measured={
+        **clock.measured, **fitted.measured, "probes": probes_now,
+        "median_abs_error": round(statistics.median(abs(e) for e in errors), 4),
+        "refitted": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+
+
 def _work(config: LlamaConfig, steps: StepTimes, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(bytes moved, FLOPs) of each step: the cost model's, which no card changes."""
     unit = CostModel(config, Card("unit", 0, 1.0, 1.0), 1, dtype)
@@ -297,8 +336,12 @@ def fit_cpu_clock(config: LlamaConfig, runs: Sequence[StepTimes], dtype: str = "
             predicted.append(np.bincount(group[kept], steps[kept], minlength=len(seconds)))
         return np.log(np.concatenate(predicted) / durations)
 
-    start = [1e10, 1e-3] if bandwidth_bytes_per_s is not None else [1e10, 1e10, 1e-3]
-    theta = levenberg_marquardt(errors, np.log(start), iterations=100)
+    # The surface has poor local minima (an overhead driven to 0 with too slow a FLOP rate):
+    # start from a few overheads, 1 ms to 100 ms, and keep the best fit.
+    starts = [[1e10, overhead] if bandwidth_bytes_per_s is not None else [1e10, 1e10, overhead]
+              for overhead in (1e-3, 1e-2, 1e-1)]
+    fits = [levenberg_marquardt(errors, np.log(start), iterations=100) for start in starts]
+    theta = min(fits, key=lambda fit: float(np.sum(errors(fit) ** 2)))
     with np.errstate(over="ignore"):
         flop_rate, bandwidth, overhead = (float(v) for v in unpack(theta))
     return CpuClock(flop_rate, bandwidth, overhead, dtype=dtype,
@@ -324,7 +367,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=DEFAULT_FILE)
+    parser.add_argument("--refit", metavar="FILE", help="fit a stored clock again to its stored "
+                        "step times with today's cost model (no timing), written back to FILE")
     args = parser.parse_args(argv)
+    if args.refit:
+        from kvlab.config import load_config
+
+        fitted = refit(CpuClock.load(args.refit), load_config("smollm2-135m"))
+        Path(args.refit).write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
+        print(f"{fitted.describe()}\nstored in {args.refit}")
+        return 0
     model = load_model("smollm2-135m", dtype=torch.float32)
     load, started = _load_average(), time.perf_counter()
     torch.set_num_threads(1)

@@ -142,7 +142,7 @@ class _Recording:
 
     measurement: Measurement
     config: LlamaConfig
-    sizes: np.ndarray          # (steps, 3): tokens, cached tokens read, attention pairs
+    sizes: np.ndarray          # (steps, 4): tokens, cached tokens read, pairs, rows sampled
     wake_s: np.ndarray         # a step's start if it followed an idle wait, else -inf
     decode_tokens: np.ndarray  # tokens after a request's first, per step
     arrival_s: np.ndarray
@@ -153,8 +153,8 @@ class _Recording:
     def step_times(self, factors: Factors) -> np.ndarray:
         m = self.measurement
         cost = clock_cost_model(self.config, m.card, m.tp, factors=factors)
-        tokens, kv, pairs = self.sizes.T
-        moved, flops = cost.step_work(tokens, kv, pairs)
+        tokens, kv, pairs, sampled = self.sizes.T
+        moved, flops = cost.step_work(tokens, kv, pairs, sampled)
         return cost.time_of_work(moved, flops, tokens, np.maximum)
 
     def retime(self, factors: Factors) -> float:

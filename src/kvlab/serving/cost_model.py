@@ -5,9 +5,16 @@ over, at the card's memory bandwidth, and (b) do its arithmetic at the card's pe
 step takes the longer of the two (the roofline model, Williams et al., CACM 2009):
 
     bytes = weights per GPU + KV bytes per token per GPU x (tokens attended over + tokens written)
-    flops = 2 x parameters per GPU x tokens computed
+    flops = 2 x decoder-layer parameters per GPU x tokens computed
+            + 2 x LM-head parameters per GPU x rows sampled
             + 4 x layers x query heads per GPU x head_dim x (query, key) pairs attended
     step  = max(bytes / bandwidth, flops / peak FLOP/s) + step_overhead_s
+
+The embedding is a lookup (no FLOPs), and the LM head (vocab_size x hidden_size) runs only on the
+row of each request that samples this step (vLLM's `logits_indices`): a prefill chunk that does not
+finish its prompt samples nothing, and a finished prompt of 2,000 tokens samples one row. For a
+small model that changes a prefill's FLOPs by a fifth (SmolLM2-135M: the tied embedding is 21 %
+of its parameters); Llama-3.1-8B's untied pair is 13 %, Llama-3.1-70B's 3 %.
 
 Decode steps are memory-bound (a few hundred tokens cannot use the FLOPs that reading 70 GB of
 weights pays for); long prefills are compute-bound. Under tensor parallelism each of `tp` GPUs holds
@@ -114,7 +121,12 @@ class CostModel:
             2 * config.num_hidden_layers * 2 * (tp - 1) / tp * config.hidden_size
             * dtype_bytes(dtype) / link_bytes_per_s)
         self.weights_bytes = weights_bytes(config, dtype, tp)
-        self.params_per_gpu = self.weights_bytes // dtype_bytes(dtype)
+        params_per_gpu = self.weights_bytes // dtype_bytes(dtype)
+        # The LM head's vocab_size x hidden_size (split over tp) multiplies sampled rows only; the
+        # embedding, the same matrix when tied, is a lookup. The rest multiplies every token.
+        self.lm_head_params = config.vocab_size * config.hidden_size // tp
+        embeddings = self.lm_head_params * (1 if config.tie_word_embeddings else 2)
+        self.layer_params = params_per_gpu - embeddings
         self.kv_bytes_per_token = kv_bytes_per_token(config, dtype, tp)
         # FLOPs per (query token, key token) pair: QK^T and PV, 2 each per multiply-add.
         self.flops_per_pair = (4 * config.num_hidden_layers * (config.num_attention_heads // tp)
@@ -140,13 +152,15 @@ class CostModel:
                      f"{2 * self.config.num_hidden_layers} all-reduces a step")
         return line
 
-    def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int) -> float:
+    def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int,
+                  num_sampled: int) -> float:
         """Seconds for one forward pass computing num_batched_tokens (prefill + decode, each
-        written to the cache), reading kv_tokens_read cached tokens and attending attention_pairs
-        (query, key) pairs, both summed over requests."""
+        written to the cache), reading kv_tokens_read cached tokens, attending attention_pairs
+        (query, key) pairs, both summed over requests, and sampling num_sampled rows."""
         if num_batched_tokens == 0:
             return 0.0
-        moved, flops = self.step_work(num_batched_tokens, kv_tokens_read, attention_pairs)
+        moved, flops = self.step_work(num_batched_tokens, kv_tokens_read, attention_pairs,
+                                      num_sampled)
         return self.time_of_work(moved, flops, num_batched_tokens)
 
     def time_of_work(self, moved, flops, num_batched_tokens, maximum=max):
@@ -155,30 +169,32 @@ class CostModel:
         return (maximum(moved / self.bandwidth, flops / self.flops) + self.step_overhead_s
                 + self.allreduce_s + self.allreduce_s_per_token * num_batched_tokens)
 
-    def step_work(self, num_batched_tokens: int, kv_tokens_read: int,
-                  attention_pairs: int) -> tuple[int, int]:
+    def step_work(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int,
+                  num_sampled: int) -> tuple[int, int]:
         """(bytes moved, FLOPs) per GPU of one forward pass (arguments as `step_time`)."""
         moved = (self.weights_bytes
                  + (kv_tokens_read + num_batched_tokens) * self.kv_bytes_per_token)
-        flops = (2 * self.params_per_gpu * num_batched_tokens
+        flops = (2 * self.layer_params * num_batched_tokens + 2 * self.lm_head_params * num_sampled
                  + self.flops_per_pair * attention_pairs)
         return moved, flops
 
     @staticmethod
-    def step_sizes(scheduled) -> tuple[int, int, int]:
-        """(tokens computed, cached tokens read, attention pairs) of a `SchedulerOutput.scheduled`
-        list, before `update` (progress unchanged).
+    def step_sizes(scheduled) -> tuple[int, int, int, int]:
+        """(tokens computed, cached tokens read, attention pairs, rows sampled) of a
+        `SchedulerOutput.scheduled` list, before `update` (progress unchanged).
 
         A request computing n new tokens after c cached ones reads c keys besides its own and
-        attends n x c + n (n + 1) / 2 (query, key) pairs (causal).
+        attends n x c + n (n + 1) / 2 (query, key) pairs (causal); it samples when the n reach its
+        last token.
         """
-        tokens = kv = pairs = 0
+        tokens = kv = pairs = sampled = 0
         for request, num_new in scheduled:
             computed = request.num_computed_tokens
             tokens += num_new
             kv += computed
             pairs += num_new * computed + num_new * (num_new + 1) // 2
-        return tokens, kv, pairs
+            sampled += computed + num_new == request.num_tokens
+        return tokens, kv, pairs, sampled
 
     def step_time_of(self, scheduled) -> float:
         """`step_time` of a `SchedulerOutput.scheduled` list (sizes from `step_sizes`)."""

@@ -50,14 +50,9 @@ def too_long_reason(request, max_model_len: int) -> str | None:
 
 
 class KVCacheManager(ManagerViews):
-    """Block tables per request, allocated from one `BlockPool` of num_blocks blocks of
-    block_size tokens (vLLM's default block_size is 16; section 7.2 of the paper weighs it).
-    max_model_len: the longest request accepted (default: the whole pool).
-
-    Raises:
-        ValueError: num_blocks, block_size or max_model_len not a positive integer.
-        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (vLLM's start-up check).
-    """
+    """Block tables per request over one `BlockPool` (vLLM's default block_size is 16; section
+    7.2 weighs it); max_model_len defaults to the whole pool. ValueError: a size not a positive
+    integer. KVCacheOutOfMemory: the pool cannot hold one max_model_len request."""
 
     name = "paged"
     has_prefix_cache = False
@@ -92,14 +87,9 @@ class KVCacheManager(ManagerViews):
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[int] = (),
                        full_sequence_must_fit: bool = False) -> list[int] | None:
-        """Room for `num_new_tokens` more tokens, after the ones the request holds and (at
-        admission) after `new_computed_blocks`, holding `num_new_computed_tokens` tokens.
-        full_sequence_must_fit: at admission, refuse unless the free blocks could hold all of
-        the request's tokens now (the scheduler's `scheduler_reserve_full_isl` gate).
-
-        Returns:
-            the block ids taken from the pool (a copy-on-write copy first), possibly none; None
-            if there are not enough free blocks now (nothing changed).
+        """Room for `num_new_tokens` more tokens (see the module docstring); the new block ids,
+        a copy-on-write copy first. full_sequence_must_fit: at admission, refuse unless the free
+        blocks could hold all of the request's tokens now (`scheduler_reserve_full_isl`).
 
         Raises:
             ValueError: a count that is not an integer >= 0, computed blocks that do not hold
@@ -158,9 +148,8 @@ class KVCacheManager(ManagerViews):
         return new_blocks
 
     def free(self, request) -> None:
-        """Release the request's blocks, last block first, as vLLM v1 does: the tail is the part
-        least likely shared by a later request, so it should be reused first (stage 6).
-        Raises KeyError for a request without a table."""
+        """Release the request's blocks (KeyError if none), last first as vLLM v1 does: the tail is
+        the part least likely shared by a later request, so it should be reused first (stage 6)."""
         table = self._table(request.request_id)
         self.pool.release(reversed(table.block_ids))
         del self.tables[request.request_id]

@@ -47,32 +47,22 @@ class PagedKVCache:
     """A block pool of `num_blocks` blocks of `block_size` tokens, in every layer.
 
     Args:
-        config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
-        num_blocks: blocks in the pool (see `num_blocks_for_budget` to derive it from memory).
-        block_size: tokens per block.
-        dtype, device: of the pool tensors (use the model's); dtype is a torch dtype or a name
-            ("bf16", see `kvlab.dtypes`).
+        num_blocks: see `num_blocks_for_budget` to derive it from memory.
+        dtype, device: of the pool tensors (use the model's); dtype as in `kvlab.dtypes`.
         max_model_len: if given, check at start-up that one request this long fits in the pool.
-        attention_backend: how the forward pass attends over the blocks: a name in
-            `kvlab.paged.backends.BACKENDS` ("torch", "triton"), a backend object, or None for
-            the plain-PyTorch `TorchBackend`.
-        layout: the pool's physical layout, chosen here, once: "token-major" [num_blocks,
-            block_size, num_key_value_heads, head_dim] or "head-major" [num_blocks,
-            num_key_value_heads, block_size, head_dim] (`kvlab.kernels.pool_layout`, stage 5).
-            None: the backend object's own layout, token-major for a name.
-        manager: the `KVCacheManager` naming the blocks (default: a plain one of these sizes).
+        attention_backend: a name in `BACKENDS` ("torch", "triton"), a backend object, or None
+            for the plain-PyTorch `TorchBackend`.
+        layout: the pool's physical layout, chosen once: "token-major" or "head-major"
+            (`kvlab.kernels.pool_layout`, stage 5); None: the backend's own, token-major for a name.
+        manager: the `KVCacheManager` naming the blocks (e.g. from
+            `kvlab.serving.engine_core.simulated_manager`; default: a plain one of these sizes).
 
     Attributes:
-        k_caches, v_caches: one tensor per layer, [num_blocks, block_size, num_key_value_heads,
-            head_dim] (or head-major, see `layout`), zero-filled.
-        layout: the pool's layout.
-        manager: the `KVCacheManager` (block tables, ref counts, free block queue): the one
-            given (built once, e.g. by `kvlab.serving.engine_core.simulated_manager`), else a plain one.
-        block_bytes: bytes of one block id over all layers, K and V.
+        k_caches, v_caches: one zero-filled tensor per layer, [num_blocks, block_size,
+            num_key_value_heads, head_dim] (or head-major, see `layout`).
+        block_bytes: bytes of one block id over all layers, K and V; bytes_per_token: / block_size.
         allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
             was allocated (compare with pool_bytes); None on CPU.
-        bytes_per_token: KV bytes of one token over all layers (block_bytes / block_size).
-        backend: the attention backend object.
         scale: attention score scale, 1 / sqrt(head_dim).
 
     Raises:
@@ -134,12 +124,8 @@ class PagedKVCache:
                   max_model_len: int | None = None,
                   attention_backend: BackendLike = None, layout: str | None = None,
                   manager: KVCacheManager | None = None) -> "PagedKVCache":
-        """A pool with the model's shape, dtype and device (other arguments: see the class).
-
-        Raises:
-            ValueError: max_model_len above the model's max_position_embeddings (both numbers in
-                the message), or as `PagedKVCache`.
-        """
+        """A pool with the model's shape, dtype and device. ValueError: max_model_len above the
+        model's max_position_embeddings (both numbers in the message), or as `PagedKVCache`."""
         if max_model_len is not None:
             max_model_len = check_model_len(model.config, max_model_len)
         return cls(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
@@ -148,11 +134,7 @@ class PagedKVCache:
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block `src`'s K/V into block `dst`, in every layer (block_bytes bytes moved).
-
-        Raises:
-            ValueError: a block id outside [0, num_blocks).
-        """
+        """Copy block `src`'s K/V into block `dst` in every layer; ValueError outside [0, num_blocks)."""
         src = check_index("src block_id", src, self.num_blocks)
         dst = check_index("dst block_id", dst, self.num_blocks)
         for k_cache, v_cache in zip(self.k_caches, self.v_caches):
@@ -171,12 +153,9 @@ class PagedKVCache:
 
     def batch_store(self, seq_ids: Sequence[Hashable],
                     query_lens: Sequence[int]) -> "PagedBatchStore":
-        """The KV store for one forward pass over the newest tokens of several sequences: the last
-        query_lens[i] tokens whose slots seq_ids[i] holds (K/V not yet written), flat in order.
-
-        Raises:
-            ValueError: no seq_ids, a query_len < 1 or above the tokens held, or a different
-                number of query_lens. KeyError: an unknown seq_id.
+        """The KV store for one forward pass over the last query_lens[i] tokens whose slots
+        seq_ids[i] holds (K/V not yet written), flat in order. ValueError: no seq_ids, a query_len
+        < 1 or above the tokens held, or a different number of query_lens. KeyError: unknown seq_id.
         """
         block_tables, seq_lens = self.block_tables_tensor(seq_ids)
         slot_mapping = self._slot_mapping(block_tables, seq_lens, seq_ids, query_lens)
@@ -213,15 +192,8 @@ class PagedKVCache:
     PAD_BLOCK_ID = 0
 
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables of a batch padded with PAD_BLOCK_ID (block 0) to one width, and the tokens of each.
-
-        Returns:
-            block_tables [num_seqs, max_blocks_per_seq] int64, seq_lens [num_seqs] int64.
-            Padding is block id 0, a real block: only seq_lens tells what belongs to a sequence.
-
-        Raises:
-            ValueError: no seq_ids. KeyError: an unknown seq_id.
-        """
+        """block_tables [num_seqs, max_blocks_per_seq] int64, padded with PAD_BLOCK_ID, and seq_lens
+        [num_seqs] int64. ValueError: no seq_ids. KeyError: an unknown seq_id."""
         if len(seq_ids) == 0:
             raise ValueError("block_tables_tensor needs at least one seq_id")
         tables = [self.manager.block_ids(seq_id) for seq_id in seq_ids]
@@ -232,10 +204,7 @@ class PagedKVCache:
 
     def gather(self, seq_id: Hashable, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one sequence's keys and values of one layer, [num_tokens, H_kv, head_dim] each.
-
-        Raises:
-            KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers).
-        """
+        KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers)."""
         k_cache, v_cache = self.layer(layer_index)
         block_table = self._tensor(self.manager.block_ids(seq_id))
         num_tokens = self.manager.num_tokens(seq_id)
@@ -266,11 +235,8 @@ class PagedKVCache:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes holding token states: distinct tokens stored x KV bytes per token.
-
-        A slot counts from when it is reserved (`allocate_slots`); the forward pass
-        that follows writes it. A block shared by a fork counts once.
-        """
+        """Distinct tokens stored x KV bytes per token: a slot counts from when it is reserved
+        (`allocate_slots`), before the forward pass writes it; a block shared by a fork once."""
         return self.manager.num_stored_tokens * self.bytes_per_token
 
     @property
@@ -294,10 +260,8 @@ class PagedBatchStore:
     Sequence i's query_lens[i] new tokens follow sequence i - 1's: one token is a decode row, more
     make a prefill chunk. slot_mapping [num_tokens] int64, one slot per token; block_tables
     [num_seqs, max_blocks_per_seq] int64 (padded with PAD_BLOCK_ID); seq_lens [num_seqs] int64,
-    tokens of each sequence once this pass has written.
-
-    Each layer writes every token's K/V first, then attends (see the module docstring), so a token
-    reads what any token of the pass wrote in that layer, whatever their order.
+    tokens of each sequence once this pass has written. Each layer writes, then attends (see the
+    module docstring).
     """
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

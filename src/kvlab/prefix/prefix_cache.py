@@ -43,15 +43,9 @@ __all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
 
 @dataclasses.dataclass(eq=False, slots=True)  # slots: a trace replay makes millions of them
 class CachedBlock:
-    """The cache entry of one full block. Compared by identity (eq=False), never by value.
-
-    Attributes:
-        block_id: the physical block holding the K/V.
-        block_hash: its chained hash (bytes for SHA-256; any hashable in a trace simulation).
-        token_ids: the block's block_size token ids, kept for the exact check.
-        extra_keys: e.g. ('salt', cache_salt).
-        parent: the entry of the previous block of the prefix; None for block 0.
-    """
+    """The cache entry of one full block, compared by identity (eq=False), never by value:
+    block_hash is bytes for SHA-256 (any hashable in a trace simulation); token_ids (block_size of
+    them) and extra_keys are kept for the exact check; parent is None for block 0."""
 
     block_id: int
     block_hash: Hashable
@@ -64,16 +58,9 @@ class CachedBlock:
 
 
 class PrefixCache:
-    """Block hash -> {block_id: entry}, and block_id -> entry.
-
-    One hash may map to several blocks: two sequences may have computed the same block
-    independently, or (with a weak hash) different prefixes may share a hash.
-
-    Args:
-        verify: True (default) confirms every hit against token ids, extra keys and the parent
-            entry. False trusts the hash alone, as vLLM does (only to show what a collision does).
-
-    """
+    """Block hash -> {block_id: entry}, and block_id -> entry. One hash may map to several blocks:
+    the same block computed twice, or (with a weak hash) different prefixes sharing a hash.
+    verify=False trusts the hash alone, as vLLM does (only to show what a collision does)."""
 
     def __init__(self, verify: bool = True):
         self.verify = verify
@@ -100,13 +87,8 @@ class PrefixCache:
 
     def find(self, block_hash: Hashable, token_ids: tuple[int, ...],
              extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock | None:
-        """The cached block holding this prefix block, or None (a miss). Changes nothing.
-
-        Args:
-            block_hash: the block's chained hash.
-            token_ids, extra_keys: what the candidate must hold.
-            parent: the entry this lookup matched for the previous block (None for block 0).
-        """
+        """The cached block holding these token_ids and extra_keys after `parent` (the entry this
+        lookup matched one block earlier; None for block 0), or None (a miss). Changes nothing."""
         for candidate in self._by_hash.get(block_hash, {}).values():
             if not self.verify:
                 return candidate  # vLLM's rule: the hash alone decides
@@ -117,11 +99,8 @@ class PrefixCache:
 
     def insert(self, block_id: int, block_hash: Hashable, token_ids: tuple[int, ...],
                extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock:
-        """Cache a full block whose K/V holds exactly this prefix; returns its entry.
-
-        Raises:
-            ValueError: the block is already cached (drop its entry first).
-        """
+        """Cache a full block whose K/V holds exactly this prefix; its entry. ValueError: the block
+        is already cached (drop its entry first)."""
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already cached")
         entry = CachedBlock(block_id, block_hash, tuple(token_ids), tuple(extra_keys), parent)
@@ -153,15 +132,8 @@ class PrefixCache:
 
 
 class CachingBlockPool(BlockPool):
-    """A `BlockPool` whose free block queue doubles as the LRU list of cached blocks.
-
-    Args:
-        num_blocks: blocks in the pool.
-        cache: the `PrefixCache` whose entries name blocks of this pool.
-
-    Attributes:
-        num_evictions: cached blocks whose entry was dropped because allocation reused them.
-    """
+    """A `BlockPool` whose free block queue doubles as the LRU list of `cache`'s blocks;
+    num_evictions counts cached blocks whose entry was dropped because allocation reused them."""
 
     def __init__(self, num_blocks: int, cache: PrefixCache):
         super().__init__(num_blocks)
@@ -174,11 +146,7 @@ class CachingBlockPool(BlockPool):
         self.num_evictions += self.cache.drop_all([block.block_id for block in blocks])
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """A cache hit takes these blocks (see `BlockPool.touch`).
-
-        Raises:
-            ValueError: a block that is not cached (only cached blocks can be hit).
-        """
+        """A cache hit takes these blocks (`BlockPool.touch`); ValueError for one not cached."""
         block_ids = list(block_ids)
         for block_id in block_ids:
             if block_id not in self.cache:

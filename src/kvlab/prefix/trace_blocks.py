@@ -74,7 +74,7 @@ class TraceBlocks(BlockTokens):
         return self.blocks(index, index + 1, block_size)[0]
 
     def blocks(self, start: int, stop: int, block_size: int) -> list[tuple[int, ...]]:
-        """`block` of each of blocks start .. stop - 1 (one call for all the blocks a step fills)."""
+        """`block` of blocks start .. stop - 1 (one call for all the blocks a step fills)."""
         size, named_end, trace_ids = self.trace_block_size, self.named_end, self.trace_ids
         contents = []
         for index in range(start, stop):
@@ -132,10 +132,9 @@ class TraceBlocks(BlockTokens):
 
 
 def block_tokens(request: "Request") -> list[int] | BlockTokens:
-    """All tokens of a request as the prefix cache reads them at admission (module docstring):
-    its ids (model mode, or a prompt given with ids), else `TraceBlocks`; a request with forks still
-    to make gets per-token stand-ins, since each fork appends outputs under its own id.
-    """
+    """All tokens of a request as the prefix cache reads them at admission: its ids (model mode, or
+    a prompt given with ids), else `TraceBlocks`; a request with forks still to make gets per-token
+    stand-ins, since each fork appends outputs under its own id."""
     if request.prompt_token_ids is not None or request.forks:
         return token_ids(request, 0, request.num_tokens)
     return TraceBlocks(request)

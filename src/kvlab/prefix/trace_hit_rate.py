@@ -129,12 +129,8 @@ class _TraceManager(PrefixCachingKVCacheManager):
 
 def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int,
                  block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
-    """Hit rate of the prefix cache on a pool of `capacity_blocks` blocks, LRU eviction.
-
-    Each request goes through the engine's manager alone: `get_computed_blocks` (exact check,
-    n - 1 cap), `allocate_slots` for the rest (evicting from the head of the free queue, caching
-    its full blocks), `free` (tail first). ValueError for capacity_blocks < 1 or a block_size
-    not dividing 512.
+    """Hit rate of the engine's manager on a pool of `capacity_blocks` blocks, one request at a
+    time (see the module docstring). ValueError: capacity_blocks < 1, or block_size not dividing 512.
     """
     manager = _TraceManager(capacity_blocks, block_size)
     result = TraceHitRate(capacity_blocks, block_size)

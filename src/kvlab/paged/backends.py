@@ -7,13 +7,11 @@ over its blocks; `decode` attends one query token per sequence of a batch over i
 
 vLLM splits its code the same way (an attention backend per kernel family, chosen at start-up; the
 paper's section 4.1 kernel is one of them). `PagedKVCache(..., attention_backend=...)` takes a
-backend object or a name; `TorchBackend` (the plain-PyTorch teaching implementation,
-`kvlab.paged.torch_attention`) is the default. Stage 5 adds a Triton kernel as one more entry of
-`BACKENDS`.
+backend object or a name; `TorchBackend` (`kvlab.paged.torch_attention`) is the default, and
+stage 5 adds a Triton kernel as one more entry of `BACKENDS`.
 
-Pool layout: a backend object reads pools of one layout, its `layout` attribute ("token-major",
-the default, or "head-major", `kvlab.kernels.pool_layout`); factories take the layout. The cache
-allocates its pool in the backend's layout.
+A backend reads pools of one layout, its `layout` attribute (token-major by default,
+`kvlab.kernels.pool_layout`); factories take the layout, and the cache allocates its pool in it.
 
 Contract every backend keeps (tests/test_poisoned_pool.py holds each backend to it): shapes and
 dtypes as documented on `TorchBackend`; slots a sequence does not own, past its seq_len or in the
@@ -82,7 +80,8 @@ class TorchBackend:
 
     def _decode_gather(self, block_tables, seq_lens, k_cache):
         """`decode_gather` once per forward pass, reused by every layer (vLLM builds its attention
-        metadata once per step) while tables, lengths (compared, not trusted) and pool shape match."""
+        metadata once per step) while tables, lengths (compared, not trusted) and pool shape agree.
+        """
         last = self._gather_for
         if not (last is not None and last[2] == k_cache.shape
                 and torch.equal(last[0], block_tables) and torch.equal(last[1], seq_lens)):

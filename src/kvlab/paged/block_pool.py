@@ -5,9 +5,8 @@ et al., SOSP 2023, section 4.2: "the KV block manager ... physical KV blocks on 
 either in the free block queue (ref count 0) or held by one or more sequences (ref count >= 1; more
 than one after a fork shares it, section 4.4).
 
-This class holds no tensors. The K/V data lives in `PagedKVCache`, indexed by the same block_id.
-vLLM splits it the same way: the scheduler's KV cache manager only decides which block ids a
-sequence gets, the workers' tensors hold the bytes.
+No tensors here: the K/V lives in `PagedKVCache`, indexed by the same block_id. vLLM splits it the
+same way: the scheduler's KV cache manager picks block ids, the workers' tensors hold the bytes.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ __all__ = ["kv_block_bytes", "num_blocks_for_budget", "check_pool_fits"]
 
 
 def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torch.float32) -> int:
-    """Bytes one block id stands for: its K and V slots in every layer (`dtype`: see `kvlab.dtypes`).
+    """Bytes one block id stands for: its K and V slots in every layer (dtype: `kvlab.dtypes`).
 
     = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x dtype bytes
     = block_size x KV bytes per token. Llama-3.1-8B, bf16, block_size 16: 16 x 128 KiB = 2 MiB.
@@ -38,12 +38,10 @@ def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torc
 
 def num_blocks_for_budget(budget_bytes: int, weights_bytes: int, block_bytes: int,
                           activation_bytes: int = 0) -> int:
-    """(budget_bytes - weights_bytes - activation_bytes) // block_bytes, at least 1.
-
-    budget_bytes is gpu_memory_utilization x total bytes on a GPU; block_bytes is `kv_block_bytes`;
-    activation_bytes is the peak of a profiling run (0 by default). KVCacheOutOfMemory when less
-    than one block is left; the message gives each number in bytes.
-    """
+    """(budget_bytes - weights_bytes - activation_bytes) // block_bytes, at least 1: budget_bytes
+    is gpu_memory_utilization x total bytes on a GPU, block_bytes `kv_block_bytes`, activation_bytes
+    the peak of a profiling run. KVCacheOutOfMemory when less than one block is left (the message
+    gives each number in bytes)."""
     left = budget_bytes - weights_bytes - activation_bytes
     if left < block_bytes:
         raise KVCacheOutOfMemory(

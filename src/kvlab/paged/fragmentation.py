@@ -7,10 +7,9 @@ size blocks (paging) remove that kind of waste, because any free block will do. 
 fragmentation of Kwon et al., *Efficient Memory Management for Large Language Model Serving with
 PagedAttention* (SOSP 2023), section 3 and figure 3.
 
-Notebook 04 draws it with small tools: a memory as a string, one character per token slot
-('.' = free), `gaps_of` to list its gaps, `first_fit` / `place` to fill it first fit. The
-measurement on real traffic runs the course's one scheduler with a first-fit KV manager,
-`kvlab.serving.reservation.FirstFitSlabManager`, against the same reservations in blocks.
+Notebook 04 draws it: a memory as a string, one character per token slot ('.' = free), `gaps_of`
+to list its gaps, `first_fit` / `place` to fill it. Real traffic is measured by the one scheduler
+with `kvlab.serving.reservation.FirstFitSlabManager`, against the same reservations in blocks.
 """
 
 from __future__ import annotations

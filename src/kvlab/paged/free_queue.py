@@ -40,8 +40,7 @@ class FreeBlockQueue:
     is in it exactly when its links are set, so "is this block free?" is O(1) too."""
 
     def __init__(self, blocks: Iterable[Block] = ()):
-        # Sentinels: the real blocks always sit between these two, so every queued block has a
-        # prev and a next and the link updates below need no special cases.
+        # Sentinels (module docstring): every queued block has a prev and a next, no special cases.
         self._head, self._tail = Block(-1), Block(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self._length = 0

@@ -11,14 +11,12 @@ any mix of prefill chunks (many tokens of one sequence) and decode rows (one new
 sequence), as vLLM v1 runs a step. Its slot mapping is computed here, once per pass, from the
 block tables.
 
-In every layer the store first writes the K/V of every token of the pass into its slot (the slot
-mapping), and only then attends: the decode rows together through the backend's batched `decode`,
-each prefill chunk through its `prefill`, over the sequence's blocks (`kvlab.paged.backends`; by
-default the plain-PyTorch `TorchBackend`, the stage-5 kernel is another). So a token may read a
-block that another sequence of the same pass writes, whatever their order; the prefix cache relies
-on it (`kvlab.prefix.manager`). vLLM v1's attention layers work the same way: one flattened batch
-per step, the step's new K/V written to their slots (`reshape_and_cache`) before the attention
-kernel runs.
+In every layer the store first writes the K/V of every token of the pass into its slot, and only
+then attends (`kvlab.paged.backends`): the decode rows together through the backend's batched
+`decode`, each prefill chunk through its `prefill`. So a token may read a block that another
+sequence of the same pass writes, whatever their order; the prefix cache relies on it
+(`kvlab.prefix.manager`). vLLM v1 works the same way: one flattened batch per step, its new K/V
+written to their slots (`reshape_and_cache`) before the attention kernel runs.
 """
 
 from __future__ import annotations
@@ -46,30 +44,21 @@ __all__ = ["PagedKVCache", "PagedBatchStore"]
 class PagedKVCache:
     """A block pool of `num_blocks` blocks of `block_size` tokens, in every layer.
 
-    Args:
-        num_blocks: see `num_blocks_for_budget` to derive it from memory.
-        dtype, device: of the pool tensors (use the model's); dtype as in `kvlab.dtypes`.
-        max_model_len: if given, check at start-up that one request this long fits in the pool.
-        attention_backend: a name in `BACKENDS` ("torch", "triton"), a backend object, or None
-            for the plain-PyTorch `TorchBackend`.
-        layout: the pool's physical layout, chosen once: "token-major" or "head-major"
-            (`kvlab.kernels.pool_layout`, stage 5); None: the backend's own, token-major for a name.
-        manager: the `KVCacheManager` naming the blocks (e.g. from
-            `kvlab.serving.engine_core.simulated_manager`; default: a plain one of these sizes).
+    num_blocks: see `num_blocks_for_budget` to derive it from memory. dtype (as in `kvlab.dtypes`)
+    and device: use the model's. max_model_len: if given, checked at start-up to fit in the pool.
+    attention_backend: a name in `BACKENDS` ("torch", "triton"), a backend object, or None (torch).
+    layout: "token-major" or "head-major" (`kvlab.kernels.pool_layout`), chosen once; None: the
+    backend's own. manager: the `KVCacheManager` naming the blocks (e.g. from
+    `kvlab.serving.engine_core.simulated_manager`; default: a plain one of these sizes).
 
-    Attributes:
-        k_caches, v_caches: one zero-filled tensor per layer, [num_blocks, block_size,
-            num_key_value_heads, head_dim] (or head-major, see `layout`).
-        block_bytes: bytes of one block id over all layers, K and V; bytes_per_token: / block_size.
-        allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
-            was allocated (compare with pool_bytes); None on CPU.
-        scale: attention score scale, 1 / sqrt(head_dim).
+    k_caches, v_caches hold one zero-filled tensor per layer, [num_blocks, block_size,
+    num_key_value_heads, head_dim] (or head-major). block_bytes: bytes of one block id over all
+    layers, K and V. allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the
+    pool was allocated (compare with pool_bytes), None on CPU. scale: 1 / sqrt(head_dim).
 
-    Raises:
-        ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, an
-            unknown attention backend or layout, or a backend object of another layout.
-        KVCacheOutOfMemory: the pool cannot hold one max_model_len request, or (CUDA) the device
-            has no room for the pool; the message gives the numbers.
+    ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, an unknown
+    backend or layout, or a backend object of another layout. KVCacheOutOfMemory: the pool cannot
+    hold one max_model_len request, or (CUDA) the device has no room for it (message with numbers).
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
@@ -134,7 +123,7 @@ class PagedKVCache:
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block `src`'s K/V into block `dst` in every layer; ValueError outside [0, num_blocks)."""
+        """Copy block `src`'s K/V into `dst` in every layer; ValueError outside [0, num_blocks)."""
         src = check_index("src block_id", src, self.num_blocks)
         dst = check_index("dst block_id", dst, self.num_blocks)
         for k_cache, v_cache in zip(self.k_caches, self.v_caches):
@@ -183,12 +172,10 @@ class PagedKVCache:
         size = self.block_size
         return block_tables[rows, positions // size] * size + positions % size
 
-    # The padding convention: a short block table is padded with this block id. It is a real block
-    # (held by some other sequence, or free and full of whatever its last user left, NaN
-    # included), chosen so every padded entry is a valid index into the pool. Only seq_lens says
-    # which slots belong to a sequence; every attention backend must keep the rest out of the
-    # output: never read them, or mask them out of both the scores and the values
-    # (tests/test_poisoned_pool.py).
+    # A short block table is padded with this id: a real block (another sequence's, or free and
+    # holding whatever its last user left, NaN included), so every entry is a valid pool index.
+    # Only seq_lens says which slots belong to a sequence; every backend keeps the rest out of the
+    # output (the contract in `kvlab.paged.backends`, tests/test_poisoned_pool.py).
     PAD_BLOCK_ID = 0
 
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,7 @@
 """Paged attention in plain PyTorch: the stage-4 teaching implementation, and the default backend.
 
-This is code to read, not a test oracle (that is `kvlab.oracles`, SDPA in float64): the paged cache
-runs it through `kvlab.paged.backends.TorchBackend`, and the stage-5 Triton kernel is checked
-against it.
+Code to read, not a test oracle (that is `kvlab.oracles`, SDPA in float64): the paged cache runs
+it through `TorchBackend`, and the stage-5 Triton kernel is checked against it.
 
 The pool of one layer is a tensor [num_blocks, block_size, num_key_value_heads, head_dim]. Seen
 flat, [num_blocks * block_size, num_key_value_heads, head_dim], its row `slot` is the token slot
@@ -127,11 +126,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGather:
-    """Which rows of a layer's pool (seen as [-1, head_dim]) a decode batch reads, in the layout
-    attention wants: rows [num_seqs * num_key_value_heads * num_slots] int64; score_bias
-    [num_seqs, 1, 1, num_slots] float32, 0 where the position holds one of the sequence's tokens
-    and -inf elsewhere (added to the scores); shape (num_seqs, num_key_value_heads, num_slots,
-    head_dim). The same for every layer of a pass."""
+    """The rows of a layer's pool (seen as [-1, head_dim]) a decode batch reads, same for every
+    layer: rows [num_seqs * num_key_value_heads * num_slots] int64; score_bias [num_seqs, 1, 1,
+    num_slots] float32, 0 where the sequence holds the position, -inf elsewhere (added to the
+    scores); shape (num_seqs, num_key_value_heads, num_slots, head_dim), as attention reads it."""
 
     rows: torch.Tensor
     score_bias: torch.Tensor
@@ -188,19 +186,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """One query token per sequence, each attending over its own blocks (a batched decode step).
 
     Padding entries of the block tables are real block ids (`PagedKVCache.PAD_BLOCK_ID`), so only
-    `seq_lens` says which slots belong to a sequence; a position at or past seq_len reads the
-    sequence's own first slot and is masked out of the scores, so the padding weighs exactly 0.
+    `seq_lens` says which slots are a sequence's; `decode_gather` keeps the others out, weight 0.
 
-    Args:
-        query: [num_seqs, num_attention_heads, head_dim], the token at position seq_len - 1 of
-            each sequence (its K/V already written); the output has its shape and dtype.
-        block_tables: [num_seqs, max_blocks_per_seq] int64, padded.
-        seq_lens: [num_seqs] int64, tokens of each sequence in the cache (>= 1).
-        scale: score scale; default 1 / sqrt(head_dim).
-
-    Raises:
-        ValueError: a block id outside the pool, or a seq_len outside [1, max_blocks_per_seq *
-            block_size] (a sequence with no token has nothing to attend to).
+    query [num_seqs, num_attention_heads, head_dim] is the token at position seq_len - 1 of each
+    sequence (its K/V already written), and the output has its shape and dtype; block_tables
+    [num_seqs, max_blocks_per_seq] int64, padded; seq_lens [num_seqs] int64; scale defaults to
+    1 / sqrt(head_dim). ValueError: a block id outside the pool, or a seq_len outside
+    [1, max_blocks_per_seq * block_size] (a sequence with no token has nothing to attend to).
     """
     return decode_attention(query, k_cache, v_cache,
                             decode_gather(block_tables, seq_lens, k_cache, layout), scale)

@@ -3,8 +3,7 @@
 Two pieces, both without tensors:
 
 * `PrefixCache`, the map from block hash to the blocks that hold that prefix. A block is *cached*
-  while it has an entry here: its K/V is final (a full block) and a later request with the same
-  prefix may use it instead of computing it again.
+  while it has an entry here: its K/V is final, and a later request with that prefix may use it.
 * `CachingBlockPool`, the stage-4 `BlockPool` taught to keep cached blocks. A freed block goes to
   the free block queue as before, but keeps its entry: it is free (any allocation may take it) and
   cached (a hit may take it back) at once. Allocation takes the head of the queue; if that block is
@@ -18,16 +17,14 @@ head is the least recently used. A finished sequence releases its blocks tail fi
 (`KVCacheManager.free`), so its tail, the part least likely shared, is evicted before its prefix,
 and a cached block's parent is never evicted before the block itself.
 
-Going one step beyond vLLM, which trusts the hash: a hit is *confirmed*. A candidate block counts
-only if its stored token ids and extra keys equal the request's, and its parent entry is the very
-entry the lookup matched one block earlier. By induction every token of the prefix is checked,
-so even a colliding hash function can only cost a miss, never hand out another prompt's K/V. The
-parent is compared by entry identity, not block id: a recycled parent block gets a new entry, so
-children cached under its old contents no longer match. The price is a rare false *miss*: when the
-same block was computed twice (two blocks with equal hashes), a lookup that matched one copy does
-not continue into children cached under the other copy. A miss only costs compute.
-(SGLang's RadixAttention gets the same exactness differently: its radix tree is keyed by the token
-ids themselves, so there is no hash to collide.)
+One step beyond vLLM, which trusts the hash: a hit is *confirmed*. A candidate counts only if its
+token ids and extra keys equal the request's and its parent entry is the very entry the lookup
+matched one block earlier, so by induction every token of the prefix is checked and a colliding
+hash can only cost a miss, never hand out another prompt's K/V. The parent is compared by entry
+identity, not block id: a recycled parent block gets a new entry, so children cached under its old
+contents no longer match. The price is a rare false miss (a block computed twice: a lookup that
+matched one copy does not continue into children cached under the other). SGLang's RadixAttention
+gets the same exactness from a radix tree keyed by the token ids themselves: no hash to collide.
 """
 
 from __future__ import annotations

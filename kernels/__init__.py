@@ -11,10 +11,8 @@ reading order (the first three need no Triton):
 * `write_kv`: the kernel that stores new K/V at the slot mapping.
 
 Measuring them is tooling beside the course, in `kvlab.tools`: `compiled` (the decode kernel
-compiled for a GPU target without one: the loop's K/V buffers and wait, registers, shared memory)
-and the GPU benchmark (`python -m kvlab.tools.bench_paged_attention`), with `bench_timing` (how it
-times, what it records of what ran), `bench_flex` (FlexAttention's block mask over the pool),
-`bench_report` (its tables and roofline).
+compiled for a GPU target without one) and the GPU benchmark, `bench_paged_attention` (with
+`bench_timing`, `bench_flex` for FlexAttention, `bench_report` for its tables and roofline).
 
 Without a GPU, set TRITON_INTERPRET=1 before Triton is first imported: the kernels then run in
 Triton's CPU interpreter (slowly, on small sizes).

@@ -3,7 +3,6 @@
 `PagedKVCache(..., attention_backend="triton")` (`kvlab generate --cache paged --attention triton`)
 sends K/V writes to `kvlab.kernels.write_kv` and decode to `paged_attention_decode`. Prefill stays
 in PyTorch: stage 5's kernel is a decode kernel (vLLM too runs the two through different kernels).
-Without a GPU, set TRITON_INTERPRET=1 before Triton is first imported (the CLI and tests do).
 """
 
 from __future__ import annotations

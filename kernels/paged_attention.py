@@ -12,11 +12,11 @@ SOSP 2023, section 4.1). The kernel reads them in place instead of gathering a c
   wraps once one layer's pool holds 2^31 elements (131,072 blocks x 16 tokens x 8 KV heads x 128
   dims, 4 GiB of bf16; 65,536 blocks at head_dim 256).
 * **Block ids one tile ahead**: compiled, the `for` loop is software-pipelined (num_stages 3 by
-  default; cp.async copies from sm_80): the K/V copies of the next tile are issued while this
-  one is computed, into a second shared-memory buffer. That needs their addresses a tile early,
-  so the block ids are a loop-carried value, each iteration loading the next tile's. Loaded in
-  the same iteration, the K/V addresses wait on that load and the compiler keeps one buffer and
-  waits for every copy at the top of each tile (notebook 05 compiles both for sm_90).
+  default; cp.async from sm_80): the next tile's K/V copies are issued into a second shared-memory
+  buffer while this one is computed. That needs their addresses a tile early, so the block ids are
+  loop-carried, each iteration loading the next tile's. Loaded in the same iteration, the K/V
+  addresses would wait on that load, and the compiler would keep one buffer and wait for every
+  copy at the top of each tile (notebook 05 compiles both for sm_90).
 * **Online softmax** (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1):
   running max `m`, sum `l` and output `acc` in float32, rescaled by exp(m_old - m_new); one pass.
 * **Masks on values as well as scores**: slots past seq_len and padded block-table entries belong
@@ -113,10 +113,8 @@ def _attend_step(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, bl
                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  PREFETCH_IDS: tl.constexpr):
-    """One tile of the loop. PREFETCH_IDS: `block_ids` are this tile's, loaded one iteration
-    earlier; the next tile's are loaded here and returned. Without it (the kernel before the
-    prefetch, kept to compare compiles) this tile's ids are loaded here and K/V wait on them.
-    Returns (acc, m_i, l_i, the block ids the next step takes)."""
+    """One tile of the loop; returns (acc, m_i, l_i, the block ids the next step takes). Without
+    PREFETCH_IDS (kept to compare compiles) this tile's ids are loaded here and K/V wait on them."""
     if PREFETCH_IDS:
         next_ids = _tile_block_ids(block_table_ptr, tile_start + TILE, end, BLOCK_SIZE, TILE)
     else:
@@ -323,16 +321,15 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            tile: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache (Triton).
 
-    query [num_seqs, num_heads, head_dim] fp16, bf16 or fp32; k_cache, v_cache one layer's pools
-    of query's dtype, token-major [num_blocks, block_size, num_kv_heads, head_dim] or head-major
-    [num_blocks, num_kv_heads, block_size, head_dim]; block_tables [num_seqs, max_blocks_per_seq]
-    and seq_lens [num_seqs] (>= 1, the new token included), int32 or int64. scale defaults to
-    1 / sqrt(head_dim). num_splits None picks one (`choose_num_splits`; 1 under the interpreter).
-    max_seq_len, if known, saves a device-to-host copy and must be >= max(seq_lens). validate
-    checks lengths and block ids on the host; without it a seq_len of 0 gives zeros and one past its
-    block table gives a wrong answer, silently. tile: a power of two >= 16 (tests use 16).
+    query [num_seqs, num_heads, head_dim] fp16, bf16 or fp32 (the output's shape and dtype; head h
+    reads KV head h // group); k_cache, v_cache one layer's pools in `layout` (`pool_layout`), of
+    query's dtype; block_tables [num_seqs, max_blocks_per_seq] and seq_lens [num_seqs] (>= 1, the
+    new token included), int32 or int64. scale defaults to 1 / sqrt(head_dim). num_splits None picks
+    one (`choose_num_splits`; 1 under the interpreter). max_seq_len, if known, saves a
+    device-to-host copy and must be >= max(seq_lens). validate checks lengths and block ids on the
+    host; without it a seq_len of 0 gives zeros and one past its block table gives a wrong answer,
+    silently. tile: a power of two >= 16 (tests use 16).
 
-    Returns [num_seqs, num_heads, head_dim] in query's dtype; head h reads KV head h // group.
     ValueError (with the numbers): shapes, dtypes, devices, strides, layout or lengths that do not
     fit, an `out` unlike query, bad num_splits or max_seq_len; bfloat16 on a GPU below sm_80.
     """

@@ -12,11 +12,10 @@ step combines them exactly (the same rescaling as the online softmax).
 program waits for its loads most of the time, and an SM keeps the memory bus busy only with several
 programs resident at once, as many as its registers, shared memory and warp slots allow
 (`resident_programs`; limits of compute capability 9.0, H100/H200, from the CUDA C++ Programming
-Guide's table of technical specifications per compute capability). The heuristic aims at
-PROGRAMS_PER_SM resident programs on every SM. Programs beyond num_sms x PROGRAMS_PER_SM wait for
-a second **wave**, until earlier ones end, and a wave that is only partly filled leaves SMs with
-too few programs to keep enough loads in flight: so splitting stops where the programs would
-spill past one wave (`choose_num_splits`).
+Guide's technical specifications). The heuristic aims at PROGRAMS_PER_SM resident programs on
+every SM. Programs beyond that wait for a second **wave**, and a partly filled wave leaves SMs too
+few programs to keep enough loads in flight: so splitting stops where the programs would spill
+past one wave (`choose_num_splits`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Input checks of the stage-5 kernels, on the host, with the numbers in every message (no Triton).
 
 A kernel handed a wrong shape does not fail: it reads whatever the wrong strides point at. So each
-launch wrapper first checks whatever would otherwise give a silent wrong answer: shapes, dtypes,
-devices, the strides assumed (seq_lens and slot_mapping are read as contiguous vectors), the output,
-the split count, and (unless validate=False, since it reads device tensors on the host) block ids
-and lengths. No check can see a layout: a head-major pool read as token-major is refused only when
-its sizes do not fit (messages name the layout read), so `PagedKVCache` records its pool's layout
-and `kvlab.paged.backends.resolve_backend` refuses a backend of the other one.
+launch wrapper first checks what would otherwise give a silent wrong answer: shapes, dtypes,
+devices, assumed strides, the output, the split count, and (unless validate=False, since it reads
+device tensors on the host) block ids and lengths. No check can see a layout: a head-major pool
+read as token-major is refused only when its sizes do not fit (messages name the layout read), so
+`PagedKVCache` records its pool's layout and `resolve_backend` refuses a backend of the other one.
 """
 
 from __future__ import annotations

@@ -10,18 +10,12 @@ One module per idea, in reading order:
 * `free_queue`: `Block`, `FreeBlockQueue` (doubly linked, O(1) pop / append / remove).
 * `block_pool`: `BlockPool` (free queue + ref counts; no tensors).
 * `block_table`: `BlockTable` (logical -> physical blocks, slot = block_id * block_size + offset).
-* `kv_cache_manager`: `KVCacheManager`, keyed by the request (vLLM v1's verbs:
-  `get_computed_blocks`, `allocate_slots`, `free`, `fork` with copy-on-write; a refused call
-  changes nothing).
-* `torch_attention`: write K/V by slot mapping; gather + attend for prefill and decode (the
-  plain-PyTorch teaching implementation).
-* `backends`: `AttentionBackend`, `TorchBackend`, `BACKENDS` (the seam where stage 5's kernel
-  plugs in).
-* `paged_cache`: `PagedKVCache` (the pool tensors, the slot mapping and KV stores a model runs
-  on, exact bytes).
+* `kv_cache_manager`: `KVCacheManager`, keyed by the request (vLLM v1's verbs, copy-on-write).
+* `torch_attention`: write K/V by slot mapping; gather + attend (the plain-PyTorch teaching path).
+* `backends`: `AttentionBackend`, `TorchBackend`, `BACKENDS` (where stage 5's kernel plugs in).
+* `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
-* `fragmentation`: `gaps_of` / `first_fit` / `place`, a memory drawn as a string to show external
-  fragmentation (measured on real traffic by `kvlab.serving.reservation`).
+* `fragmentation`: external fragmentation, drawn as a string (`gaps_of`, `first_fit`, `place`).
 
 What runs requests over the pool (admission, preemption, forks, sampling) is the one scheduler of
 `kvlab.serving`: `LLMEngine` for a batch, `serve` for traffic arriving over time.

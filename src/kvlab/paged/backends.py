@@ -1,23 +1,17 @@
 """Attention backends: the one seam where a faster paged-attention kernel plugs into the cache.
 
-A backend is any object with three methods over one layer's pool tensors (`k_cache`, `v_cache`:
-[num_blocks, block_size, num_key_value_heads, head_dim]):
-
-* `write_kv(k_cache, v_cache, key, value, slot_mapping)`: store each new token's K/V at its slot.
-* `prefill(query, k_cache, v_cache, block_table, seq_len, query_positions, scale)`: causal
-  attention of many tokens of one sequence over its blocks.
-* `decode(query, k_cache, v_cache, block_tables, seq_lens, scale)`: one query token per sequence
-  of a batch, each over its own blocks.
+A backend (`AttentionBackend`) is any object with three methods over one layer's pool tensors
+(`k_cache`, `v_cache`: [num_blocks, block_size, num_key_value_heads, head_dim]): `write_kv` stores
+each new token's K/V at its slot; `prefill` is causal attention of many tokens of one sequence
+over its blocks; `decode` attends one query token per sequence of a batch over its own blocks.
 
 vLLM splits its code the same way (an attention backend per kernel family, chosen at start-up; the
 paper's section 4.1 kernel is one of them). `PagedKVCache(..., attention_backend=...)` takes a
-backend object or a name; `TorchBackend` (the plain-PyTorch teaching implementation,
-`kvlab.paged.torch_attention`) is the default. Stage 5 adds a Triton kernel as one more entry of
-`BACKENDS`.
+backend object or a name; `TorchBackend` (`kvlab.paged.torch_attention`) is the default, and
+stage 5 adds a Triton kernel as one more entry of `BACKENDS`.
 
-Pool layout: a backend object reads pools of one layout, its `layout` attribute ("token-major",
-the default, or "head-major", `kvlab.kernels.pool_layout`); factories take the layout. The cache
-allocates its pool in the backend's layout.
+A backend reads pools of one layout, its `layout` attribute (token-major by default,
+`kvlab.kernels.pool_layout`); factories take the layout, and the cache allocates its pool in it.
 
 Contract every backend keeps (tests/test_poisoned_pool.py holds each backend to it): shapes and
 dtypes as documented on `TorchBackend`; slots a sequence does not own, past its seq_len or in the
@@ -37,7 +31,7 @@ __all__ = ["AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend"]
 
 
 class AttentionBackend(Protocol):
-    """What the paged cache calls for every layer of a forward pass (see the module docstring)."""
+    """What the paged cache calls for every layer of a forward pass."""
 
     name: str
 
@@ -53,10 +47,7 @@ class AttentionBackend(Protocol):
 
 
 class TorchBackend:
-    """Paged attention in plain PyTorch: gather each sequence's blocks, then attend.
-
-    Args:
-        layout: the pool layout it reads, "token-major" (default) or "head-major".
+    """Paged attention in plain PyTorch over pools of `layout`: gather the blocks, then attend.
 
     Shapes (one layer):
         write_kv: key, value [num_tokens, num_key_value_heads, head_dim], cache dtype;
@@ -88,10 +79,9 @@ class TorchBackend:
                                 self._decode_gather(block_tables, seq_lens, k_cache), scale)
 
     def _decode_gather(self, block_tables, seq_lens, k_cache):
-        """`decode_gather` once per forward pass: every layer of a pass reads the same block
-        tables, so the rows to gather are worked out (and checked) for the first layer and reused
-        by the others (vLLM builds its attention metadata once per step, for all layers). Reused
-        only for equal tables and lengths (compared, not trusted) over a pool of the same shape."""
+        """`decode_gather` once per forward pass, reused by every layer (vLLM builds its attention
+        metadata once per step) while tables, lengths (compared, not trusted) and pool shape agree.
+        """
         last = self._gather_for
         if not (last is not None and last[2] == k_cache.shape
                 and torch.equal(last[0], block_tables) and torch.equal(last[1], seq_lens)):
@@ -122,16 +112,9 @@ BackendLike = Union[str, AttentionBackend, None]
 
 
 def resolve_backend(backend: BackendLike = None, layout: str | None = None) -> AttentionBackend:
-    """The backend object for a name in `BACKENDS`, a backend object, or None (the torch default).
-
-    Args:
-        backend: a name, an object, or None.
-        layout: the pool layout wanted; None = the object's own (token-major for a name or None).
-
-    Raises:
-        ValueError: an unknown name or layout, an object missing write_kv, prefill or decode, or an
-            object whose `layout` differs from `layout`.
-    """
+    """The backend for a name in `BACKENDS`, a backend object, or None (torch), in `layout`
+    (None: the object's own, token-major for a name). ValueError: an unknown name or layout, an
+    object missing write_kv, prefill or decode, or one whose `layout` differs from `layout`."""
     if backend is None or isinstance(backend, str):
         name = backend or "torch"
         if name not in BACKENDS:

@@ -5,9 +5,8 @@ et al., SOSP 2023, section 4.2: "the KV block manager ... physical KV blocks on 
 either in the free block queue (ref count 0) or held by one or more sequences (ref count >= 1; more
 than one after a fork shares it, section 4.4).
 
-This class holds no tensors. The K/V data lives in `PagedKVCache`, indexed by the same block_id.
-vLLM splits it the same way: the scheduler's KV cache manager only decides which block ids a
-sequence gets, the workers' tensors hold the bytes.
+No tensors here: the K/V lives in `PagedKVCache`, indexed by the same block_id. vLLM splits it the
+same way: the scheduler's KV cache manager picks block ids, the workers' tensors hold the bytes.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ __all__ = ["BlockPool"]
 
 class BlockPool:
     """`num_blocks` blocks (ids 0 .. num_blocks - 1, all free at start; ValueError unless a
-    positive integer), a free block queue, and a ref count per block. A block id argument out of
-    range is refused: a negative one would index the list from its end and touch the wrong block.
-    """
+    positive integer), a free block queue, and a ref count per block. A block id out of range is
+    refused: a negative one would index the list from its end and touch the wrong block."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = check_int("num_blocks", num_blocks, 1)
@@ -48,12 +46,8 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the head of the free block queue, ref count 1 each; their ids.
-
-        Raises:
-            ValueError: count is not an integer >= 0.
-            NoFreeBlocksError: fewer than `count` free blocks. Checked before anything is taken,
-                so a failed allocation leaves the pool exactly as it was.
-        """
+        ValueError: count is not an integer >= 0. NoFreeBlocksError: fewer than `count` are free
+        (checked before anything is taken, so a failed allocation changes nothing)."""
         if type(count) is not int or count < 0:
             count = check_int("count", count, 0)
         if count > self.num_free_blocks:
@@ -91,13 +85,9 @@ class BlockPool:
         return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
 
     def release(self, block_ids: Iterable[int]) -> None:
-        """One block table lets go of each block: ref count - 1; at 0 the block joins the free queue
-        (a shared block stays held, with its data, until its last holder releases it).
-
-        Raises:
-            ValueError: a block id out of range, or a block released more times than it is held
-                (a double free). Checked for every id before any is released, so nothing changes.
-        """
+        """One block table lets go of each block: ref count - 1; at 0 it joins the free queue (a
+        shared block keeps its data until its last holder releases it). ValueError: an id out of
+        range, or a double free; every id is checked before any is released."""
         block_ids = list(block_ids)
         if block_ids and (set(map(type, block_ids)) != {int} or min(block_ids) < 0
                           or max(block_ids) >= self.num_blocks):  # C-speed test of the usual call

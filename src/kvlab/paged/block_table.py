@@ -26,13 +26,8 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 @dataclasses.dataclass
 class BlockTable:
-    """The physical block ids of one sequence, in logical order, and how many tokens it holds.
-
-    Attributes:
-        block_size: tokens per block.
-        block_ids: entry i is the block holding positions i * block_size .. (i + 1) * block_size - 1.
-        num_tokens: tokens whose slots are reserved (positions 0 .. num_tokens - 1).
-    """
+    """One sequence's physical block ids in logical order (entry i holds positions
+    i * block_size .. (i + 1) * block_size - 1) and `num_tokens`, the positions reserved."""
 
     block_size: int
     block_ids: list[int] = dataclasses.field(default_factory=list)

@@ -28,10 +28,7 @@ __all__ = ["kv_block_bytes", "num_blocks_for_budget", "check_pool_fits"]
 
 
 def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torch.float32) -> int:
-    """Bytes one block id stands for: its K and V slots in every layer.
-
-    `dtype` is the cache dtype as a torch dtype, a name ("bf16") or an element size (see
-    `kvlab.dtypes`).
+    """Bytes one block id stands for: its K and V slots in every layer (dtype: `kvlab.dtypes`).
 
     = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x dtype bytes
     = block_size x KV bytes per token. Llama-3.1-8B, bf16, block_size 16: 16 x 128 KiB = 2 MiB.
@@ -41,22 +38,10 @@ def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torc
 
 def num_blocks_for_budget(budget_bytes: int, weights_bytes: int, block_bytes: int,
                           activation_bytes: int = 0) -> int:
-    """Blocks that fit in what a memory budget leaves after the weights and activations.
-
-    Args:
-        budget_bytes: memory the server may use (on a GPU: gpu_memory_utilization x total bytes).
-        weights_bytes: bytes of the model's parameters (`model.weights_bytes`).
-        block_bytes: bytes of one block over all layers (`kv_block_bytes`).
-        activation_bytes: peak activation memory of the largest forward pass (measured by a
-            profiling run on a GPU; 0 by default).
-
-    Returns:
-        (budget_bytes - weights_bytes - activation_bytes) // block_bytes, at least 1.
-
-    Raises:
-        KVCacheOutOfMemory: the budget does not cover the weights plus activations plus one block;
-            the message gives each number in bytes.
-    """
+    """(budget_bytes - weights_bytes - activation_bytes) // block_bytes, at least 1: budget_bytes
+    is gpu_memory_utilization x total bytes on a GPU, block_bytes `kv_block_bytes`, activation_bytes
+    the peak of a profiling run. KVCacheOutOfMemory when less than one block is left (the message
+    gives each number in bytes)."""
     left = budget_bytes - weights_bytes - activation_bytes
     if left < block_bytes:
         raise KVCacheOutOfMemory(
@@ -68,13 +53,9 @@ def num_blocks_for_budget(budget_bytes: int, weights_bytes: int, block_bytes: in
 
 def check_pool_fits(num_blocks: int, block_size: int, max_model_len: int,
                     block_bytes: int | None = None) -> None:
-    """vLLM's start-up check: the pool must hold at least one request of max_model_len tokens.
-
-    Raises:
-        KVCacheOutOfMemory: cdiv(max_model_len, block_size) > num_blocks. The message reads like
-            "a max_model_len=2048 request needs 128 blocks of 16 tokens, the pool has 100 blocks
-            (1600 tokens)", plus the bytes when block_bytes is given.
-    """
+    """vLLM's start-up check: KVCacheOutOfMemory unless the pool holds one max_model_len request
+    ("a max_model_len=2048 request needs 128 blocks of 16 tokens, the pool has 100 blocks (1600
+    tokens)", plus the bytes when block_bytes is given)."""
     needed = cdiv(max_model_len, block_size)
     if needed > num_blocks:
         message = (f"a max_model_len={max_model_len} request needs {needed} blocks of {block_size} "

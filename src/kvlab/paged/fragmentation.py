@@ -7,10 +7,9 @@ size blocks (paging) remove that kind of waste, because any free block will do. 
 fragmentation of Kwon et al., *Efficient Memory Management for Large Language Model Serving with
 PagedAttention* (SOSP 2023), section 3 and figure 3.
 
-Notebook 04 draws it with small tools: a memory as a string, one character per token slot
-('.' = free), `gaps_of` to list its gaps, `first_fit` / `place` to fill it first fit. The
-measurement on real traffic runs the course's one scheduler with a first-fit KV manager,
-`kvlab.serving.reservation.FirstFitSlabManager`, against the same reservations in blocks.
+Notebook 04 draws it: a memory as a string, one character per token slot ('.' = free), `gaps_of`
+to list its gaps, `first_fit` / `place` to fill it. Real traffic is measured by the one scheduler
+with `kvlab.serving.reservation.FirstFitSlabManager`, against the same reservations in blocks.
 """
 
 from __future__ import annotations
@@ -35,16 +34,8 @@ def gaps_of(memory: str) -> list[tuple[int, int]]:
 
 
 def first_fit(gaps: Iterable[tuple[int, int]], size: int) -> int | None:
-    """Start slot of the first gap of at least `size` slots, or None when there is none: the one
-    first-fit search (`place` here, `kvlab.serving.reservation.FirstFitSlabManager`).
-
-    Args:
-        gaps: free gaps as (start slot, length), in address order (`gaps_of`).
-        size: slots wanted, >= 1.
-
-    Raises:
-        ValueError: size < 1.
-    """
+    """Start slot of the first of `gaps` (as `gaps_of` lists them) with at least `size` (>= 1, else
+    ValueError) slots, or None: the one first-fit search (`place`, `FirstFitSlabManager`)."""
     if size < 1:
         raise ValueError(f"size must be >= 1 slot, got {size}")
     for start, length in gaps:
@@ -54,12 +45,9 @@ def first_fit(gaps: Iterable[tuple[int, int]], size: int) -> int | None:
 
 
 def place(memory: str, name: str, size: int) -> str:
-    """`memory` with `size` slots of the first big-enough gap filled with `name` (one character).
-
-    Raises:
-        ValueError: `name` is not one character other than FREE, or no gap of `size` free slots
-            exists (the message gives the free slots in total, which may well be enough).
-    """
+    """`memory` with `size` slots of the first big-enough gap filled with `name`. ValueError:
+    `name` is not one character other than FREE, or no gap fits (the message gives the free slots
+    in total, which may well be enough)."""
     if len(name) != 1 or name == FREE:
         raise ValueError(f"name must be one character other than {FREE!r}, got {name!r}")
     start = first_fit(gaps_of(memory), size)

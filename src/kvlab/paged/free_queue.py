@@ -1,14 +1,10 @@
 """The free block queue: every block no sequence holds, in a doubly linked list.
 
 Allocation takes the block at the head; a freed block goes to the tail. So the block that was freed
-longest ago is reused first (least recently used). Three operations must cost O(1), whatever the
-pool size (vLLM v1 keeps ~10^5 blocks):
-
-* `popleft`: take the next free block (allocation),
-* `append`: give a block back (a sequence finished),
-* `remove`: take a block out of the *middle*. Stage 6 (prefix caching) needs it: a freed block still
-  holds the K/V of its tokens, and when a new request has that same prefix the block is taken back
-  from wherever it sits in the queue.
+longest ago is reused first (least recently used). `popleft` (allocate), `append` (free) and
+`remove` must cost O(1), whatever the pool size (vLLM v1 keeps ~10^5 blocks). `remove` takes a
+block out of the *middle*, for stage 6 (prefix caching): a freed block still holds the K/V of its
+tokens, and a new request with that same prefix takes it back from wherever it sits.
 
 A Python `list` pops from the front in O(n); `collections.deque` removes from the middle in O(n).
 Storing the two links on the block itself makes all three O(1): that is the design of vLLM v1's
@@ -40,12 +36,11 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks (given in the order they are to be handed out). A block
+    """Doubly linked list of free blocks, `blocks` in the order they are to be handed out. A block
     is in it exactly when its links are set, so "is this block free?" is O(1) too."""
 
     def __init__(self, blocks: Iterable[Block] = ()):
-        # Sentinels: the real blocks always sit between these two, so every queued block has a
-        # prev and a next and the link updates below need no special cases.
+        # Sentinels (module docstring): every queued block has a prev and a next, no special cases.
         self._head, self._tail = Block(-1), Block(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self._length = 0

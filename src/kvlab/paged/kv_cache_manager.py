@@ -7,9 +7,8 @@ of it touches a tensor:
 * `get_computed_blocks(request)`: blocks that already hold the request's leading tokens (none
   here; stage 6's prefix cache finds some) and how many tokens they cover;
 * `allocate_slots(request, num_new_tokens, ...)`: room for the tokens a step computes, at
-  admission (after those computed blocks) or later (the next chunk, or one decode token). A block
-  is taken from the pool only when the request crosses a block boundary. It returns the new
-  block ids, possibly none, or None when the pool has no room now, having changed nothing;
+  admission (after those computed blocks) or later, taking a block only at a block boundary. It
+  returns the new block ids, possibly none, or None when the pool has no room now, changing nothing;
 * `free(request)`: it finished, or is preempted: vLLM v1 preempts by `free` and the scheduler
   sets its num_computed_tokens back to 0 (recompute, Kwon et al., SOSP 2023, section 4.5);
 * `fork(parent, child)`: a child (parallel sampling, n > 1) shares all its parent's blocks.
@@ -21,10 +20,9 @@ last block is not: the next token of either would land in the other's block. So 
 pairs to the model runner, which copies the K/V bytes in every layer before the forward pass
 (vLLM v0's `blocks_to_copy`).
 
-Slots are not built here: the block table is all the forward pass needs, and it computes its slot
-mapping (slot = block_id * block_size + offset) once, from the table (`PagedKVCache.batch_store`).
-A request is a `kvlab.serving.Request` (or anything with its `request_id`, any hashable, and
-sizes). What a learner prints of the tables (`format_block_tables`, counts) is in `manager_views`.
+Slots are not built here: the forward pass computes its slot mapping once, from the block tables
+(`PagedKVCache.batch_store`). A request is a `kvlab.serving.Request` (or anything with a hashable
+`request_id` and sizes). What a learner prints of the tables is in `manager_views`.
 """
 
 from __future__ import annotations
@@ -50,14 +48,9 @@ def too_long_reason(request, max_model_len: int) -> str | None:
 
 
 class KVCacheManager(ManagerViews):
-    """Block tables per request, allocated from one `BlockPool` of num_blocks blocks of
-    block_size tokens (vLLM's default block_size is 16; section 7.2 of the paper weighs it).
-    max_model_len: the longest request accepted (default: the whole pool).
-
-    Raises:
-        ValueError: num_blocks, block_size or max_model_len not a positive integer.
-        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (vLLM's start-up check).
-    """
+    """Block tables per request over one `BlockPool` (vLLM's default block_size is 16; section
+    7.2 weighs it); max_model_len defaults to the whole pool. ValueError: a size not a positive
+    integer. KVCacheOutOfMemory: the pool cannot hold one max_model_len request."""
 
     name = "paged"
     has_prefix_cache = False
@@ -92,20 +85,12 @@ class KVCacheManager(ManagerViews):
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[int] = (),
                        full_sequence_must_fit: bool = False) -> list[int] | None:
-        """Room for `num_new_tokens` more tokens, after the ones the request holds and (at
-        admission) after `new_computed_blocks`, holding `num_new_computed_tokens` tokens.
-        full_sequence_must_fit: at admission, refuse unless the free blocks could hold all of
-        the request's tokens now (the scheduler's `scheduler_reserve_full_isl` gate).
-
-        Returns:
-            the block ids taken from the pool (a copy-on-write copy first), possibly none; None
-            if there are not enough free blocks now (nothing changed).
-
-        Raises:
-            ValueError: a count that is not an integer >= 0, computed blocks that do not hold
-                exactly num_new_computed_tokens, or given to a request that already has a table.
-            RequestTooLongError: the request would outgrow the whole pool.
-        """
+        """Room for `num_new_tokens` more tokens (see the module docstring); the new block ids,
+        a copy-on-write copy first. full_sequence_must_fit: at admission, refuse unless the free
+        blocks could hold all of the request's tokens now (`scheduler_reserve_full_isl`).
+        ValueError: a count not an integer >= 0, computed blocks that do not hold exactly
+        num_new_computed_tokens, or computed blocks for a request that already has a table.
+        RequestTooLongError: the request would outgrow the whole pool."""
         table = self.tables.get(request.request_id)
         if table is not None and not new_computed_blocks:
             # Most decode tokens land in a free slot of an unshared last block: no block to take.
@@ -158,9 +143,8 @@ class KVCacheManager(ManagerViews):
         return new_blocks
 
     def free(self, request) -> None:
-        """Release the request's blocks, last block first, as vLLM v1 does: the tail is the part
-        least likely shared by a later request, so it should be reused first (stage 6).
-        Raises KeyError for a request without a table."""
+        """Release the request's blocks (KeyError if none), last first as vLLM v1 does: the tail is
+        the part least likely shared by a later request, so it should be reused first (stage 6)."""
         table = self._table(request.request_id)
         self.pool.release(reversed(table.block_ids))
         del self.tables[request.request_id]

@@ -53,11 +53,11 @@ class ManagerViews:
         return sum(filled.values())
 
     def num_tokens(self, request_id: Hashable) -> int:
-        """Tokens whose slots the request holds. KeyError if it has no table."""
+        """Tokens whose slots the request holds."""
         return self._table(request_id).num_tokens
 
     def block_ids(self, request_id: Hashable) -> list[int]:
-        """A copy of the request's block table (block ids in logical order). KeyError if none."""
+        """A copy of the request's block ids, in logical order."""
         return list(self._table(request_id).block_ids)
 
     def format_block_tables(self) -> str:

@@ -11,14 +11,12 @@ any mix of prefill chunks (many tokens of one sequence) and decode rows (one new
 sequence), as vLLM v1 runs a step. Its slot mapping is computed here, once per pass, from the
 block tables.
 
-In every layer the store first writes the K/V of every token of the pass into its slot (the slot
-mapping), and only then attends: the decode rows together through the backend's batched `decode`,
-each prefill chunk through its `prefill`, over the sequence's blocks (`kvlab.paged.backends`; by
-default the plain-PyTorch `TorchBackend`, the stage-5 kernel is another). So a token may read a
-block that another sequence of the same pass writes, whatever their order; the prefix cache relies
-on it (`kvlab.prefix.manager`). vLLM v1's attention layers work the same way: one flattened batch
-per step, the step's new K/V written to their slots (`reshape_and_cache`) before the attention
-kernel runs.
+In every layer the store first writes the K/V of every token of the pass into its slot, and only
+then attends (`kvlab.paged.backends`): the decode rows together through the backend's batched
+`decode`, each prefill chunk through its `prefill`. So a token may read a block that another
+sequence of the same pass writes, whatever their order; the prefix cache relies on it
+(`kvlab.prefix.manager`). vLLM v1 works the same way: one flattened batch per step, its new K/V
+written to their slots (`reshape_and_cache`) before the attention kernel runs.
 """
 
 from __future__ import annotations
@@ -46,40 +44,21 @@ __all__ = ["PagedKVCache", "PagedBatchStore"]
 class PagedKVCache:
     """A block pool of `num_blocks` blocks of `block_size` tokens, in every layer.
 
-    Args:
-        config: model shape (num_hidden_layers, num_key_value_heads, head_dim).
-        num_blocks: blocks in the pool (see `num_blocks_for_budget` to derive it from memory).
-        block_size: tokens per block.
-        dtype, device: of the pool tensors (use the model's); dtype is a torch dtype or a name
-            ("bf16", see `kvlab.dtypes`).
-        max_model_len: if given, check at start-up that one request this long fits in the pool.
-        attention_backend: how the forward pass attends over the blocks: a name in
-            `kvlab.paged.backends.BACKENDS` ("torch", "triton"), a backend object, or None for
-            the plain-PyTorch `TorchBackend`.
-        layout: the pool's physical layout, chosen here, once: "token-major" [num_blocks,
-            block_size, num_key_value_heads, head_dim] or "head-major" [num_blocks,
-            num_key_value_heads, block_size, head_dim] (`kvlab.kernels.pool_layout`, stage 5).
-            None: the backend object's own layout, token-major for a name.
-        manager: the `KVCacheManager` naming the blocks (default: a plain one of these sizes).
+    num_blocks: see `num_blocks_for_budget` to derive it from memory. dtype (as in `kvlab.dtypes`)
+    and device: use the model's. max_model_len: if given, checked at start-up to fit in the pool.
+    attention_backend: a name in `BACKENDS` ("torch", "triton"), a backend object, or None (torch).
+    layout: "token-major" or "head-major" (`kvlab.kernels.pool_layout`), chosen once; None: the
+    backend's own. manager: the `KVCacheManager` naming the blocks (e.g. from
+    `kvlab.serving.engine_core.simulated_manager`; default: a plain one of these sizes).
 
-    Attributes:
-        k_caches, v_caches: one tensor per layer, [num_blocks, block_size, num_key_value_heads,
-            head_dim] (or head-major, see `layout`), zero-filled.
-        layout: the pool's layout.
-        manager: the `KVCacheManager` (block tables, ref counts, free block queue): the one
-            given (built once, e.g. by `kvlab.serving.engine_core.simulated_manager`), else a plain one.
-        block_bytes: bytes of one block id over all layers, K and V.
-        allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the pool
-            was allocated (compare with pool_bytes); None on CPU.
-        bytes_per_token: KV bytes of one token over all layers (block_bytes / block_size).
-        backend: the attention backend object.
-        scale: attention score scale, 1 / sqrt(head_dim).
+    k_caches, v_caches hold one zero-filled tensor per layer, [num_blocks, block_size,
+    num_key_value_heads, head_dim] (or head-major). block_bytes: bytes of one block id over all
+    layers, K and V. allocator_delta_bytes: CUDA only, torch.cuda.memory_allocated growth while the
+    pool was allocated (compare with pool_bytes), None on CPU. scale: 1 / sqrt(head_dim).
 
-    Raises:
-        ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, an
-            unknown attention backend or layout, or a backend object of another layout.
-        KVCacheOutOfMemory: the pool cannot hold one max_model_len request, or (CUDA) the device
-            has no room for the pool; the message gives the numbers.
+    ValueError: num_blocks or block_size not a positive integer, max_model_len < 1, an unknown
+    backend or layout, or a backend object of another layout. KVCacheOutOfMemory: the pool cannot
+    hold one max_model_len request, or (CUDA) the device has no room for it (message with numbers).
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
@@ -134,12 +113,8 @@ class PagedKVCache:
                   max_model_len: int | None = None,
                   attention_backend: BackendLike = None, layout: str | None = None,
                   manager: KVCacheManager | None = None) -> "PagedKVCache":
-        """A pool with the model's shape, dtype and device (other arguments: see the class).
-
-        Raises:
-            ValueError: max_model_len above the model's max_position_embeddings (both numbers in
-                the message), or as `PagedKVCache`.
-        """
+        """A pool with the model's shape, dtype and device. ValueError: max_model_len above the
+        model's max_position_embeddings (both numbers in the message), or as `PagedKVCache`."""
         if max_model_len is not None:
             max_model_len = check_model_len(model.config, max_model_len)
         return cls(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
@@ -148,11 +123,7 @@ class PagedKVCache:
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block `src`'s K/V into block `dst`, in every layer (block_bytes bytes moved).
-
-        Raises:
-            ValueError: a block id outside [0, num_blocks).
-        """
+        """Copy block `src`'s K/V into `dst` in every layer; ValueError outside [0, num_blocks)."""
         src = check_index("src block_id", src, self.num_blocks)
         dst = check_index("dst block_id", dst, self.num_blocks)
         for k_cache, v_cache in zip(self.k_caches, self.v_caches):
@@ -171,12 +142,9 @@ class PagedKVCache:
 
     def batch_store(self, seq_ids: Sequence[Hashable],
                     query_lens: Sequence[int]) -> "PagedBatchStore":
-        """The KV store for one forward pass over the newest tokens of several sequences: the last
-        query_lens[i] tokens whose slots seq_ids[i] holds (K/V not yet written), flat in order.
-
-        Raises:
-            ValueError: no seq_ids, a query_len < 1 or above the tokens held, or a different
-                number of query_lens. KeyError: an unknown seq_id.
+        """The KV store for one forward pass over the last query_lens[i] tokens whose slots
+        seq_ids[i] holds (K/V not yet written), flat in order. ValueError: no seq_ids, a query_len
+        < 1 or above the tokens held, or a different number of query_lens. KeyError: unknown seq_id.
         """
         block_tables, seq_lens = self.block_tables_tensor(seq_ids)
         slot_mapping = self._slot_mapping(block_tables, seq_lens, seq_ids, query_lens)
@@ -204,24 +172,15 @@ class PagedKVCache:
         size = self.block_size
         return block_tables[rows, positions // size] * size + positions % size
 
-    # The padding convention: a short block table is padded with this block id. It is a real block
-    # (held by some other sequence, or free and full of whatever its last user left, NaN
-    # included), chosen so every padded entry is a valid index into the pool. Only seq_lens says
-    # which slots belong to a sequence; every attention backend must keep the rest out of the
-    # output: never read them, or mask them out of both the scores and the values
-    # (tests/test_poisoned_pool.py).
+    # A short block table is padded with this id: a real block (another sequence's, or free and
+    # holding whatever its last user left, NaN included), so every entry is a valid pool index.
+    # Only seq_lens says which slots belong to a sequence; every backend keeps the rest out of the
+    # output (the contract in `kvlab.paged.backends`, tests/test_poisoned_pool.py).
     PAD_BLOCK_ID = 0
 
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables of a batch padded with PAD_BLOCK_ID (block 0) to one width, and the tokens of each.
-
-        Returns:
-            block_tables [num_seqs, max_blocks_per_seq] int64, seq_lens [num_seqs] int64.
-            Padding is block id 0, a real block: only seq_lens tells what belongs to a sequence.
-
-        Raises:
-            ValueError: no seq_ids. KeyError: an unknown seq_id.
-        """
+        """block_tables [num_seqs, max_blocks_per_seq] int64, padded with PAD_BLOCK_ID, and seq_lens
+        [num_seqs] int64. ValueError: no seq_ids. KeyError: an unknown seq_id."""
         if len(seq_ids) == 0:
             raise ValueError("block_tables_tensor needs at least one seq_id")
         tables = [self.manager.block_ids(seq_id) for seq_id in seq_ids]
@@ -232,10 +191,7 @@ class PagedKVCache:
 
     def gather(self, seq_id: Hashable, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one sequence's keys and values of one layer, [num_tokens, H_kv, head_dim] each.
-
-        Raises:
-            KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers).
-        """
+        KeyError: unknown seq_id. ValueError: layer_index outside [0, num_hidden_layers)."""
         k_cache, v_cache = self.layer(layer_index)
         block_table = self._tensor(self.manager.block_ids(seq_id))
         num_tokens = self.manager.num_tokens(seq_id)
@@ -266,11 +222,8 @@ class PagedKVCache:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes holding token states: distinct tokens stored x KV bytes per token.
-
-        A slot counts from when it is reserved (`allocate_slots`); the forward pass
-        that follows writes it. A block shared by a fork counts once.
-        """
+        """Distinct tokens stored x KV bytes per token: a slot counts from when it is reserved
+        (`allocate_slots`), before the forward pass writes it; a block shared by a fork once."""
         return self.manager.num_stored_tokens * self.bytes_per_token
 
     @property
@@ -294,10 +247,8 @@ class PagedBatchStore:
     Sequence i's query_lens[i] new tokens follow sequence i - 1's: one token is a decode row, more
     make a prefill chunk. slot_mapping [num_tokens] int64, one slot per token; block_tables
     [num_seqs, max_blocks_per_seq] int64 (padded with PAD_BLOCK_ID); seq_lens [num_seqs] int64,
-    tokens of each sequence once this pass has written.
-
-    Each layer writes every token's K/V first, then attends (see the module docstring), so a token
-    reads what any token of the pass wrote in that layer, whatever their order.
+    tokens of each sequence once this pass has written. Each layer writes, then attends (see the
+    module docstring).
     """
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -1,8 +1,7 @@
 """Paged attention in plain PyTorch: the stage-4 teaching implementation, and the default backend.
 
-This is code to read, not a test oracle (that is `kvlab.oracles`, SDPA in float64): the paged cache
-runs it through `kvlab.paged.backends.TorchBackend`, and the stage-5 Triton kernel is checked
-against it.
+Code to read, not a test oracle (that is `kvlab.oracles`, SDPA in float64): the paged cache runs
+it through `TorchBackend`, and the stage-5 Triton kernel is checked against it.
 
 The pool of one layer is a tensor [num_blocks, block_size, num_key_value_heads, head_dim]. Seen
 flat, [num_blocks * block_size, num_key_value_heads, head_dim], its row `slot` is the token slot
@@ -44,12 +43,9 @@ __all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_att
 
 
 def _check_range(name: str, values: torch.Tensor, low: int, high: int) -> None:
-    """Refuse any entry outside [low, high] (ValueError naming the first one and the range).
-
-    These are the public entry points of the teaching path, so they check what a kernel would
-    trust: a negative slot or block id would index from the end of the pool, and a seq_len past a
-    block table would silently read fewer tokens. (One host sync per call; the Triton kernel of
-    stage 5 skips it.)
+    """ValueError naming the first entry outside [low, high]. The teaching path checks what a
+    kernel would trust: a negative slot or block id would index from the end of the pool, a seq_len
+    past a block table would silently read fewer tokens (one host sync; stage 5's kernel skips it).
     """
     if values.numel() == 0:
         return
@@ -80,15 +76,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
              slot_mapping: torch.Tensor, layout: str = TOKEN_MAJOR) -> None:
     """Store token i's key and value at slot `slot_mapping[i]` of one layer's pool (in place).
 
-    Args:
-        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer
-            (or head-major, see `layout`).
-        key, value: [num_tokens, num_key_value_heads, head_dim], same dtype as the cache.
-        slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
-        layout: "token-major" or "head-major".
-
-    Raises:
-        ValueError: a slot outside [0, num_blocks * block_size).
+    key, value: [num_tokens, num_key_value_heads, head_dim], the cache's dtype; slot_mapping:
+    [num_tokens] int64. ValueError: a slot outside [0, num_blocks * block_size).
     """
     num_blocks, block_size = token_major_view(k_cache, layout).shape[:2]
     _check_range("slot_mapping", slot_mapping, 0, num_blocks * block_size - 1)
@@ -106,21 +95,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
               layout: str = TOKEN_MAJOR) -> torch.Tensor:
-    """One sequence's keys (or values) in position order, copied out of its blocks.
-
-    Args:
-        cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer of the pool
-            (or head-major, see `layout`).
-        block_table: [num_blocks_of_sequence] int64 block ids in logical order.
-        seq_len: tokens the sequence holds (<= len(block_table) * block_size).
-        layout: "token-major" or "head-major".
-
-    Returns:
-        [seq_len, num_key_value_heads, head_dim], a new contiguous tensor.
-
-    Raises:
-        ValueError: a block id outside the pool, or seq_len outside [0, len(block_table) *
-            block_size].
+    """One sequence's keys (or values) in position order, copied out of its blocks: block_table
+    [num_blocks_of_sequence] int64 -> a new [seq_len, num_key_value_heads, head_dim] tensor.
+    ValueError: a block id outside the pool, or seq_len outside [0, len(block_table) * block_size].
     """
     cache = token_major_view(cache, layout)
     _check_range("block_table", block_table, 0, cache.shape[0] - 1)
@@ -135,23 +112,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """Causal attention of many query tokens of one sequence over its blocks (prefill).
 
-    The query tokens' own K/V must already be written (`write_kv`). Query tokens may be the whole
-    sequence or only its last part (e.g. after recompute, or after a prefix-cache hit in stage 6).
-
-    Args:
-        query: [num_tokens, num_attention_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
-        block_table: [num_blocks_of_sequence] int64.
-        seq_len: tokens of the sequence in the cache, keys at positions 0 .. seq_len - 1.
-        query_positions: [num_tokens] int64, all < seq_len.
-        scale: score scale; default 1 / sqrt(head_dim).
-        layout: the pool's layout, "token-major" or "head-major".
-
-    Returns:
-        [num_tokens, num_attention_heads, head_dim], dtype of query.
-
-    Raises:
-        ValueError: as `gather_kv`, or a query position outside [0, seq_len).
+    The query tokens' own K/V must already be written (`write_kv`); they may be the whole sequence
+    or its last part (after recompute, or a prefix-cache hit in stage 6). query [num_tokens,
+    num_attention_heads, head_dim] -> the same shape, query's dtype; query_positions [num_tokens]
+    int64; scale defaults to 1 / sqrt(head_dim). ValueError: as `gather_kv`, or a query position
+    outside [0, seq_len).
     """
     _check_range("query_positions", query_positions, 0, seq_len - 1)
     keys = gather_kv(k_cache, block_table, seq_len, layout)
@@ -161,11 +126,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGather:
-    """Which rows of a layer's pool (seen as [-1, head_dim]) a decode batch reads, in the layout
-    attention wants: rows [num_seqs * num_key_value_heads * num_slots] int64; score_bias
-    [num_seqs, 1, 1, num_slots] float32, 0 where the position holds one of the sequence's tokens
-    and -inf elsewhere (added to the scores); shape (num_seqs, num_key_value_heads, num_slots,
-    head_dim). The same for every layer of a pass."""
+    """The rows of a layer's pool (seen as [-1, head_dim]) a decode batch reads, same for every
+    layer: rows [num_seqs * num_key_value_heads * num_slots] int64; score_bias [num_seqs, 1, 1,
+    num_slots] float32, 0 where the sequence holds the position, -inf elsewhere (added to the
+    scores); shape (num_seqs, num_key_value_heads, num_slots, head_dim), as attention reads it."""
 
     rows: torch.Tensor
     score_bias: torch.Tensor
@@ -221,28 +185,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float | None = None, layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """One query token per sequence, each attending over its own blocks (a batched decode step).
 
-    Block tables of different lengths are padded to one width. Padding entries are ordinary block
-    ids (0 by the convention of `PagedKVCache.block_tables_tensor`) and block 0 is a real block
-    holding some other sequence's tokens, NaN possibly, so padding cannot be recognised by its id:
-    only `seq_lens` says which slots belong to a sequence. A position at or past seq_len reads the
-    sequence's own first slot in place of the table's and is masked out of the scores, so no slot
-    the sequence does not own is read, and the padding weighs exactly 0.
+    Padding entries of the block tables are real block ids (`PagedKVCache.PAD_BLOCK_ID`), so only
+    `seq_lens` says which slots are a sequence's; `decode_gather` keeps the others out, weight 0.
 
-    Args:
-        query: [num_seqs, num_attention_heads, head_dim], the token at position seq_len - 1 of
-            each sequence (its K/V already written).
-        k_cache, v_cache: [num_blocks, block_size, num_key_value_heads, head_dim], one layer.
-        block_tables: [num_seqs, max_blocks_per_seq] int64, padded.
-        seq_lens: [num_seqs] int64, tokens of each sequence in the cache (>= 1).
-        scale: score scale; default 1 / sqrt(head_dim).
-        layout: the pool's layout, "token-major" or "head-major".
-
-    Returns:
-        [num_seqs, num_attention_heads, head_dim], dtype of query.
-
-    Raises:
-        ValueError: a block id outside the pool, or a seq_len outside [1, max_blocks_per_seq *
-            block_size] (a sequence with no token has nothing to attend to).
+    query [num_seqs, num_attention_heads, head_dim] is the token at position seq_len - 1 of each
+    sequence (its K/V already written), and the output has its shape and dtype; block_tables
+    [num_seqs, max_blocks_per_seq] int64, padded; seq_lens [num_seqs] int64; scale defaults to
+    1 / sqrt(head_dim). ValueError: a block id outside the pool, or a seq_len outside
+    [1, max_blocks_per_seq * block_size] (a sequence with no token has nothing to attend to).
     """
     return decode_attention(query, k_cache, v_cache,
                             decode_gather(block_tables, seq_lens, k_cache, layout), scale)

@@ -11,20 +11,16 @@ Modules, in reading order:
 
 * `block_hash`: `hash_block`, `hash_full_blocks`, `extra_keys_for` (cache_salt), SHA-256.
 * `prefix_cache`: `PrefixCache` (hash -> block, exact check), `CachingBlockPool` (LRU eviction).
-* `manager`: `PrefixCachingKVCacheManager(KVCacheManager)`: `get_computed_blocks` (the lookup, the
-  n - 1 cap), `allocate_slots` caching the blocks it fills, statistics (hit rate, blocks saved,
-  prefill tokens skipped, evictions).
+* `manager`: `PrefixCachingKVCacheManager(KVCacheManager)`: the lookup, caching the blocks it
+  fills; `views`: its statistics (hit rate, blocks saved, prefill tokens skipped, evictions).
 * `trace_blocks`: how the manager reads a request's tokens: real ids, or simulation's stand-ins.
 * `trace_hit_rate`: the same manager replayed on the Mooncake traces' block hashes, no tensors.
-* `workloads`: generated shared-prefix prompts for the tiny model; `chats`: multi-turn chats in
-  real text, rendered with a model's chat template, each turn re-sending the conversation.
+* `workloads`: shared-prefix prompts for the tiny model; `chats`: real-text multi-turn chats.
 * `report_row`: the `paged+prefix` row of `kvlab report` on a Mooncake trace.
 
 The scheduler of `kvlab.serving` calls this manager directly, as it calls stage 4's
 (`LLMEngine(..., enable_prefix_caching=True)`; `generate(..., cache="prefix")` and so `kvlab
-generate --cache prefix`): prefill starts after the hit (vLLM's num_computed_tokens). A preempted
-request may hit the blocks it held itself (if nothing reused them in between), so recompute
-preemption becomes much cheaper.
+generate --cache prefix`): prefill starts after the hit (vLLM's num_computed_tokens).
 """
 
 from .block_hash import (ROOT_HASH, extra_keys_for, hash_block, hash_full_blocks, sha256, short)

@@ -5,14 +5,12 @@
 * `get_computed_blocks(request)` looks the request's tokens up block by block: the longest run of
   cached full blocks that starts them. The scheduler passes them to `allocate_slots`, which puts
   them at the front of the block table (shared, ref count + 1; a free one leaves the free block
-  queue) and allocates blocks for the rest; prefill starts after them (num_computed_tokens). The
-  hit is capped so that at least one token is computed: its logits give the next token, and a
-  prompt cached whole would otherwise have nothing to run. vLLM v1 caps at n - 1 tokens the same
-  way; with whole-block hits that is at most (n - 1) // block_size blocks.
+  queue) and allocates blocks for the rest. The hit is capped so that at least one token is
+  computed: its logits give the next token. vLLM v1 caps at n - 1 tokens the same way; with
+  whole-block hits that is at most (n - 1) // block_size blocks.
 * `allocate_slots` caches every block it fills (at admission, or later in decode): the block is
-  hashed and entered, so a later request can hit it (only full blocks are read, so the manager's
-  record of a request's tokens catches up when a block fills). Blocks are cached when their slots
-  are reserved, as vLLM v1 does, so a request admitted later in the same step may hit a block whose
+  hashed and entered, so a later request can hit it. Blocks are cached when their slots are
+  reserved, as vLLM v1 does, so a request admitted later in the same step may hit a block whose
   K/V that step's forward pass has not written yet. The rule that makes this correct: a block is
   readable from the pass that writes it on; the model runner keeps it by writing the K/V of every
   token of a step, in each layer, before any token attends (`kvlab.serving.model_runner`).
@@ -21,17 +19,15 @@
 allocation reuses them (LRU eviction, `prefix_cache`): a preempted request may hit its own blocks
 when it is admitted again, which makes recompute much cheaper.
 
-Each full block of a request is hashed once: the chain of hashes lives on the request
-(`request.kv_block_hashes`, vLLM v1's `request.block_hashes`), from its first lookup until it
-finishes, preemptions included (its tokens only grow). A scheduler retries the head of its queue
-every step; the retry hashes nothing, and the hits the refused attempt found are only checked to
-be still cached (the lookup goes on from there with the exact check of `PrefixCache.find`).
+Each full block of a request is hashed once: the chain lives on the request
+(`request.kv_block_hashes`, vLLM v1's `request.block_hashes`) from its first lookup until it
+finishes, preemptions included. A scheduler retries the head of its queue every step; the retry
+hashes nothing and only checks that the hits of the refused attempt are still cached.
 
 The manager reads a request's tokens through `BlockTokens` (`trace_blocks.block_tokens`): real
-ids in model mode (a block's content is its ids, hashed with `hash_fn`), or simulation's stand-in
-ids described block by block (`trace_blocks.TraceBlocks`). Forks (n > 1) share all blocks as in
-stage 4; the child inherits the parent's record and chain, and copy-on-write only ever copies a
-partly filled block, which is never cached.
+ids in model mode, or simulation's stand-ins (`trace_blocks.TraceBlocks`). Forks (n > 1) share all
+blocks as in stage 4, the child inheriting the parent's record and chain; copy-on-write only ever
+copies a partly filled block, which is never cached.
 
 Sources: vLLM v1 KV cache manager (automatic prefix caching: full-block hashes chained through the
 parent, an LRU free block queue, the n - 1 cap); SGLang RadixAttention (Zheng et al., "SGLang:

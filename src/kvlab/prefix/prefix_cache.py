@@ -3,8 +3,7 @@
 Two pieces, both without tensors:
 
 * `PrefixCache`, the map from block hash to the blocks that hold that prefix. A block is *cached*
-  while it has an entry here: its K/V is final (a full block) and a later request with the same
-  prefix may use it instead of computing it again.
+  while it has an entry here: its K/V is final, and a later request with that prefix may use it.
 * `CachingBlockPool`, the stage-4 `BlockPool` taught to keep cached blocks. A freed block goes to
   the free block queue as before, but keeps its entry: it is free (any allocation may take it) and
   cached (a hit may take it back) at once. Allocation takes the head of the queue; if that block is
@@ -18,16 +17,14 @@ head is the least recently used. A finished sequence releases its blocks tail fi
 (`KVCacheManager.free`), so its tail, the part least likely shared, is evicted before its prefix,
 and a cached block's parent is never evicted before the block itself.
 
-Going one step beyond vLLM, which trusts the hash: a hit is *confirmed*. A candidate block counts
-only if its stored token ids and extra keys equal the request's, and its parent entry is the very
-entry the lookup matched one block earlier. By induction every token of the prefix is checked,
-so even a colliding hash function can only cost a miss, never hand out another prompt's K/V. The
-parent is compared by entry identity, not block id: a recycled parent block gets a new entry, so
-children cached under its old contents no longer match. The price is a rare false *miss*: when the
-same block was computed twice (two blocks with equal hashes), a lookup that matched one copy does
-not continue into children cached under the other copy. A miss only costs compute.
-(SGLang's RadixAttention gets the same exactness differently: its radix tree is keyed by the token
-ids themselves, so there is no hash to collide.)
+One step beyond vLLM, which trusts the hash: a hit is *confirmed*. A candidate counts only if its
+token ids and extra keys equal the request's and its parent entry is the very entry the lookup
+matched one block earlier, so by induction every token of the prefix is checked and a colliding
+hash can only cost a miss, never hand out another prompt's K/V. The parent is compared by entry
+identity, not block id: a recycled parent block gets a new entry, so children cached under its old
+contents no longer match. The price is a rare false miss (a block computed twice: a lookup that
+matched one copy does not continue into children cached under the other). SGLang's RadixAttention
+gets the same exactness from a radix tree keyed by the token ids themselves: no hash to collide.
 """
 
 from __future__ import annotations
@@ -43,15 +40,9 @@ __all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
 
 @dataclasses.dataclass(eq=False, slots=True)  # slots: a trace replay makes millions of them
 class CachedBlock:
-    """The cache entry of one full block. Compared by identity (eq=False), never by value.
-
-    Attributes:
-        block_id: the physical block holding the K/V.
-        block_hash: its chained hash (bytes for SHA-256; any hashable in a trace simulation).
-        token_ids: the block's block_size token ids, kept for the exact check.
-        extra_keys: e.g. ('salt', cache_salt).
-        parent: the entry of the previous block of the prefix; None for block 0.
-    """
+    """The cache entry of one full block, compared by identity (eq=False), never by value:
+    block_hash is bytes for SHA-256 (any hashable in a trace simulation); token_ids (block_size of
+    them) and extra_keys are kept for the exact check; parent is None for block 0."""
 
     block_id: int
     block_hash: Hashable
@@ -64,16 +55,9 @@ class CachedBlock:
 
 
 class PrefixCache:
-    """Block hash -> {block_id: entry}, and block_id -> entry.
-
-    One hash may map to several blocks: two sequences may have computed the same block
-    independently, or (with a weak hash) different prefixes may share a hash.
-
-    Args:
-        verify: True (default) confirms every hit against token ids, extra keys and the parent
-            entry. False trusts the hash alone, as vLLM does (only to show what a collision does).
-
-    """
+    """Block hash -> {block_id: entry}, and block_id -> entry. One hash may map to several blocks:
+    the same block computed twice, or (with a weak hash) different prefixes sharing a hash.
+    verify=False trusts the hash alone, as vLLM does (only to show what a collision does)."""
 
     def __init__(self, verify: bool = True):
         self.verify = verify
@@ -100,13 +84,8 @@ class PrefixCache:
 
     def find(self, block_hash: Hashable, token_ids: tuple[int, ...],
              extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock | None:
-        """The cached block holding this prefix block, or None (a miss). Changes nothing.
-
-        Args:
-            block_hash: the block's chained hash.
-            token_ids, extra_keys: what the candidate must hold.
-            parent: the entry this lookup matched for the previous block (None for block 0).
-        """
+        """The cached block holding these token_ids and extra_keys after `parent` (the entry this
+        lookup matched one block earlier; None for block 0), or None (a miss). Changes nothing."""
         for candidate in self._by_hash.get(block_hash, {}).values():
             if not self.verify:
                 return candidate  # vLLM's rule: the hash alone decides
@@ -117,11 +96,8 @@ class PrefixCache:
 
     def insert(self, block_id: int, block_hash: Hashable, token_ids: tuple[int, ...],
                extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock:
-        """Cache a full block whose K/V holds exactly this prefix; returns its entry.
-
-        Raises:
-            ValueError: the block is already cached (drop its entry first).
-        """
+        """Cache a full block whose K/V holds exactly this prefix; its entry. ValueError: the block
+        is already cached (drop its entry first)."""
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already cached")
         entry = CachedBlock(block_id, block_hash, tuple(token_ids), tuple(extra_keys), parent)
@@ -153,15 +129,8 @@ class PrefixCache:
 
 
 class CachingBlockPool(BlockPool):
-    """A `BlockPool` whose free block queue doubles as the LRU list of cached blocks.
-
-    Args:
-        num_blocks: blocks in the pool.
-        cache: the `PrefixCache` whose entries name blocks of this pool.
-
-    Attributes:
-        num_evictions: cached blocks whose entry was dropped because allocation reused them.
-    """
+    """A `BlockPool` whose free block queue doubles as the LRU list of `cache`'s blocks;
+    num_evictions counts cached blocks whose entry was dropped because allocation reused them."""
 
     def __init__(self, num_blocks: int, cache: PrefixCache):
         super().__init__(num_blocks)
@@ -174,11 +143,7 @@ class CachingBlockPool(BlockPool):
         self.num_evictions += self.cache.drop_all([block.block_id for block in blocks])
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """A cache hit takes these blocks (see `BlockPool.touch`).
-
-        Raises:
-            ValueError: a block that is not cached (only cached blocks can be hit).
-        """
+        """A cache hit takes these blocks (`BlockPool.touch`); ValueError for one not cached."""
         block_ids = list(block_ids)
         for block_id in block_ids:
             if block_id not in self.cache:

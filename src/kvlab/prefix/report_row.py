@@ -1,12 +1,12 @@
 """The `paged+prefix` row of `kvlab report`, for workloads that carry prefix information.
 
 A Mooncake trace gives each prompt's block hashes, so `kvlab report --trace mooncake-*` adds a row
-beside `paged`. Hits come from the LRU prefix cache replayed on the trace
-(`trace_hit_rate.lru_hit_rate`) with the report's KV budget as its pool (budget // (512 x KV bytes
-per token) blocks of 512 tokens). Hit blocks count once, with the request that computed them:
-exact when the sharers are in flight together, optimistic otherwise (a prefix kept only by the
-cache takes memory any allocation may reclaim), so "requests held" is marked as an estimate and
-stage 7 measures it. The compute saving is exact: hit tokens are prefill not computed.
+beside `paged`. Hits come from `trace_hit_rate.lru_hit_rate` with the report's KV budget as its
+pool (budget // (512 x KV bytes per token) blocks of 512 tokens). Hit blocks count once, with the
+request that computed them: exact when the sharers are in flight together, optimistic otherwise
+(a prefix kept only by the cache takes memory any allocation may reclaim), so "requests held" is
+marked as an estimate and stage 7 measures it. The compute saving is exact: hit tokens are
+prefill not computed.
 """
 
 from __future__ import annotations

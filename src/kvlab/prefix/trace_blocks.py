@@ -1,10 +1,10 @@
 """Simulation's stand-in tokens, read by the prefix cache block by block without building them.
 
 A trace gives no token ids, only (for the Mooncake traces) the id of each 512-token prompt block.
-Stage 7's simulation gives every token a stand-in id (`token_ids` below):
-token p of a prompt whose trace block p // 512 has id h gets h x 512 + p % 512; prompt tokens
-past the named blocks and every output token get the request's own id, -1 - request_id. Two
-blocks of the cache then hold equal ids exactly where the trace says the prompts share them.
+Stage 7's simulation gives every token a stand-in id (`token_ids` below): token p of a prompt
+whose trace block p // 512 has id h gets h x 512 + p % 512; prompt tokens past the named blocks
+and every output token get the request's own id, -1 - request_id. Two blocks of the cache then
+hold equal ids exactly where the trace says the prompts share them.
 
 Building those ids costs a Python int per token, and hashing them (SHA-256 over 16 decimal ids
 per block, `kvlab.prefix.block_hash`) several microseconds per block; the prompts of the whole
@@ -18,12 +18,10 @@ cache the same blocks at a few ints each:
   ids >= 0): two blocks have equal contents exactly when they have equal stand-in ids. A block
   inside one trace block is one run: (h x 512 + o, block_size).
 * hash: Python's built-in hash of (parent hash, content, extra keys), 64 bits and not
-  collision-resistant. That is enough here because the manager confirms every hit (verify=True,
-  the default; `kvlab.prefix.prefix_cache`): a collision only puts two entries under one key, and
-  the exact check still picks the one with equal content and the same parent entry. So the cache
-  finds exactly the blocks that SHA-256 over the stand-in ids would find
-  (`tests/test_serving_trace_blocks.py` replays Mooncake slices both ways and compares every
-  decision). Do not use it with verify=False, which trusts the hash alone.
+  collision-resistant. Enough here because the manager confirms every hit (verify=True, the
+  default; `kvlab.prefix.prefix_cache`), so the cache finds exactly the blocks SHA-256 over the
+  stand-in ids would (`tests/test_serving_trace_blocks.py` replays Mooncake slices both ways and
+  compares every decision). Do not use it with verify=False, which trusts the hash alone.
 
 Outputs are described by count only (they all carry the own id), so a request whose forks will
 inherit its record keeps per-token stand-ins (`block_tokens`).
@@ -74,7 +72,7 @@ class TraceBlocks(BlockTokens):
         return self.blocks(index, index + 1, block_size)[0]
 
     def blocks(self, start: int, stop: int, block_size: int) -> list[tuple[int, ...]]:
-        """`block` of each of blocks start .. stop - 1 (one call for all the blocks a step fills)."""
+        """`block` of blocks start .. stop - 1 (one call for all the blocks a step fills)."""
         size, named_end, trace_ids = self.trace_block_size, self.named_end, self.trace_ids
         contents = []
         for index in range(start, stop):
@@ -132,10 +130,9 @@ class TraceBlocks(BlockTokens):
 
 
 def block_tokens(request: "Request") -> list[int] | BlockTokens:
-    """All tokens of a request as the prefix cache reads them at admission (module docstring):
-    its ids (model mode, or a prompt given with ids), else `TraceBlocks`; a request with forks still
-    to make gets per-token stand-ins, since each fork appends outputs under its own id.
-    """
+    """All tokens of a request as the prefix cache reads them at admission: its ids (model mode, or
+    a prompt given with ids), else `TraceBlocks`; a request with forks still to make gets per-token
+    stand-ins, since each fork appends outputs under its own id."""
     if request.prompt_token_ids is not None or request.forks:
         return token_ids(request, 0, request.num_tokens)
     return TraceBlocks(request)

@@ -1,16 +1,12 @@
 """Prefix cache hit rate on a real trace, against the pool's capacity, without a single tensor.
 
 A Mooncake trace gives every prompt as a list of block keys that already identify the whole prefix
-(see `kvlab.traces.mooncake`). That is all a prefix cache looks at, so the very classes of the
-engine, its `PrefixCachingKVCacheManager` over `CachingBlockPool`, can replay a trace of 12,000
-requests in seconds: the key stands in for the block hash, and the key itself for the block's
-token ids in the exact check.
+(`kvlab.traces.mooncake`). That is all a prefix cache looks at, so the engine's own
+`PrefixCachingKVCacheManager` can replay a trace of 12,000 requests in seconds, the key standing in
+for both the block hash and the block's token ids in the exact check. Two figures per trace:
 
-Two figures per trace:
-
-* `unbounded_hit_rate`: a cache that never evicts. A prompt hits its longest run of leading blocks
-  seen before (capped at n - 1 tokens, as the engine caps it); every full block it brings is
-  remembered. No real cache can beat this ceiling.
+* `unbounded_hit_rate`: a cache that never evicts, the ceiling no real cache beats. A prompt hits
+  its longest run of leading blocks seen before (capped at n - 1 tokens, as the engine caps it).
 * `lru_hit_rate`: the pool holds `capacity_blocks` blocks and evicts least recently used first,
   tail blocks before prefix blocks: `PrefixCachingKVCacheManager` itself, one request at a time.
 
@@ -18,10 +14,8 @@ What this replay assumes, and stage 7 does not: requests are served one at a tim
 and a request holds its blocks only during its own prefill, so the whole pool is available as
 cache. A busy server holds the blocks of its running requests, so its cache is smaller and its hit
 rate lower; this is the best a pool of that size can do on this traffic. Output tokens are never
-hit (the trace has no hashes for them), so they are left out.
-
-`pool_blocks_for` turns a model shape and a card into a capacity, with stage 4's start-up
-arithmetic (`num_blocks_for_budget`).
+hit (the trace has no hashes for them), so they are left out. `pool_blocks_for` turns a model
+and a card into a capacity (stage 4's `num_blocks_for_budget`).
 """
 
 from __future__ import annotations
@@ -129,13 +123,8 @@ class _TraceManager(PrefixCachingKVCacheManager):
 
 def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int,
                  block_size: int = TRACE_BLOCK_SIZE) -> TraceHitRate:
-    """Hit rate of the prefix cache on a pool of `capacity_blocks` blocks, LRU eviction.
-
-    Each request goes through the engine's manager alone: `get_computed_blocks` (exact check,
-    n - 1 cap), `allocate_slots` for the rest (evicting from the head of the free queue, caching
-    its full blocks), `free` (tail first). ValueError for capacity_blocks < 1 or a block_size
-    not dividing 512.
-    """
+    """Hit rate of the engine's manager on a pool of `capacity_blocks` blocks, one request at a
+    time. ValueError: capacity_blocks < 1, or a block_size not dividing 512."""
     manager = _TraceManager(capacity_blocks, block_size)
     result = TraceHitRate(capacity_blocks, block_size)
     for index, trace_request in enumerate(requests):

@@ -21,15 +21,9 @@ __all__ = ["PrefixCacheStats", "PrefixManagerViews"]
 @dataclasses.dataclass
 class PrefixCacheStats:
     """What the prefix cache saved, in tokens and blocks (x bytes_per_token / block_bytes = bytes).
-
-    Attributes:
-        num_lookups: admissions looked up (re-admissions after preemption too).
-        num_query_tokens: tokens of those lookups.
-        num_hit_tokens: tokens found in the cache = prefill tokens skipped.
-        num_hit_blocks: blocks found in the cache = blocks neither allocated nor computed.
-        num_evictions: cached blocks reused for other tokens.
-        num_collisions: lookups where the hash matched an entry but the exact check refused it.
-    """
+    num_lookups counts admissions (re-admissions after preemption too); hit tokens are prefill
+    tokens skipped, hit blocks neither allocated nor computed; num_collisions counts lookups whose
+    hash matched an entry that the exact check refused."""
 
     num_lookups: int = 0
     num_query_tokens: int = 0

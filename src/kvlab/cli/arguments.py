@@ -92,8 +92,7 @@ def resolve_tp(tp: int | None, config: LlamaConfig, gpu_name: str, gpu_memory_by
 
 
 def refuse_together(args, first: str, second: str, why: str) -> None:
-    """Refuse two flags given together when one would silently override the other: "--a 1 and
-    --b 2: <why>; give one". Flags absent from the command line hold None. Raises ValueError."""
+    """ValueError "--a 1 and --b 2: <why>; give one" if both flags are given (absent: None)."""
     one, other = getattr(args, _attribute(first)), getattr(args, _attribute(second))
     if one is not None and other is not None:
         raise ValueError(f"{first} {_shown(one)} and {second} {_shown(other)}: {why}; give one")

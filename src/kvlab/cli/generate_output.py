@@ -1,9 +1,8 @@
 """What `kvlab generate` prints: completions as text (or ids, or --json), then the cache's counts.
 
-Each completion prints after its prompt (with --chat: the reply alone), labelled [p] (prompt p),
-[i] (completion i) or [p.i] when there are several; then the paged cache's counts or the prefix
-cache's hit rate (tokens hit / prompt tokens queried). --json has one shape (null where a part
-does not apply):
+Each completion prints after its prompt (with --chat: the reply alone), labelled [p], [i] or [p.i]
+(prompt p, completion i) when there are several; then the paged cache's counts or the prefix
+cache's hit rate (tokens hit / prompt tokens queried). --json has one shape (null: not applicable):
 
     {"prompts": [{"prompt_ids": [...], "prompt_text": str | null,
                   "completions": [{"token_ids": [...], "text": str | null}, ...]}, ...],

@@ -291,8 +291,7 @@ def _run_model(args, requests, strategies):
 
 
 def _max_model_len(args, config, default: int) -> tuple[int, str]:
-    """--max-model-len, checked against the model (`check_lengths`), or `default` capped at the
-    model's max_position_embeddings; and a note for the summary line when the cap applied."""
+    """--max-model-len (`check_lengths`), or `default` capped at the model's limit, with a note."""
     limit = config.max_position_embeddings
     if args.max_model_len is None and default >= limit:
         max_model_len, note = limit, f" ({config.name}'s max_position_embeddings)"

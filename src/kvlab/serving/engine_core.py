@@ -96,10 +96,9 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
 def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor: Executor,
           config: SchedulerConfig = SchedulerConfig(), bytes_per_token: int = 0,
           progress: bool | None = None) -> ServeResult:
-    """Replay `requests` (copied: one list can go through several strategies) by arrival time
-    through a strategy's fresh KV manager; its `ServeResult`, every request FINISHED or REJECTED.
-    bytes_per_token (per GPU) only labels memory in bytes; progress: a tqdm bar (default: over
-    2,000 requests) when stderr is a terminal. RuntimeError: nothing scheduled twice in a row."""
+    """Replay `requests` (copied, so one list serves several strategies) by arrival time through a
+    fresh KV manager; all end FINISHED or REJECTED. RuntimeError: nothing ran twice in a row.
+    bytes_per_token (per GPU) labels bytes; progress: a tqdm bar (default: over 2,000 requests)."""
     from tqdm.auto import tqdm
 
     pending = collections.deque(sorted((r.fresh_copy() for r in requests),

@@ -53,10 +53,9 @@ class EngineStats:
 class LLMEngine:
     """Continuous batching over a paged KV cache: `add_request`, `step` (or `run`), `outputs`.
 
-    A *request* (one prompt, n completions) is named by the index `add_request` returns (0, 1, ...
-    in the order added), which `outputs` and `sequences` take. Each completion is a *sequence*: a
-    scheduler `Request` whose `request_id` numbers every sequence of the engine (its block table's
-    key, as a sequence id in vLLM v0), so with n > 1 the two numbers differ.
+    A *request* (one prompt, n completions) is named by the index `add_request` returns, which
+    `outputs` and `sequences` take; each completion is a *sequence*, a scheduler `Request` whose
+    `request_id` numbers every sequence (its block table's key, as a sequence id in vLLM v0).
 
     Args:
         model: the decoder (its dtype and device are the pool's).

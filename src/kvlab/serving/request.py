@@ -38,9 +38,8 @@ class Request:
         prompt_len, max_output_tokens: >= 1 each; the server stops after max_output_tokens, as
             a benchmark that ignores end-of-sequence does.
         prompt_token_ids: the prompt's ids (model mode), or None (simulation).
-        trace_block_ids, trace_block_size: a trace's ids of the prompt's blocks of
-            trace_block_size tokens (equal ids at equal positions = a shared prefix; vLLM's
-            `request.block_hashes` are `kv_block_hashes` here); (), 0 without.
+        trace_block_ids, trace_block_size: a trace's ids of the prompt's blocks of that many
+            tokens (equal ids at equal positions = a shared prefix); (), 0 without.
         cache_salt: only prefix-cache blocks hashed with the same salt are shared (vLLM's).
 
     Raises:

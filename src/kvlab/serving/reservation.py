@@ -15,7 +15,7 @@ slots at the first gap big enough (`kvlab.paged.fragmentation.first_fit`, Knuth 
 2.5), counting the refusals where the free slots added up would have held the request (external
 fragmentation, the paper's figure 3); `ExactBlocksManager`, the same size in whole blocks from
 stage 4's pool; and on a GPU `kvlab.tools.oom_story.naive.NaiveManager`, one tensor per request
-placed by the CUDA caching allocator. Token counts are the unit; bytes = tokens x KV bytes/token.
+placed by the CUDA caching allocator. The unit is tokens (x KV bytes per token for bytes).
 """
 
 from __future__ import annotations
@@ -191,9 +191,8 @@ class GapRefusal(NamedTuple):
 
 
 class FirstFitSlabManager(KVManager):
-    """One run of `reserve(request)` adjacent slots per request, at the lowest-addressed gap big
-    enough; a finished run becomes a gap again, merged with free neighbours. Nothing is ever moved:
-    compacting would mean copying running requests' K/V.
+    """One run of `reserve(request)` adjacent slots per request, at the first gap big enough; a
+    finished run becomes a gap, merged with free neighbours. Nothing moves (that would copy K/V).
 
     Attributes:
         runs, run_ends, run_owners: each run's start slot, end (one past) and request id, by start.

@@ -11,12 +11,11 @@ OSDI 2024) and `max_num_seqs` requests running at once. `schedule()`, after vLLM
    *newest* running request is preempted by recompute (Kwon et al., SOSP 2023, section 4.5): its
    memory is freed and it goes to the front of the waiting queue. The oldest always progress, so
    the server never livelocks.
-2. `admit_waiting()`: if nothing was preempted this step, waiting requests are admitted first
-   come, first served, while the manager has room for the whole prompt (not just this step's
-   chunk: `scheduler_reserve_full_isl`, vLLM 0.32's default), max_num_seqs allows and token
-   budget is left. A head that does not fit waits and nothing overtakes it, so it cannot starve.
-   A step that preempted admits nobody, as in vLLM v1: the first in line is the request just
-   preempted, which would only be preempted again (thrashing).
+2. `admit_waiting()`: waiting requests are admitted first come, first served, while the manager
+   has room for the whole prompt (not just this step's chunk: `scheduler_reserve_full_isl`, vLLM
+   0.32's default), max_num_seqs allows and token budget is left. A head that does not fit waits
+   and nothing overtakes it, so it cannot starve. A step that preempted admits nobody, as in vLLM
+   v1: the first in line, just preempted, would only be preempted again (thrashing).
 
 `update()` records the step: a request whose tokens are all computed has produced its next token;
 one at max_output_tokens, or that sampled a stop token, finishes and frees its memory. A request

@@ -83,10 +83,9 @@ def mooncake_trace_path(name: str) -> Path:
 
 def load_mooncake_trace(trace: str | Path = "conversation", max_model_len: int | None = None,
                         limit: int | None = None) -> MooncakeTrace:
-    """Read a Mooncake JSONL trace (a shipped name or a path), checking every line. `limit` stops
-    after that many lines. TraceFormatError, starting "path:line:", names the field of a malformed
-    line: not JSON, a missing or non-integer field, input_length < 1, output_length < 0, hash_ids of
-    the wrong count, timestamps going backwards."""
+    """Read a Mooncake JSONL trace (shipped name or path), at most `limit` lines, checking each.
+    TraceFormatError, starting "path:line:", names the fault: not JSON, a missing or non-integer
+    field, input_length < 1, output_length < 0, hash_ids of the wrong count, time going back."""
     for label, value in (("max_model_len", max_model_len), ("limit", limit)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{label} must be a positive integer, got {value!r}")

@@ -8,9 +8,8 @@
     kvlab compare-vllm --vllm-python vllm-venv/bin/python   # your engine against vLLM itself
 
 Bad input exits with status 2 and one line on stderr naming the bad value (or file). One module
-per subcommand, each with `register(commands)` and `run(args)`; shared argument types in
-`arguments`. torch is imported inside `run`, so `kvlab size` and `kvlab report` start without it
-(tests/test_startup.py).
+per subcommand, each with `register(commands)` and `run(args)` (shared types: `arguments`); torch
+is imported in `run`, so `kvlab size` and `kvlab report` start without it (tests/test_startup.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Argument types and checks shared by the subcommands.
 
-Bounds keep a typo (`--seq-len 1e20`) from printing a 25-digit size (argparse makes the
-`ArgumentTypeError` a one-line usage error, exit 2). No flag is ignored or clamped in silence: a
-value the model or card cannot take, or a flag another overrides, is a one-line ValueError.
+Bounds keep a typo (`--seq-len 1e20`) from printing a 25-digit size (a one-line usage error, exit
+2). No flag is ignored or clamped in silence: a value the model or card cannot take, or a flag
+another overrides, is a one-line ValueError.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def _at_most(parse, top, show):
 
 
 def check_lengths(config: LlamaConfig, max_model_len: int, block_size: int) -> None:
-    """Refuse a max_model_len past the model's max_position_embeddings (vLLM refuses it too),
-    and a block longer than any request. Raises ValueError."""
+    """ValueError: max_model_len > max_position_embeddings (vLLM refuses it too) or < block_size."""
     limit = config.max_position_embeddings
     if max_model_len > limit:
         raise ValueError(f"--max-model-len {max_model_len:,} > {config.name}'s "
@@ -76,9 +75,8 @@ def check_lengths(config: LlamaConfig, max_model_len: int, block_size: int) -> N
 
 def resolve_tp(tp: int | None, config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int,
                **fit) -> tuple[int, str | None]:
-    """(tp, why): --tp if one GPU holds its share, else the smallest that fits, with a sentence
-    when that is not vLLM's default of 1. ValueError: --tp too small (naming the smallest that
-    fits), or no size fits."""
+    """(tp, why): --tp if each GPU holds its share, else the smallest that fits and why, if not 1
+    (vLLM's default). ValueError: --tp too small (naming the smallest that fits), or none fits."""
     if tp is not None:
         shortfall = tp_shortfall(config, gpu_name, gpu_memory_bytes, tp=tp, **fit)
         if shortfall is None:
@@ -94,8 +92,7 @@ def resolve_tp(tp: int | None, config: LlamaConfig, gpu_name: str, gpu_memory_by
 
 
 def refuse_together(args, first: str, second: str, why: str) -> None:
-    """Refuse two flags given together when one would silently override the other: "--a 1 and
-    --b 2: <why>; give one". Flags absent from the command line hold None. Raises ValueError."""
+    """ValueError "--a 1 and --b 2: <why>; give one" if both flags are given (absent: None)."""
     one, other = getattr(args, _attribute(first)), getattr(args, _attribute(second))
     if one is not None and other is not None:
         raise ValueError(f"{first} {_shown(one)} and {second} {_shown(other)}: {why}; give one")

@@ -4,10 +4,8 @@
     kvlab compare-vllm --workload mooncake --num-blocks 80 --no-prefix-caching --json out.json
 
 Flags carry vLLM's engine-argument names. vLLM runs in its own venv (--vllm-python, or
-$KVLAB_VLLM_PYTHON); without it, or when it fails, kvlab's own figures are still printed, then
-one line naming the problem and the fix, exit status 2. The comparison is tooling beside the
-course (`kvlab.tools.vllm_compare`): this module declares the flags, and `run_compare_vllm`
-imports the tool only when the subcommand runs.
+$KVLAB_VLLM_PYTHON); without it, or when it fails, kvlab's figures still print, then one line
+naming the problem and the fix (exit 2). `kvlab.tools.vllm_compare` is imported only at run time.
 """
 
 from __future__ import annotations

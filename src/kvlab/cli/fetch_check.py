@@ -1,8 +1,4 @@
-"""`kvlab fetch` (a pretrained model into the user's cache) and `kvlab check` (grade an exercise).
-
-    kvlab fetch smollm2-135m
-    kvlab check 0
-"""
+"""`kvlab fetch` (a pretrained model into the user's cache) and `kvlab check` (grade exercises)."""
 
 from __future__ import annotations
 
@@ -54,7 +50,7 @@ def run_fetch(args: argparse.Namespace) -> int:
         return 0
     state = "downloaded to" if downloaded else "already present at"
     print(f"{state} {path}")
-    # An instruct model answers a chat turn: --chat renders its template and stops at the turn's end.
+    # An instruct model answers a chat turn: --chat renders its template, stops at the turn's end.
     print(f"use it: kvlab generate --model {args.model} --chat --prompt \"...\" --max-new-tokens 32"
           f"   (weights are 4-bit quantized, dequantized to floats on load)")
     return 0

@@ -3,8 +3,6 @@
     kvlab generate --model tiny --prompt "The" --max-new-tokens 20 --cache paged
     kvlab generate --model smollm2-135m --chat --prompt "What is the capital of France?" \
         --max-new-tokens 32        # the assistant's reply, rendered and stopped by the template
-
-Heavy modules (torch, the model) are imported inside `run`, so `kvlab size` never pays for them.
 """
 
 from __future__ import annotations
@@ -71,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         # No GPU: Triton's CPU interpreter. It must be chosen before Triton is first imported, and
         # torch imports Triton itself (loading a model does), so it is chosen first of all.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Imported here, not at the top: `kvlab size` and `kvlab report` never pay for torch.
     import torch
 
     from ..checkpoint import load_model, load_tokenizer
@@ -96,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
                          f"sequence)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
-    # Default: float32 on CPU; bf16 on GPUs that have it, fp16 on older ones such as the T4.
     dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
     if args.threads:
@@ -162,11 +158,9 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
                          f"{args.prompt_ids!r}") from None
 
 
-# Below this many parameters a one-token decode step's matmuls are too small to split across CPU
-# threads: the pool's hand-offs cost more than they save, and on a busy machine far more. Measured
-# on a shared 2-core CPU (load average ~4.5): the tiny model decoding 20 tokens took 4.2 s on 2
-# threads and 0.27 s on 1; SmolLM2-135M, 24 tokens through the contiguous cache, median 31.8 s on
-# 2 threads and 5.6 s on 1 (4 interleaved runs each). --threads overrides this.
+# Below this many parameters a decode step's matmuls are too small to split across CPU threads.
+# On a shared 2-core CPU (load ~4.5): the tiny model, 20 tokens, 4.2 s on 2 threads, 0.27 s on 1;
+# SmolLM2-135M, 24 tokens, contiguous cache, median 31.8 s vs 5.6 s (4 interleaved runs each).
 _SMALL_MODEL_PARAMETERS = 200_000_000
 
 
@@ -177,8 +171,7 @@ def default_threads(model, available: int) -> int:
 
 
 def _attention_backend(args: argparse.Namespace):
-    """The backend from --attention and --kv-layout (None: the default); ValueError: either
-    without a paged cache."""
+    """The backend of --attention and --kv-layout (None: default); ValueError without paging."""
     passed = []  # only what the user typed: a default they never saw would confuse the message
     if args.attention != "torch":
         passed.append(f"--attention {args.attention}")

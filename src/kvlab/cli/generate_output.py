@@ -1,9 +1,8 @@
 """What `kvlab generate` prints: completions as text (or ids, or --json), then the cache's counts.
 
-One completion prints the prompt and its completion (with --chat the reply alone); several are
-labelled [p] (prompt p), [i] (completion i) or [p.i]. The paged cache adds a line of counts, the
-prefix cache a line of hit rate (tokens hit / prompt tokens queried), blocks not computed, prefill
-tokens run and evictions. --json prints one shape for every case (null where a part does not apply):
+Each completion prints after its prompt (with --chat: the reply alone), labelled [p], [i] or [p.i]
+(prompt p, completion i) when there are several; then the paged cache's counts or the prefix
+cache's hit rate (tokens hit / prompt tokens queried). --json has one shape (null: not applicable):
 
     {"prompts": [{"prompt_ids": [...], "prompt_text": str | null,
                   "completions": [{"token_ids": [...], "text": str | null}, ...]}, ...],
@@ -80,8 +79,7 @@ def print_generation(args: argparse.Namespace, shown: Printed) -> None:
 
 
 def _label(prompt: int, completion: int, num_prompts: int, n: int) -> str:
-    """'' for one completion of one prompt; '[i] ' for completion i of one prompt; '[p] ' for
-    prompt p of several; '[p.i] ' for both."""
+    """'' for one completion of one prompt, else '[i] ', '[p] ' or '[p.i] '."""
     if num_prompts == 1:
         return "" if n == 1 else f"[{completion}] "
     return f"[{prompt}] " if n == 1 else f"[{prompt}.{completion}] "
@@ -99,8 +97,7 @@ def paged_line(args: argparse.Namespace, result) -> str:
 
 
 def net_sharing_line(stats: dict, n: int) -> str:
-    """Peak blocks of n completions sharing a prompt vs n separate requests, whose peak is the most
-    block-table entries at once (`peak_blocks_unshared`)."""
+    """Peak blocks of n completions sharing a prompt vs as n requests (`peak_blocks_unshared`)."""
     shared, unshared = stats["peak_blocks_in_use"], stats["peak_blocks_unshared"]
     saving = 1 - shared / unshared if unshared else 0.0
     return (f"-- vs {n} separate requests: peak {plural(unshared, 'block')} without sharing, "

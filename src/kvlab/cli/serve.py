@@ -5,16 +5,11 @@
     kvlab serve --trace AzureLLMInferenceTrace_conv.csv --model tiny --kv-budget 0.004 \\
         --num-requests 200 --shrink 8 --speedup 100
 
-Simulation mode (`--simulate`) times each step with a cost model of the named card: the
-`calibrated` clock (default; the roofline derated to published measurements of real engines,
-`kvlab.calibration.clock`) or the `roofline` (a lower bound); every table says which, with its
-measured error band. Model mode runs the real model on the CPU (or `--device cuda`) with real cache
-tensors.
-
-The step budgets default to what vLLM v1's API server picks for the card (`scheduler_defaults`).
-Without --tp a simulation uses the smallest tensor-parallel size that fits the model on the card
-(vLLM's default, tp 1, refuses to start when the weights do not fit) and prints which and why. A
-flag the chosen mode would not use is refused (`check_flags`), never ignored.
+`--simulate` times each step with the card's cost model (`--clock`: `calibrated`, the roofline
+derated to published measurements, or `roofline`, a lower bound; `kvlab.calibration.clock`); model
+mode runs the real model with real cache tensors. Step budgets default to vLLM v1's API server's
+(`scheduler_defaults`); without --tp a simulation takes the smallest tensor-parallel size that fits
+and says why. A flag the mode would not use is refused (`check_flags`), never ignored.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ SIMULATED_MAX_MODEL_LEN = 4096  # --simulate's default, capped at the model's li
 
 
 def scheduler_defaults(card_name: str | None, memory_bytes: int | None) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) vLLM v1's API server uses on this card. (1024, 8192)
-    for a card of >= 70 GiB that is not an A100 (of any size), else (256, 2048); no card (the model
-    runs on the CPU) gets the small pair. memory_bytes is nominal for a named card."""
+    """(max_num_seqs, max_num_batched_tokens) of vLLM v1's API server on this card (nominal
+    memory_bytes); no card (the model runs on the CPU) gets the small pair."""
     if card_name is None or memory_bytes is None:
         return OTHER_DEFAULTS
     if memory_bytes >= LARGE_CARD_GIB * 2**30 and "a100" not in card_name.lower():
@@ -52,8 +46,7 @@ def scheduler_defaults(card_name: str | None, memory_bytes: int | None) -> tuple
 
 
 def register(commands) -> None:
-    """Add `kvlab serve` to the argparse subparsers (imports nothing heavy: `kvlab size` must not
-    pay for torch)."""
+    """Add `kvlab serve` to the argparse subparsers (imports nothing heavy)."""
     from ..traces.shipped import SHIPPED_TRACES  # a dict of names: no torch
 
     p = commands.add_parser(
@@ -125,8 +118,7 @@ def register(commands) -> None:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag this mode would ignore or another flag overrides (then fill in the
-    block_size default). Raises ValueError."""
+    """ValueError for a flag this mode would ignore or another overrides; fills in block_size."""
     refuse_together(args, "--speedup", "--rate",
                     "--rate replaces the trace's arrival times, so there is nothing to speed up")
     if args.strategy == "contiguous" and args.block_size is not None:
@@ -236,12 +228,9 @@ def _simulate(args, requests, strategies):
     budget = given_budget if given_budget is not None else default_kv_budget(
         config, card.name, dtype=dtype, tp=tp, gpu_memory_utilization=utilization)
     scheduler = _scheduler_config(args, card.name, card.memory_bytes)
-    # A replay creates and drops millions of small objects (cache entries, block tables) while
-    # tens of thousands stay alive (the pool, the cache), so CPython's cyclic garbage collector
-    # would walk the live ones again and again: a third of the prefix-cache replay of the whole
-    # Mooncake trace. What a replay drops as it goes is in no reference cycle, so reference counting
-    # frees it; the one cycle is each pool's doubly linked free block queue, which (with the cache
-    # hanging from it) is collected once, after the replays.
+    # A replay drops millions of small objects while tens of thousands live on, which CPython's
+    # cyclic collector would walk over and over (a third of the whole Mooncake prefix replay). The
+    # only cycles, each pool's doubly linked free block queue, are collected after the replays.
     gc.disable()
     try:
         results = [serve(requests, simulated_manager(name, budget, per_token, max_model_len,
@@ -279,7 +268,6 @@ def _run_model(args, requests, strategies):
     dtype = torch_dtype(args.dtype) if args.dtype else torch.float32
     model = load_model(args.model or "tiny", dtype=dtype, device=device)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
-        # The rule `kvlab generate` uses: one thread for small models (see default_threads).
         torch.set_num_threads(default_threads(model, torch.get_num_threads()))
     max_model_len, max_model_len_note = _max_model_len(args, model.config,
                                                        model.config.max_position_embeddings)
@@ -303,8 +291,7 @@ def _run_model(args, requests, strategies):
 
 
 def _max_model_len(args, config, default: int) -> tuple[int, str]:
-    """--max-model-len, checked against the model (`check_lengths`), or `default` capped at the
-    model's max_position_embeddings; and a note for the summary line when the cap applied."""
+    """--max-model-len (`check_lengths`), or `default` capped at the model's limit, with a note."""
     limit = config.max_position_embeddings
     if args.max_model_len is None and default >= limit:
         max_model_len, note = limit, f" ({config.name}'s max_position_embeddings)"
@@ -315,9 +302,8 @@ def _max_model_len(args, config, default: int) -> tuple[int, str]:
 
 
 def _scheduler_config(args, card_name, memory_bytes):
-    """The step budgets: the flags, else vLLM's default for this card (written back to `args` for
-    the summary line). ValueError when max_num_batched_tokens < max_num_seqs: a step could not give
-    every running request its decode token (vLLM's SchedulerConfig refuses it too)."""
+    """The step budgets: the flags, else vLLM's default for the card (written back to `args`).
+    ValueError: max_num_batched_tokens < max_num_seqs (vLLM's SchedulerConfig refuses it too)."""
     from ..serving.scheduler import SchedulerConfig
 
     max_num_seqs, max_num_batched_tokens = scheduler_defaults(card_name, memory_bytes)

@@ -1,7 +1,4 @@
-"""`kvlab size`: KV-cache and weight sizes of a model, and what fits on a card (stage 0).
-
-    kvlab size llama-3.1-70b --batch 128 --seq-len 4096 --gpu H100-80GB
-"""
+"""`kvlab size`: KV-cache and weight sizes of a model, and what fits on a card (stage 0)."""
 
 from __future__ import annotations
 
@@ -105,12 +102,9 @@ def not_one_request(config, report) -> str:
 
 
 def exact_and_readable(num_bytes: int, decimal: bool = False) -> str:
-    """Exact bytes, then a readable size only where it says something the exact figure does not.
-
-    987648 -> '987,648 B (964.5 KiB)'; 512 -> '512 B' (never '512 B (512 B)'). With `decimal`
-    the size in decimal units follows too, as model cards quote weights: 141,107,412,992 B ->
-    '(131.42 GiB, 141.1 GB)'; below 1 GB in MB, so a small model never reads '0.0 GB'.
-    """
+    """Exact bytes, then a readable size where it adds something: 987648 -> '987,648 B (964.5
+    KiB)'; 512 -> '512 B'. `decimal` adds decimal units, as model cards quote weights:
+    '(131.42 GiB, 141.1 GB)'; MB below 1 GB, so a small model never reads '0.0 GB'."""
     if num_bytes < 1024:
         return f"{num_bytes:,} B"
     readable = format_bytes(num_bytes)

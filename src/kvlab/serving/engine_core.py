@@ -9,15 +9,10 @@
         now    += the step's time
         scheduler.update(output, sampled, now)  # records: new tokens, finished requests freed
 
-The scheduler and the KV managers are the same in both modes; only the executor differs:
-
-* `ModelRunner` (model mode, `kvlab.serving.model_runner`) runs the real model, with K/V
-  written to and read from the real cache tensors, and samples each request's next token. The
-  step time is the wall clock, or a cost model's (so runs are repeatable).
-* `SimulatedExecutor` (simulation mode) runs nothing: the cost model (`cost_model.CostModel`) says
-  how long the step would take on a named card, so a 19,366-request trace replays in seconds.
-
-The strategies (their KV managers, and the runner behind them) are built in `strategies`.
+Scheduler and KV managers are the same in both modes; only the executor differs. Model mode's
+`ModelRunner` runs the real model over real cache tensors (step time: the wall clock, or a cost
+model's, repeatable); simulation's `SimulatedExecutor` runs nothing, the step taking the time
+`cost_model.CostModel` gives on a named card, so a 19,366-request trace replays in seconds.
 """
 
 from __future__ import annotations
@@ -78,12 +73,8 @@ class StepResult:
 
 def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
                 on_scheduled: Callable[[SchedulerOutput], None] | None = None) -> StepResult:
-    """One step of the engine core: decide, execute, record (the body of vLLM v1's busy loop).
-
-    `serve` calls it for a trace arriving over time; `kvlab.serving.llm_engine.LLMEngine` calls it
-    for a batch given up front. `now_s` is the clock at the start of the step (seconds);
-    `on_scheduled`, if given, sees the decision before it runs (memory is at its fullest then).
-    """
+    """Decide, execute, record (vLLM v1's busy loop's body). `now_s`: the clock at its start (s);
+    `on_scheduled`, if given, sees the decision before it runs (memory is at its fullest then)."""
     output = scheduler.schedule()
     if on_scheduled is not None:
         on_scheduled(output)
@@ -105,10 +96,9 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
 def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor: Executor,
           config: SchedulerConfig = SchedulerConfig(), bytes_per_token: int = 0,
           progress: bool | None = None) -> ServeResult:
-    """Replay `requests` (copied: one list can go through several strategies) by arrival time
-    through a strategy's fresh KV manager; its `ServeResult`, every request FINISHED or REJECTED.
-    bytes_per_token (per GPU) only labels memory in bytes; progress: a tqdm bar (default: over
-    2,000 requests) when stderr is a terminal. RuntimeError: nothing scheduled twice in a row."""
+    """Replay `requests` (copied, so one list serves several strategies) by arrival time through a
+    fresh KV manager; all end FINISHED or REJECTED. RuntimeError: nothing ran twice in a row.
+    bytes_per_token (per GPU) labels bytes; progress: a tqdm bar (default: over 2,000 requests)."""
     from tqdm.auto import tqdm
 
     pending = collections.deque(sorted((r.fresh_copy() for r in requests),

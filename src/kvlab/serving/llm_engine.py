@@ -1,27 +1,14 @@
-"""Offline generation on the one serving design: `LLMEngine` and `generate_batch`, a batch of
-prompts given up front.
+"""Offline generation on the one serving design: `LLMEngine` and `generate_batch`.
 
-vLLM runs offline batches (`LLM.generate`) and online traffic (the API server) on the same engine
-core. So does the course: `LLMEngine` is stage 7's `Scheduler` (admit, run, preempt), a KV cache
-manager (`KVCacheManager`, or `PrefixCachingKVCacheManager` with `enable_prefix_caching=True`) and a
-`ModelRunner` over a `PagedKVCache`, stepped by the same `engine_step` that `serve` uses for a
-trace arriving over time. What this module adds is what a caller of `generate` needs:
-
-* a request for n completions of one prompt (parallel sampling), whose n - 1 forks share the
-  prompt's blocks and copy a block only when they write into a shared one (copy-on-write,
-  Kwon et al., SOSP 2023, section 4.4);
-* sampling: greedy, or a temperature with one random stream per completion, seeded by the
-  request's own seed or by the engine's seed and the request's index (`kvlab.sampling`);
-* forced first tokens (to make greedy siblings diverge), an end-of-sequence token;
-* validation of every request before it is queued (one bad request never reaches the scheduler);
-* the counts stage 4 and stage 6 print: preemptions, recomputed tokens, prefill tokens, peak
-  blocks, blocks saved by sharing, copy-on-write copies, prefix-cache hits.
-
-`generate_batch` is one call for a whole batch: it sizes the pool (by default big enough that
-nothing is preempted), queues every prompt, rejects the ones that can never be served without
-stopping the others, runs the engine and collects the completions and the counts. Stage 4 calls it
-with the paged cache, stage 6 with `enable_prefix_caching=True`; `kvlab.generate.generate` is the
-one-prompt front door.
+vLLM runs offline batches (`LLM.generate`) and online traffic on the same engine core; so does the
+course. `LLMEngine` is stage 7's `Scheduler`, a KV cache manager (`KVCacheManager`, or
+`PrefixCachingKVCacheManager` with `enable_prefix_caching=True`) and a `ModelRunner` over a
+`PagedKVCache`, stepped by the `engine_step` that `serve` uses. It adds n completions of one
+prompt, whose forks share the prompt's blocks and copy one only to write into it (copy-on-write,
+Kwon et al., SOSP 2023, section 4.4); sampling, one random stream per completion
+(`kvlab.sampling`); forced first tokens and end-of-sequence tokens; validation of each request
+before it is queued; the counts stages 4 and 6 print; and `generate_batch`, a batch in one call.
+`kvlab.generate.generate` is the one-prompt front door.
 """
 
 from __future__ import annotations
@@ -51,8 +38,7 @@ __all__ = ["EngineStats", "LLMEngine", "BatchResult", "generate_batch", "default
 
 @dataclasses.dataclass
 class EngineStats:
-    """What a run cost. Counts are tokens or blocks, never bytes (multiply by the cache's
-    bytes_per_token or block_bytes)."""
+    """What a run cost, in tokens or blocks, never bytes (x bytes_per_token or block_bytes)."""
 
     num_steps: int = 0
     num_preemptions: int = 0
@@ -60,46 +46,30 @@ class EngineStats:
     num_prefill_tokens: int = 0      # prompt tokens run (prefix hits are not), plus recomputation
     peak_blocks_in_use: int = 0      # physical blocks held at the fullest moment
     blocks_saved_by_sharing: int = 0  # most block-table entries that pointed at a shared block
-    peak_blocks_unshared: int = 0    # most block-table entries at once: what the same sequences
-                                     # would hold as separate requests, nothing shared
+    peak_blocks_unshared: int = 0    # most block-table entries at once: blocks held unshared
     num_cow_copies: int = 0          # blocks copied by copy-on-write
 
 
 class LLMEngine:
-    """Continuous batching of a batch of requests over a paged KV cache: `add_request`, then
-    `step` (or `run`), then `outputs`.
+    """Continuous batching over a paged KV cache: `add_request`, `step` (or `run`), `outputs`.
 
-    Two numbers name things here. A *request* (one prompt, n completions) is named by the index
-    `add_request` returns: 0, 1, 2, ... in the order added; `outputs` and `sequences` take it. Each
-    completion is a *sequence*: one scheduler `Request`, whose own `request_id` is a running number
-    over every sequence of the engine (the key of its block table, like a sequence id in vLLM v0).
-    With n = 1 for every request the two numbers coincide; with n > 1 they do not (request 1's
-    first sequence is number n).
+    A *request* (one prompt, n completions) is named by the index `add_request` returns, which
+    `outputs` and `sequences` take; each completion is a *sequence*, a scheduler `Request` whose
+    `request_id` numbers every sequence (its block table's key, as a sequence id in vLLM v0).
 
     Args:
         model: the decoder (its dtype and device are the pool's).
-        max_model_len: longest request (prompt + max_new_tokens, tokens); default the model's
-            max_position_embeddings, never more. Checked against the pool at start-up.
+        max_model_len: longest request (prompt + max_new_tokens); default, and at most, the
+            model's max_position_embeddings. Checked against the pool at start-up.
         max_num_seqs: most sequences running at once (a request for n completions counts n).
-        eos_token_id: a completion stops after generating it; one id or several (an instruct
-            model's end-of-sequence and end-of-turn tokens), as in `SamplingParams`.
-        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
-        seed: the seed of requests that bring none of their own (see `kvlab.sampling`).
-        attention_backend: the paged cache's attention backend (see `kvlab.paged.backends`).
-        enable_prefix_caching, hash_fn: share full blocks between requests by prefix (stage 6;
-            vLLM's option), with this block hash (default SHA-256).
-        max_num_batched_tokens: tokens computed per step; a prompt longer than what is left of
-            it is prefilled in chunks. Default max(max_model_len, 2,048), so any prompt fits in
-            one step (the rule vLLM used before chunked prefill; vLLM v1's offline `LLM` default
-            is 16,384 on large GPUs, 8,192 elsewhere, and chunks longer prompts).
-
-    Attributes:
-        kv: the KV cache manager the scheduler drives; the cache's `manager` is this same object.
-        cache: the `PagedKVCache` (pool tensors, slot mapping and KV stores).
-        scheduler, stats: the `Scheduler` (`running`, `waiting`) and the `EngineStats` so far.
+        eos_token_id: one stop id or several (end-of-sequence and end-of-turn), as `SamplingParams`.
+        enable_prefix_caching, hash_fn: share full blocks by prefix (stage 6), with this hash.
+        max_num_batched_tokens: tokens computed per step; longer prompts are prefilled in chunks.
+            Default max(max_model_len, 2,048): any prompt in one step (the rule before chunked
+            prefill; vLLM v1's offline `LLM` default is 16,384 on large GPUs, 8,192 elsewhere).
 
     Raises:
-        KVCacheOutOfMemory: the pool cannot hold one max_model_len request (numbers in the message).
+        KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
         ValueError: bad sizes, max_model_len > max_position_embeddings, eos_token_id outside the
             vocabulary, a temperature that is not a finite number >= 0.
     """
@@ -125,7 +95,6 @@ class LLMEngine:
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, self.max_model_len,
                                             attention_backend, manager=self.kv)
         if max_num_batched_tokens is None:
-            # Whole prompts in one step unless the caller asks for chunks (see the docstring).
             max_num_batched_tokens = max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_seqs, max_num_batched_tokens))
         self.executor = ModelRunner(model, self.cache)
@@ -134,27 +103,19 @@ class LLMEngine:
         self._num_sequences = 0
         self._clock_start = time.perf_counter()
 
-    # ---- requests ----------------------------------------------------------------------------
-
     def add_request(self, prompt: Seq[int], max_new_tokens: int, n: int = 1,
                     first_tokens: Seq[int] | None = None, seed: int | None = None,
                     cache_salt: str | None = None) -> int:
-        """Queue a request for n completions of one prompt; returns the request's index (0, 1,
-        ... in the order added), not a sequence's `request_id` (see the class docstring).
+        """Queue a request for n completions of one prompt; returns its index, not a `request_id`.
 
         Args:
-            prompt: token ids.
-            max_new_tokens: tokens to generate per completion.
-            n: completions (parallel sampling); they share the prompt's blocks.
-            first_tokens: optional n token ids forced as each completion's first token.
-            seed: this request's sampling seed (temperature > 0): the same prompt and seed give
-                the same samples wherever the request sits in a batch. None: derived from the
-                engine's seed and the request's index (independent of every other request).
-            cache_salt: with prefix caching, only blocks of requests with the same salt are
-                shared (one tenant's prompts never hit another's).
+            first_tokens: n token ids, forced as each completion's first token.
+            seed: the same prompt and seed give the same samples wherever the request sits in a
+                batch; None: derived from the engine's seed and the request's index.
+            cache_salt: with prefix caching, only requests with the same salt share blocks.
 
         Raises:
-            RequestTooLongError: prompt + max_new_tokens > max_model_len (so also > the pool).
+            RequestTooLongError: prompt + max_new_tokens > max_model_len.
             ValueError: empty prompt, bad token ids, bad n, first_tokens or seed.
             TypeError: cache_salt is not a str.
         """
@@ -183,7 +144,6 @@ class LLMEngine:
         request_id = len(self.requests)
         family = []
         for sibling in range(n):
-            # A request's own seed alone decides its streams; without one, its index does.
             parts = ("request", seed) if seed is not None else ("engine", self.seed, request_id)
             sampling = SamplingParams(
                 self.temperature, stream_seed(*parts, sibling) if self.temperature else None,
@@ -222,8 +182,6 @@ class LLMEngine:
         """Hit rate, blocks saved, prefill tokens skipped, evictions (prefix caching only)."""
         return self.kv.prefix_stats if self.kv.has_prefix_cache else None
 
-    # ---- running -----------------------------------------------------------------------------
-
     def run(self) -> None:
         """Step until every request has finished."""
         while self.has_unfinished():
@@ -231,8 +189,7 @@ class LLMEngine:
 
     def step(self) -> None:
         """One scheduler step: reserve (preempting when the pool is dry), admit, run, sample.
-        RuntimeError if nothing could be scheduled while requests wait (the start-up check rules
-        it out)."""
+        RuntimeError if nothing could run while requests wait (the start-up check rules it out)."""
         stats, scheduler = self.stats, self.scheduler
         stats.num_steps += 1
         now = time.perf_counter() - self._clock_start
@@ -277,28 +234,20 @@ def generate_batch(model, prompts: Seq[Seq[int]], max_new_tokens: int | Seq[int]
                    cache_salts: Seq[str | None] | None = None,
                    enable_prefix_caching: bool = False, hash_fn: HashFunction = sha256,
                    attention_backend: BackendLike = None) -> BatchResult:
-    """Generate for a batch of prompts at once through a paged KV cache (greedy by default).
+    """Generate for a batch of prompts through a paged KV cache (greedy by default).
 
-    Prompts are admitted in order, so with prefix caching a prompt can hit the blocks of any
-    earlier one that is running or whose blocks were not reused since.
+    Prompts are admitted in order, so with prefix caching a prompt can hit the blocks of any earlier
+    one still running or not yet evicted. A prompt `add_request` refuses (too long, empty, bad ids
+    or salt) gets [] and its error; the others are generated as if it were not there.
 
-    Args:
-        prompts: token ids of each prompt (lengths may differ).
-        max_new_tokens: tokens per completion, one int for all or one per prompt.
-        num_blocks, max_model_len: default `default_pool_size` (nothing is preempted); a small
-            pool forces preemption.
+    Args (the others: as `LLMEngine` and `LLMEngine.add_request`):
+        max_new_tokens: one int for every prompt, or one per prompt.
+        num_blocks, max_model_len: default `default_pool_size` (nothing is preempted).
         first_tokens, seeds, cache_salts: per prompt None or its value for `add_request`.
-        The others: as `LLMEngine` and `LLMEngine.add_request`.
-
-    Returns:
-        BatchResult. A rejected prompt (too long, empty, bad token ids or salt: any error of
-        `add_request`) gets [] and an error message; the other prompts are generated as if they
-        were alone: one bad request never takes down the others.
 
     Raises:
         KVCacheOutOfMemory: the pool cannot hold one max_model_len request.
-        ValueError: malformed arguments of the whole call (no prompts, mismatched list lengths,
-            max_model_len > max_position_embeddings, bad sizes).
+        ValueError: no prompts, mismatched list lengths, bad sizes or max_model_len.
     """
     if len(prompts) == 0:
         raise ValueError("generate_batch needs at least one prompt")

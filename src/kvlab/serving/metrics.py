@@ -3,17 +3,14 @@
 Definitions (all times in seconds on the replay's clock: the cost model's in simulation, the
 wall clock in model mode unless a cost model is given):
 
-* running: requests holding KV memory during a step. peak = the most; mean = time-weighted over
-  the steps (a step of 30 ms counts 30 times a step of 1 ms).
+* running: requests holding KV memory during a step; peak, and mean weighted by step duration.
 * kv_usage ("reserved / pool" in tables): token slots reserved / token slots in the budget (vLLM's
-  `kv_cache_usage`), time-weighted mean and peak. It says how full the pool is, not how well it is
-  used: a contiguous slab of max_model_len slots counts whole from admission on.
-* kv_states_share ("states / reserved"): token states held / token slots reserved, summed over
-  the steps time-weighted (slot-seconds holding a computed K/V over slot-seconds reserved): the
-  measure of the vLLM paper's figure 2 (Kwon et al., SOSP 2023: 20.4-38.2 % for Orca's
-  reservations, 96.3 % for vLLM). Token states are the tokens whose K/V are computed, the step's
-  own included; a prefix block shared by several requests counts once for each, so with a
-  prefix cache the share can pass 100 %.
+  `kv_cache_usage`), time-weighted mean and peak: how full the pool is, not how well it is used
+  (a contiguous slab of max_model_len slots counts whole from admission on).
+* kv_states_share ("states / reserved"): slot-seconds holding a computed K/V (the step's own
+  included) over slot-seconds reserved: the measure of the vLLM paper's figure 2 (Kwon et al.,
+  SOSP 2023: 20.4-38.2 % for Orca's reservations, 96.3 % for vLLM). A prefix block shared by
+  several requests counts once for each, so with a prefix cache the share can pass 100 %.
 * TTFT (time to first token) = first token time - arrival time; TPOT (time per output token) =
   (finish - first token) / (output tokens - 1), for requests with more than one output token.
   Percentiles are `kvlab.workload.percentile`'s: linear between order statistics (numpy's default).
@@ -38,8 +35,7 @@ __all__ = ["percentile", "StepSeries", "ServeResult", "summarize", "ROW_KEYS", "
 
 @dataclasses.dataclass
 class StepSeries:
-    """One entry per step: end time (s), duration (s), running requests, waiting requests,
-    token slots reserved, tokens computed (held)."""
+    """Per step: end time and duration (s), requests running and waiting, slots reserved, held."""
 
     time_s: list[float] = dataclasses.field(default_factory=list)
     duration_s: list[float] = dataclasses.field(default_factory=list)
@@ -73,8 +69,7 @@ ROW_KEYS = ("strategy", "requests", "finished", "rejected", "peak_running", "mea
 
 @dataclasses.dataclass
 class ServeResult:
-    """The figures of one strategy on one workload (definitions: the module docstring); memory in
-    tokens (x `bytes_per_token` for bytes per GPU)."""
+    """One strategy's figures on one workload (see the module docstring); memory in tokens."""
 
     strategy: str
     requests: int
@@ -163,8 +158,7 @@ def _cell(value) -> str:
 
 
 def format_rows(results: Sequence[ServeResult]) -> str:
-    """A plain-text table, one row per strategy (ratios shown as %): reserved/pool is kv_usage,
-    states/reserved is kv_states_share (see the module docstring)."""
+    """A plain-text table, a row per strategy, ratios in % (column names: the module docstring)."""
     headers = ("strategy", "finished", "rejected", "peak run", "mean run", "preempt",
                "reserved/pool mean", "reserved/pool peak", "states/reserved", "out tok/s",
                "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "prefix hit")
@@ -190,10 +184,9 @@ LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 2000):
-    """KV memory held (% of the budget) and running requests over time, one line per strategy
-    of one workload, on two axes (given, or a new figure; returned), at most `max_points` steps a
-    line (every k-th step). A strategy whose lines equal an earlier one's is labelled "(same as
-    <earlier>)"."""
+    """KV memory held (% of the budget) and running requests over time, one line per strategy,
+    on two axes (given, or a new figure; returned), at most `max_points` steps (every k-th) a line.
+    A strategy whose lines equal an earlier one's is labelled "(same as <earlier>)"."""
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -205,8 +198,7 @@ def plot_memory(results: Sequence[ServeResult], axes=None, max_points: int = 200
         times = s.time_s[::every]
         held = [100 * t / r.capacity_tokens for t in s.reserved_tokens[::every]]
         running = s.running[::every]
-        # Two strategies can make the same decisions (a prefix cache with no hits is paging): each
-        # gets its own dash pattern, so a line on top of an equal one lets it show through.
+        # Two strategies can decide alike (a prefix cache with no hits is paging): say so.
         same_as = next((name for name, curves in drawn if curves == (times, held, running)), None)
         label = r.strategy if same_as is None else f"{r.strategy} (same as {same_as})"
         style = dict(ls=LINE_STYLES[i % len(LINE_STYLES)], lw=1 if i == 0 else 1.5, label=label)

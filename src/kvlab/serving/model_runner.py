@@ -1,28 +1,20 @@
 """Model mode's runner: one scheduled step through the real model and the real cache tensors.
 
-The scheduler decides, this module executes (vLLM v1's model runner, cut to its core). For each
-step it:
+The scheduler decides, this module executes (vLLM v1's model runner, cut to its core). A step:
 
 1. copies the blocks the step's copy-on-write asked for (`SchedulerOutput.blocks_to_copy`);
-2. runs one forward pass over every scheduled token of the step, flat [num_tokens] in schedule
-   order with their absolute positions (RoPE needs them): decode tokens and prefill chunks of
-   every request together;
-3. samples a token for every request whose tokens are now all computed, from the logits row of
-   its last token: greedy, or from its own random stream (`kvlab.sampling`), or its forced first
-   token. A request whose prompt is now computed also samples for its forks, from the same row
-   (they share the prompt).
+2. runs one forward pass over every scheduled token, flat [num_tokens] in schedule order with
+   their absolute positions (RoPE needs them): decode tokens and prefill chunks together;
+3. samples a token for every request whose tokens are now all computed, from its last token's
+   logits row: greedy, from its own random stream (`kvlab.sampling`), or its forced first token;
+   a request whose prompt is now computed samples for its forks from the same row too.
 
-Why one pass: the pass's KV store (`PagedBatchStore`, or `SlabBatchStore` for slabs and the naive
-strategy's tensors) writes, in each layer, every token's K/V before any token of that layer
-attends, so a block is readable from the pass that writes it on, whatever the batch order. The
-prefix cache relies on it (a request admitted later in the same step may hit a block cached when
-its slots were reserved: `kvlab.prefix.manager`); two passes would let a token read a block before
-the other pass wrote it (tests/test_one_pass.py). vLLM v1's `GPUModelRunner` runs a step the same
-way: one flattened batch, `reshape_and_cache` writing the new K/V before attention reads.
-
-The caches are stage 2's `ContiguousKVCache` (one slab per request, a fork copies the slab) and
-stage 4's `PagedKVCache` (slot mapping computed once a pass from the block tables of the manager
-the scheduler drives; its attention backend, torch or the stage-5 Triton kernel, does the reading).
+Why one pass: its KV store (`PagedBatchStore`, or `SlabBatchStore` for slabs and the naive
+strategy) writes every token's K/V in a layer before any token of that layer attends, so a block
+is readable from the pass that writes it, whatever the batch order. The prefix cache relies on it
+(a request admitted later in the step may hit a block cached when its slots were reserved); two
+passes could read a block before it is written (tests/test_one_pass.py). vLLM v1's
+`GPUModelRunner` does the same: `reshape_and_cache` writes the new K/V before attention reads.
 """
 
 from __future__ import annotations
@@ -42,16 +34,10 @@ __all__ = ["ModelRunner"]
 
 
 class ModelRunner:
-    """The real model over a real cache.
-
-    Args:
-        cache: a `ContiguousKVCache` (slabs handed out per request here) or a `PagedKVCache` whose
-            `manager` is the one the scheduler drives.
-        cost_model: if given, its step time is the clock (repeatable); else the wall clock.
-
-    Attributes:
-        num_decode_tokens, num_prefill_tokens: tokens run, counted as `_count` says.
-    """
+    """The real model over stage 2's `ContiguousKVCache` (slabs handed out here; a fork copies
+    one) or stage 4's `PagedKVCache`, whose `manager` the scheduler drives and whose attention
+    backend (torch or the stage-5 Triton kernel) reads. The clock: `cost_model`'s step time if
+    given (repeatable), else the wall clock. `num_decode_tokens`, `num_prefill_tokens`: `_count`."""
 
     def __init__(self, model, cache, cost_model: CostModel | None = None):
         self.model, self.cache, self.cost_model = model, cache, cost_model
@@ -70,8 +56,7 @@ class ModelRunner:
             self.cache.copy_block(source, destination)
         sampled: dict[int, int] = {}
         if output.scheduled:
-            # Only a request whose every token is computed by this step samples, from the row of
-            # its last token; a prefill chunk that leaves tokens for later needs no logits.
+            # A prefill chunk that leaves tokens for later needs no logits.
             sampling, last_rows, end = [], [], 0
             for request, num_new in output.scheduled:
                 end += num_new  # the row after this request's last token
@@ -86,9 +71,8 @@ class ModelRunner:
         return sampled, (modelled if modelled is not None else elapsed)
 
     def _count(self, request: Request, num_new: int) -> None:
-        """An output token fed back on top of the cache is decode; every other token run is
-        prefill: prompt tokens (a lone last one too) and tokens recomputed after preemption (a
-        prefix-cache hit is not run)."""
+        """An output token fed back on top of the cache is decode; every other token run is prefill
+        (prompt tokens, a lone last one too, and recomputed ones; prefix-cache hits are not run)."""
         if num_new == 1 and request.num_computed_tokens >= request.prompt_len:
             self.num_decode_tokens += 1
         else:
@@ -101,8 +85,6 @@ class ModelRunner:
             self.cache.free_sequence(slab)
         if request.state is RequestState.FINISHED:
             self.generators.pop(request.request_id, None)
-
-    # ---- sampling ------------------------------------------------------------------------------
 
     def _sample(self, request: Request, logits: torch.Tensor, sampled: dict[int, int]) -> None:
         """The next token of `request` (and the first of each of its forks) from one logits row."""
@@ -127,8 +109,6 @@ class ModelRunner:
             self.generators[request.request_id] = generator
         return next_token(logits, params.temperature, generator)
 
-    # ---- the forward pass -----------------------------------------------------------------------
-
     def _forward(self, scheduled: list[tuple[Request, int]], logits_rows: list[int]
                  ) -> torch.Tensor:
         """One pass over tokens computed .. computed + num_new - 1 of every scheduled request,
@@ -151,9 +131,8 @@ class ModelRunner:
         """Where the pass's K/V live (see `kvlab.model.KVStore`): request i's last query_lens[i]
         of seq_lens[i] tokens."""
         if self.paged:
-            # The scheduler's manager reserved exactly these slots this step: each table holds
-            # seq_lens[i] tokens, the last query_lens[i] of them new; the slot mapping is
-            # computed from the tables there, once for the pass.
+            # The scheduler's manager reserved exactly these slots this step; the cache computes
+            # the slot mapping from its tables, once for the pass.
             return self.cache.batch_store([request.request_id for request in batch], query_lens)
         for request in batch:
             if request.request_id not in self.slab_of:

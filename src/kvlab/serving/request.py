@@ -1,20 +1,15 @@
 """A request as the server sees it: what arrived, and how far it has got.
 
-The fields follow vLLM v1's `Request`: a request owns its token count and its progress, and the
-scheduler only compares two numbers to decide what to run next:
+As in vLLM v1's `Request`, a request owns its progress, and the scheduler compares two numbers to
+decide what to run: `num_tokens` (prompt + output tokens sampled so far) and `num_computed_tokens`
+(those whose K/V are in the cache). A prefill is the second far behind the first, a decode step
+one token behind. After a preemption by recompute (Kwon et al., SOSP 2023, section 4.5) the
+computed count drops to 0 and the request catches up, prompt and output alike. That one rule
+covers prefill, chunked prefill, decode, prefix-cache hits and recomputation.
 
-* `num_tokens`: tokens the request has so far, prompt + output tokens sampled;
-* `num_computed_tokens`: of those, the tokens whose K/V are in the cache.
-
-A prefill is the case `num_computed_tokens` far behind `num_tokens`, a decode step the case of one
-token behind. After a preemption by recompute (Kwon et al., SOSP 2023, section 4.5) the computed
-count drops to 0 and the request catches up again, prompt and output alike. That one rule covers
-prefill, chunked prefill, decode, prefix-cache hits and recomputation.
-
-A request for n > 1 completions of one prompt (parallel sampling, section 4.4) carries n - 1
-`forks`: siblings admitted with it, which share its prompt's KV once that is computed and then
-sample on their own. How tokens are sampled is its `kvlab.sampling.SamplingParams`; the requests
-of a trace are made by `kvlab.workload.from_sizes`.
+A request for n > 1 completions (parallel sampling, section 4.4) carries n - 1 `forks`: siblings
+admitted with it, which share its prompt's KV once computed, then sample on their own (as its
+`kvlab.sampling.SamplingParams` says). A trace's requests are made by `kvlab.workload.from_sizes`.
 """
 
 from __future__ import annotations
@@ -36,23 +31,19 @@ class RequestState(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One request: sizes in tokens, arrival time in seconds, and its progress while served.
+    """One request: sizes in tokens, arrival in seconds from the replay's start, its progress.
 
     Args:
         request_id: unique id (the key of its block table).
-        arrival_s: arrival time, seconds from the start of the replay.
-        prompt_len, max_output_tokens: tokens (>= 1 each; the server stops after
-            max_output_tokens, as a benchmark that ignores end-of-sequence does).
+        prompt_len, max_output_tokens: >= 1 each; the server stops after max_output_tokens, as
+            a benchmark that ignores end-of-sequence does.
         prompt_token_ids: the prompt's ids (model mode), or None (simulation).
-        trace_block_ids, trace_block_size: a trace's ids of the prompt's consecutive blocks of
-            trace_block_size tokens (equal ids at equal positions = a shared prefix; not vLLM's
-            `request.block_hashes`, which are `kv_block_hashes` here); (), 0 without.
+        trace_block_ids, trace_block_size: a trace's ids of the prompt's blocks of that many
+            tokens (equal ids at equal positions = a shared prefix); (), 0 without.
         cache_salt: only prefix-cache blocks hashed with the same salt are shared (vLLM's).
-        forks: the n - 1 siblings (see the module docstring).
 
     Raises:
-        ValueError: a non-positive length, a negative arrival time, or prompt ids of the wrong
-            length.
+        ValueError: a length < 1, a negative arrival time, or prompt ids of the wrong length.
     """
 
     request_id: int

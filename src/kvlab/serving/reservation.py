@@ -1,27 +1,21 @@
 """Reserve at admission: every design before paging, one manager base and its placements.
 
-Before paged attention a server reserved all of a request's KV memory when it admitted it, sized
-for the most tokens it could reach, and held it until the request ended (Kwon et al., *Efficient
-Memory Management for Large Language Model Serving with PagedAttention*, SOSP 2023, section 3).
-Such a manager answers the scheduler's verbs (vLLM v1's, `kvlab.paged.KVCacheManager`) simply:
+Before paged attention a server reserved all of a request's KV memory at admission, sized for the
+most tokens it could reach, and held it until the request ended (Kwon et al., *Efficient Memory
+Management for Large Language Model Serving with PagedAttention*, SOSP 2023, section 3). Such a
+manager answers the scheduler's verbs (vLLM v1's, `kvlab.paged.KVCacheManager`) simply:
 `allocate_slots` takes the whole reservation on the request's first call (None: no room now) and
 returns [] after; nothing is ever computed already; preemption is `free`.
 
-`KVManager` is that idea once (`holds`, `admit`, `free`, a reservation size checked against the
-request). The designs differ in two things, kept apart:
-
-* *how much* (a size function of the request): `exact_size` (prompt + max_output_tokens, a
-  perfect length oracle), `power_of_two` (Orca's Pow2), or a max_model_len slab;
-* *where* (the subclass): `ContiguousManager`, stage 2's max_model_len slabs, all one size, so any
-  free slab will do (no external fragmentation, but a request of 300 tokens holds 4,096 slots);
-  `FirstFitSlabManager`, one run of adjacent slots per request at the first gap big enough
-  (`kvlab.paged.fragmentation.first_fit`, Knuth vol. 1, section 2.5), which counts the admissions
-  refused although the free slots added up would have held the request (external fragmentation,
-  the paper's figure 3); `ExactBlocksManager`, the same reservation in whole blocks from stage 4's
-  pool, so any free blocks will do; and on a GPU `kvlab.tools.oom_story.naive.NaiveManager`, one
-  tensor per request placed by the CUDA caching allocator.
-
-Token counts are the unit; bytes are tokens x KV bytes per token.
+`KVManager` is that idea once. The designs differ in *how much* (a size function: `exact_size`, a
+perfect length oracle; `power_of_two`, Orca's Pow2; or a max_model_len slab) and *where* (the
+subclass): `ContiguousManager`, stage 2's equal slabs, so any free one will do (no external
+fragmentation, but a request of 300 tokens holds 4,096 slots); `FirstFitSlabManager`, adjacent
+slots at the first gap big enough (`kvlab.paged.fragmentation.first_fit`, Knuth vol. 1, section
+2.5), counting the refusals where the free slots added up would have held the request (external
+fragmentation, the paper's figure 3); `ExactBlocksManager`, the same size in whole blocks from
+stage 4's pool; and on a GPU `kvlab.tools.oom_story.naive.NaiveManager`, one tensor per request
+placed by the CUDA caching allocator. The unit is tokens (x KV bytes per token for bytes).
 """
 
 from __future__ import annotations
@@ -51,22 +45,13 @@ def power_of_two(request: Request) -> int:
 
 
 class KVManager(abc.ABC):
-    """A manager that reserves a request's memory whole, at admission.
-
-    Args:
-        capacity_tokens: token slots in the whole KV budget (>= 1).
-        max_model_len: longest request (prompt + max_output_tokens) accepted (>= 1).
-        reserve: token slots to reserve for a request (default `exact_size`); at least its
-            `total_len`, since the reservation is all it will ever have.
-
-    Raises:
-        ValueError: capacity_tokens < 1 or max_model_len < 1.
-    """
+    """Reserves a request's memory whole, at admission: `capacity_tokens` slots in the budget,
+    requests of up to `max_model_len` tokens, `reserve(request)` slots each (default `exact_size`;
+    at least its `total_len`, all it will ever have). ValueError: either count < 1."""
 
     name: str
     has_prefix_cache = False
-    # False for a design that holds one sequence per request (nothing to share between the n
-    # completions of one prompt): requests with forks are then refused on arrival.
+    # False: one sequence per request, so a request for n > 1 completions is refused on arrival.
     supports_forks = False
 
     def __init__(self, capacity_tokens: int, max_model_len: int,
@@ -78,11 +63,8 @@ class KVManager(abc.ABC):
                                                                   reserve)
 
     def reservation(self, request: Request) -> int:
-        """Token slots `request` reserves, in this memory's unit of allocation.
-
-        Raises:
-            ValueError: `reserve` gave fewer slots than the request will hold (a bug in `reserve`).
-        """
+        """Token slots `request` reserves, in this memory's unit of allocation. ValueError:
+        `reserve` gave fewer slots than the request will hold (a bug in `reserve`)."""
         tokens = self.reserve(request)
         if tokens < request.total_len:
             raise ValueError(f"reserve() gave request {request.request_id} {tokens} token slots, "
@@ -148,16 +130,9 @@ class KVManager(abc.ABC):
 
 
 class ContiguousManager(KVManager):
-    """Stage 2: every admitted request holds one slab of max_model_len token slots until it ends.
-
-    Args:
-        num_slabs: slabs the budget holds (= budget bytes // (max_model_len x KV bytes per token)).
-        max_model_len: tokens per slab.
-
-    Raises:
-        KVCacheOutOfMemory: num_slabs < 1 (the budget cannot hold one max_model_len request).
-        ValueError: max_model_len < 1.
-    """
+    """Stage 2: every admitted request holds one slab of max_model_len token slots until it ends;
+    `num_slabs` = budget bytes // (max_model_len x KV bytes per token). KVCacheOutOfMemory:
+    num_slabs < 1; ValueError: max_model_len < 1."""
 
     name = "contiguous"
     supports_forks = True  # a fork takes a slab of its own, a copy of the prompt
@@ -171,8 +146,7 @@ class ContiguousManager(KVManager):
                                      f"cache more memory")
         super().__init__(num_slabs * max_model_len, max_model_len, self._slab)
         self.num_slabs = num_slabs
-        # request id -> slabs it holds: 1, or 1 + its forks until they are made (each fork takes
-        # one of its parent's; a copy of the prompt goes into it, nothing is shared)
+        # request id -> slabs held: 1, plus one per fork not yet made (the fork then takes it)
         self.holders: dict[int, int] = {}
         self.num_held = 0
 
@@ -217,26 +191,15 @@ class GapRefusal(NamedTuple):
 
 
 class FirstFitSlabManager(KVManager):
-    """One run of `reserve(request)` adjacent token slots per request, placed first fit.
-
-    The memory is one address space of `capacity_tokens` slots. A request admitted gets the
-    lowest-addressed gap big enough; when it finishes its run becomes a gap again (merged with free
-    neighbours). Nothing is ever moved: compacting would mean copying running requests' K/V.
-
-    Args: as `KVManager`.
+    """One run of `reserve(request)` adjacent slots per request, at the first gap big enough; a
+    finished run becomes a gap, merged with free neighbours. Nothing moves (that would copy K/V).
 
     Attributes:
-        runs: start slots of the reservations, ascending, and beside them `run_ends` (one past the
-            last slot) and `run_owners` (request ids), index for index.
-        num_refusals: admissions refused (no gap big enough), each counted, so a request that waits
-            at the head of the queue for 5 steps counts 5.
-        num_gap_refusals: of those, the ones where the free slots added up were enough: the
-            request waited only because they were scattered (external fragmentation).
-        gap_refused_requests: ids of the requests refused at least once for that reason.
-        free_at_gap_refusals: free slots summed over the gap refusals (divide by
-            num_gap_refusals for the free memory a waiting request could not use).
-        worst_gap_refusal: the one with the most free slots, as a `GapRefusal` (None until
-            one happens): the clearest picture of memory free but unusable.
+        runs, run_ends, run_owners: each run's start slot, end (one past) and request id, by start.
+        num_refusals: admissions refused, each counted (5 steps waiting at the head count 5).
+        num_gap_refusals: of those, the ones where the free slots added up were enough (external
+            fragmentation); `gap_refused_requests` their ids, `free_at_gap_refusals` their free
+            slots summed, `worst_gap_refusal` the one with the most free (a `GapRefusal`, or None).
     """
 
     name = "exact slabs"
@@ -305,8 +268,7 @@ class FirstFitSlabManager(KVManager):
         return self.num_reserved
 
     def draw(self, width: int = 64) -> str:
-        """The memory as `width` characters, each standing for capacity / width slots: '#' all
-        reserved, '.' all free, '+' partly both (to see the gaps at a glance)."""
+        """The memory as `width` characters: '#' all reserved, '.' all free, '+' partly both."""
         cells = [0] * width  # reserved slots per character
         per_cell = self.capacity_tokens / width
         for start, end in zip(self.runs, self.run_ends):
@@ -318,12 +280,8 @@ class FirstFitSlabManager(KVManager):
 
 
 class ExactBlocksManager(KVManager):
-    """The same reservation as `FirstFitSlabManager`, rounded up to whole blocks, all taken from
-    stage 4's block pool at admission (not one at a time as the request grows, as paging does), so
-    that a comparison with the first-fit slabs changes the placement alone.
-
-    Args: an empty `kvlab.paged.KVCacheManager` (the blocks), then as `KVManager`.
-    """
+    """`FirstFitSlabManager`'s reservation in whole blocks, all taken at admission from an empty
+    stage-4 `manager` (not one at a time, as paging does): only the placement differs."""
 
     name = "exact blocks"
 

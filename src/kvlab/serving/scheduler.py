@@ -1,35 +1,29 @@
 """One scheduler for every KV-cache strategy: admit, run and preempt requests, one step at a time.
 
-Iteration-level scheduling (Orca, Yu et al., OSDI 2022): the batch is rebuilt at every step, so a
-request joins as soon as memory allows and leaves the moment it finishes. Each step has two
-budgets, as in vLLM: `max_num_batched_tokens` tokens computed in one forward pass (a prompt
-bigger than what is left is computed in chunks over several steps: chunked prefill, vLLM v1's
-default; Agrawal et al., Sarathi-Serve, OSDI 2024) and `max_num_seqs` requests running at once.
+Iteration-level scheduling (Orca, Yu et al., OSDI 2022): the batch is rebuilt every step, so a
+request joins as soon as memory allows and leaves the moment it finishes. A step has two budgets,
+as in vLLM: `max_num_batched_tokens` tokens in one forward pass (a bigger prompt is computed in
+chunks over several steps: chunked prefill, vLLM v1's default; Agrawal et al., Sarathi-Serve,
+OSDI 2024) and `max_num_seqs` requests running at once. `schedule()`, after vLLM v1's:
 
-`schedule()` (after vLLM v1's scheduler, cut to its core):
-
-1. Running requests, oldest first, each get the tokens it has not computed yet (1 for a decode,
-   a chunk for a prefill) while the token budget lasts. When the KV manager has no room, the
+1. Running requests, oldest first, each get the tokens they have not computed (1 for a decode, a
+   chunk for a prefill) while the token budget lasts. When the KV manager has no room, the
    *newest* running request is preempted by recompute (Kwon et al., SOSP 2023, section 4.5): its
    memory is freed and it goes to the front of the waiting queue. The oldest always progress, so
    the server never livelocks.
-2. `admit_waiting()`: if nothing was preempted this step, waiting requests are admitted first
-   come, first served, while the manager has room for the whole prompt (not just the chunk
-   computed now: `scheduler_reserve_full_isl`, vLLM 0.32's default), max_num_seqs allows and
-   token budget is left. The head of the queue that does not fit waits; nothing overtakes it, so
-   it cannot starve. A step that had to preempt admits nobody, as in vLLM v1: the first in line
-   is the request just preempted, which would only be preempted again (thrashing).
+2. `admit_waiting()`: waiting requests are admitted first come, first served, while the manager
+   has room for the whole prompt (not just this step's chunk: `scheduler_reserve_full_isl`, vLLM
+   0.32's default), max_num_seqs allows and token budget is left. A head that does not fit waits
+   and nothing overtakes it, so it cannot starve. A step that preempted admits nobody, as in vLLM
+   v1: the first in line, just preempted, would only be preempted again (thrashing).
 
-`update()` then records what the step computed: a request whose every token is computed has just
-produced its next token; one that reached max_output_tokens, or sampled one of its stop tokens,
-finishes and frees its memory. A request for n completions is admitted with its n - 1 forks (all
-n count against max_num_seqs); when its prompt is computed they fork from it, sharing its KV
-(section 4.4).
-
-It calls the KV cache manager directly, with vLLM v1's verbs (`get_computed_blocks`,
-`allocate_slots`, `free`, `fork`; `kvlab.paged.KVCacheManager`): the same code runs the paged
-pool, with or without a prefix cache, and the reservations that answer the same verbs
-(`reservation.ContiguousManager`, ...). Requests that can never fit are rejected on arrival.
+`update()` records the step: a request whose tokens are all computed has produced its next token;
+one at max_output_tokens, or that sampled a stop token, finishes and frees its memory. A request
+for n completions is admitted with its n - 1 forks (all n count against max_num_seqs), which fork
+from it, sharing its KV, once its prompt is computed (section 4.4). Requests that can never fit
+are rejected on arrival. The KV cache manager is called with vLLM v1's verbs
+(`get_computed_blocks`, `allocate_slots`, `free`, `fork`), so one code runs the paged pool, with or
+without a prefix cache, and the reservations (`reservation`).
 """
 
 from __future__ import annotations
@@ -90,11 +84,8 @@ class Scheduler:
         self.num_queried_tokens = 0   # tokens looked up in the prefix cache at admissions
         self.num_hit_tokens = 0       # of those, tokens found cached
 
-    # ---- arrivals -----------------------------------------------------------------------------
-
     def add_request(self, request: Request) -> bool:
-        """Queue an arrived request; False if it can never fit (state REJECTED, reason set, on
-        its forks too)."""
+        """Queue an arrived request; False if it can never fit (it and its forks REJECTED)."""
         reason = self.kv.reject_reason(request)
         if reason is not None:
             for member in (request, *request.forks):  # n completions of one prompt: all of them
@@ -112,8 +103,6 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         """Sequences admitted: running requests + forks admitted with them, not yet made."""
         return len(self.running) + self.num_unforked
-
-    # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: 1. and 2. of the module docstring."""
@@ -186,9 +175,8 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int] | None,
                now_s: float) -> list[Request]:
-        """Record the step: computed tokens, and one new token for every request that computed all
-        of its tokens. `sampled`: request_id -> token id (model mode; forks made this step
-        included), or None (simulation); `now_s`: the step's end. Returns the requests finished."""
+        """Record the step; the requests finished. `sampled`: request_id -> token id (model mode;
+        forks made this step included), or None (simulation); `now_s`: the step's end."""
         done = []
         for request, num_new in output.scheduled:
             request.num_computed_tokens += num_new

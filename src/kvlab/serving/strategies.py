@@ -1,10 +1,9 @@
 """The KV-cache strategies stage 7 compares, each built in one place, by name.
 
-`STRATEGIES` names them, as `kvlab serve --strategy` does: "contiguous" (a slab of max_model_len
-tokens per request, reserved at admission: stage 2), "paged" (blocks taken as tokens arrive: stage
-4), "prefix" (blocks shared by prefix: stage 6). `simulated_manager` gives a strategy's KV manager
-for a KV budget in bytes, with no tensors behind it; `model_strategy` puts real cache tensors and a
-`ModelRunner` behind the same manager. Either way the scheduler drives the manager it returns.
+`STRATEGIES` names them as `kvlab serve --strategy` does: "contiguous" (a max_model_len slab per
+request, reserved at admission: stage 2), "paged" (blocks taken as tokens arrive: stage 4),
+"prefix" (blocks shared by prefix: stage 6). `simulated_manager` builds the KV manager the
+scheduler drives, with no tensors; `model_strategy` adds cache tensors and a `ModelRunner`.
 """
 
 from __future__ import annotations
@@ -26,12 +25,9 @@ STRATEGIES = ("contiguous", "paged", "prefix")
 def simulated_manager(strategy: str, kv_budget_bytes: int, bytes_per_token: int,
                       max_model_len: int, block_size: int = 16,
                       hash_fn: HashFunction = sha256) -> KVCacheManager | KVManager:
-    """The strategy's KV manager for a budget of `kv_budget_bytes`, at `bytes_per_token`.
-
-    Raises:
-        ValueError: an unknown strategy, or a budget that holds no block.
-        KVCacheOutOfMemory: no room for one max_model_len request.
-    """
+    """The strategy's KV manager for `kv_budget_bytes` at `bytes_per_token`. ValueError: an
+    unknown strategy, or a budget that holds no block; KVCacheOutOfMemory: no room for one
+    max_model_len request."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "contiguous":

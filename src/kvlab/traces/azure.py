@@ -1,14 +1,11 @@
 """The Azure LLM inference trace 2023: real request sizes from two production services.
 
 Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024,
-published one hour of requests to two Azure LLM services (Azure Public Dataset, CC BY 4.0):
-
-* `conv`: a conversation (chat) service, 19,366 requests;
-* `code`: a code-completion service, 8,819 requests (long prompts, short outputs).
-
-Both files ship with kvlab, unchanged, in `kvlab/traces/data/azure-llm-2023/` (README and NOTICE
-there give the attribution). One CSV row per request: `TIMESTAMP,ContextTokens,GeneratedTokens`.
-`load_azure_trace` reads that format from any file, so a newer release of the trace can be used too.
+published one hour of requests to two Azure LLM services (Azure Public Dataset, CC BY 4.0): `conv`,
+a chat service (19,366 requests), and `code`, code completion (8,819; long prompts, short outputs).
+Both ship unchanged in `kvlab/traces/data/azure-llm-2023/` (attribution in its README and NOTICE),
+a CSV row per request: `TIMESTAMP,ContextTokens,GeneratedTokens`, read from any file (a newer
+release too) by `load_azure_trace`.
 """
 
 from __future__ import annotations
@@ -52,14 +49,12 @@ def azure_trace(service: str = "conv", limit: int | None = None) -> list[Request
 
 
 def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Read a trace in the Azure CSV format (columns in any order, extras ignored), in file order.
-
+    """Read a trace in the Azure CSV format (columns in any order, extras ignored), in file order;
     arrival_s is seconds after the first row's timestamp when the timestamps parse, else 0.
     MissingInputFileError (a FileNotFoundError) or InputFileError for a missing, unreadable, empty,
     binary or non-UTF-8 file; TraceFormatError, starting with the path (and `:line`), for missing
     columns, no rows, a short row, or a count that is not an integer >= 1 (ContextTokens) or >= 0
-    (GeneratedTokens).
-    """
+    (GeneratedTokens)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of requests, got {limit}")
     text = read_text(path, _EXPECTED)

@@ -1,7 +1,5 @@
 """Read a request trace for `kvlab serve`, by shipped name or by file, in either real format.
 
-An Azure `.csv` (`kvlab.traces.azure`) or a Mooncake `.jsonl` (`kvlab.traces.mooncake`, whose
-512-token block ids travel with each request, so a prefix cache sees the trace's real sharing).
 Both readers reject a malformed line with `file:line` and the bad value. Requests longer than
 max_model_len are *kept* here: the server rejects them on arrival and counts them.
 """

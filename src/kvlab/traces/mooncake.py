@@ -5,23 +5,18 @@ Each line of a trace is one request,
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
 
 timestamp in milliseconds since the trace began, lengths in tokens, and one id per 512-token block
-of the prompt (the last id may cover a partial block, so len(hash_ids) = ceil(input_length / 512)).
-The ids are remapped hashes of the blocks *with their prefix*: equal ids at equal positions mean
-two prompts share everything up to the end of that block. That is exactly the key of a prefix
-cache, so the traces measure prefix caching on real traffic without a single token of text.
-Each line becomes a `kvlab.workload.Request` carrying its hash_ids as `trace_block_ids`.
+of the prompt (the last may be partial: len(hash_ids) = ceil(input_length / 512)). The ids are
+remapped hashes of the blocks *with their prefix*: equal ids at equal positions mean two prompts
+share everything up to the end of that block. That is exactly a prefix cache's key, so the traces
+measure prefix caching on real traffic without a token of text. A line becomes a
+`kvlab.workload.Request` with its hash_ids as `trace_block_ids`; at a block size B that divides
+512, sub-block j of block id h gets key h * (512 / B) + j (`block_keys`).
 
-Two traces ship with kvlab as package data (Apache-2.0; `data/mooncake/NOTICE.md` keeps the
-attribution): `conversation` (12,031 requests, one hour of a production chat service) and
-`synthetic` (3,993 multi-turn requests built from public datasets).
-
-Their prompts are long (mean ~12K and ~15K tokens, some over 100K), so a server's max_model_len
-matters: `load_mooncake_trace(..., max_model_len=L)` keeps the requests with
-input_length + output_length <= L and counts the others (`num_rejected`), as a server would
-reject them at arrival.
-
-To replay at a block size B that divides 512, each 512-token block becomes 512 / B blocks that
-inherit its identity (`block_keys`): sub-block j of block id h gets key h * (512 / B) + j.
+Two traces ship as package data (Apache-2.0; attribution in `data/mooncake/NOTICE.md`):
+`conversation` (12,031 requests, one hour of a production chat service) and `synthetic` (3,993
+multi-turn requests built from public datasets). Their prompts are long (mean ~12K and ~15K
+tokens, some over 100K): `load_mooncake_trace(..., max_model_len=L)` keeps the requests with
+input_length + output_length <= L and counts the others (`num_rejected`), as a server would.
 """
 
 from __future__ import annotations
@@ -44,9 +39,8 @@ MOONCAKE_TRACES = {"conversation": "conversation_trace.jsonl",
 
 def expand_hash_ids(hash_ids: tuple[int, ...] | list[int], input_length: int,
                     block_size: int) -> list[int]:
-    """Keys of the ceil(input_length / block_size) prompt blocks (the module's sub-block rule). Keys
-    are distinct for distinct (h, j) and equal exactly when the 512-token blocks are equal;
-    block_size 512 returns the ids unchanged."""
+    """Keys of the ceil(input_length / block_size) prompt blocks (the module's sub-block rule),
+    equal exactly when the 512-token blocks are equal; block_size 512 returns the ids."""
     if not isinstance(block_size, int) or block_size < 1 or TRACE_BLOCK_SIZE % block_size:
         raise ValueError(f"block_size must divide {TRACE_BLOCK_SIZE} (the trace's block), "
                          f"got {block_size!r}")
@@ -89,10 +83,9 @@ def mooncake_trace_path(name: str) -> Path:
 
 def load_mooncake_trace(trace: str | Path = "conversation", max_model_len: int | None = None,
                         limit: int | None = None) -> MooncakeTrace:
-    """Read a Mooncake JSONL trace (a shipped name or a path), checking every line. `limit` stops
-    after that many lines. TraceFormatError, starting "path:line:", names the field of a malformed
-    line: not JSON, a missing or non-integer field, input_length < 1, output_length < 0, hash_ids of
-    the wrong count, timestamps going backwards."""
+    """Read a Mooncake JSONL trace (shipped name or path), at most `limit` lines, checking each.
+    TraceFormatError, starting "path:line:", names the fault: not JSON, a missing or non-integer
+    field, input_length < 1, output_length < 0, hash_ids of the wrong count, time going back."""
     for label, value in (("max_model_len", max_model_len), ("limit", limit)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{label} must be a positive integer, got {value!r}")

@@ -1,8 +1,7 @@
 """The traces that ship with kvlab, by name, and the one place that turns a `--trace` into a file.
 
-`kvlab report` and `kvlab serve` both take `--trace NAME_OR_PATH`; both resolve it here, so a
-name that is neither shipped nor an existing file gets the same one-line error listing the
-shipped names.
+`kvlab report` and `kvlab serve` both resolve `--trace NAME_OR_PATH` here, so a name that is
+neither shipped nor a file gets the same one-line error, listing the shipped names.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from .mooncake import mooncake_trace_path
 
 __all__ = ["SHIPPED_TRACES", "trace_file"]
 
-# Names of the traces that ship with kvlab -> their files.
 SHIPPED_TRACES = {
     "azure-conv": lambda: azure_trace_path("conv"),
     "azure-code": lambda: azure_trace_path("code"),

@@ -160,7 +160,7 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_proj(x), up_proj(x): one matmul in `kvlab.cpu_linear` (MergedColumnParallelLinear)."""
+        """Gate and up projections: one matmul in `cpu_linear` (MergedColumnParallelLinear)."""
         return self.gate_proj(x), self.up_proj(x)
 
 

@@ -1,20 +1,18 @@
 """The naive KV cache: one contiguous slab of max_model_len tokens reserved per request.
 
-This is how early serving stacks (FasterTransformer, Orca as described in the vLLM paper) kept the
-cache: at start-up, reserve `max_num_seqs` slabs, each big enough for a request of `max_model_len`
-tokens, whatever the request will really use. A request that stops after 200 tokens leaves the rest
-of its 4,096-token slab empty, and no other request may use it. The vLLM paper (Kwon et al., SOSP
-2023, section 3 and figure 2) measured only 20.4-38.2 % of such reservations holding token states.
+Early serving stacks (FasterTransformer, Orca as described in the vLLM paper) reserved at start-up
+`max_num_seqs` slabs, each big enough for a request of `max_model_len` tokens, whatever it really
+uses: a request that stops after 200 tokens leaves the rest of its 4,096-token slab empty, and no
+other request may use it. The vLLM paper (Kwon et al., SOSP 2023, section 3 and figure 2) measured
+only 20.4-38.2 % of such reservations holding token states.
 
-Layout per layer: `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
-head_dim]; slab `s` is row `s`, token at position p lives at `[s, p]`.
+Per layer, `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
+head_dim]; the token at position p of slab `s` lives at `[s, p]`.
 
-Two KV stores (see `kvlab.model.KVStore`) run a forward pass over slabs: `ContiguousSequence`, one
-sequence, for a notebook's own loop; `SlabBatchStore`, the new tokens of several sequences laid out
-flat, as the serving runner runs a step. `SlabBatchStore` takes any per-sequence memory of this
-shape, so the naive strategy's one tensor per request (`kvlab.tools.oom_story.naive`) runs on it
-too. Like the paged store, it writes every token's K/V of a layer before any token of that layer
-attends.
+KV stores (`kvlab.model.KVStore`) over slabs: `ContiguousSequence`, one sequence, for a notebook's
+own loop; `SlabBatchStore`, several sequences' new tokens laid out flat as a serving step runs
+them, over any per-sequence memory of this shape (the naive strategy's one tensor per request,
+`kvlab.tools.oom_story.naive`, too).
 """
 
 from __future__ import annotations
@@ -42,14 +40,10 @@ def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int
 
 
 class ContiguousKVCache:
-    """`max_num_seqs` slabs of `max_model_len` tokens, reserved once at construction.
-
-    `budget_bytes` refuses a larger reservation (a stand-in for a GPU's free memory on CPU); on CUDA
-    with no budget the allocator decides. Both raise KVCacheOutOfMemory with the arithmetic, e.g.
-    "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget". `config` is only the KV shape here
-    (notebooks size real models' slabs on CPU); whoever serves a model checks max_model_len against
-    its max_position_embeddings (`kvlab.generate`).
-    """
+    """`max_num_seqs` slabs of `max_model_len` tokens, reserved at construction. KVCacheOutOfMemory
+    with the arithmetic ("128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget") past
+    `budget_bytes` (on CPU, a stand-in for a GPU's free memory) or when CUDA's allocator refuses.
+    `config` is only the KV shape; `kvlab.generate` checks max_model_len against the model's."""
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
                  dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
@@ -108,9 +102,8 @@ class ContiguousKVCache:
     # ---- slabs -------------------------------------------------------------------------------
 
     def add_sequence(self) -> int:
-        """Claim a free slab; KVCacheOutOfMemory (nothing changes) when all max_num_seqs are in use.
-        The slab still holds its last user's bytes (not cleared, as on a server); attention only
-        ever reads positions this sequence wrote."""
+        """Claim a free slab, not cleared (attention reads only positions this sequence writes);
+        KVCacheOutOfMemory (nothing changes) when all max_num_seqs are in use."""
         for slab, busy in enumerate(self.in_use):
             if not busy:
                 self.in_use[slab], self.seq_lens[slab] = True, 0
@@ -161,11 +154,8 @@ class ContiguousKVCache:
 
 
 class ContiguousSequence:
-    """One request's slab seen as a KV store: writes new K/V at their positions, attends over all.
-
-    A sequence's tokens sit at positions 0 .. seq_len - 1 of its slab, all written by it (prefill
-    writes 0 .. P - 1, each decode step the next one), so attention reads exactly the slots it owns.
-    """
+    """One request's slab as a KV store: its tokens sit at positions 0 .. seq_len - 1, all written
+    by it (prefill 0 .. P - 1, then one per decode step), so attention reads only slots it owns."""
 
     def __init__(self, cache: ContiguousKVCache, slab: int):
         self.cache, self.slab = cache, slab
@@ -195,14 +185,12 @@ class ContiguousSequence:
 
 
 class SlabBatchStore:
-    """KV store for one forward pass over several sequences, each in contiguous memory of its own.
-
-    The tokens are flat: sequence i's query_lens[i] new tokens follow sequence i - 1's and end at
-    its seq_lens[i]. Each layer writes every token's K/V at its position, then attends each
-    sequence's new tokens over its first seq_lens[i] positions (causally among themselves), one
-    sequence after another: the loop a padded batched kernel would run. keys[i], values[i]: views
-    [num_hidden_layers, max_tokens, num_key_value_heads, head_dim] (a slab, a naive request's).
-    """
+    """KV store for one forward pass over several sequences, each in contiguous memory of its own:
+    sequence i's query_lens[i] new tokens follow sequence i - 1's, ending at its seq_lens[i]. Each
+    layer writes every token's K/V at its position, then attends each sequence's new tokens over
+    its first seq_lens[i] positions (causally), one sequence after another: the loop a padded
+    batched kernel would run. keys[i], values[i]: views [num_hidden_layers, max_tokens,
+    num_key_value_heads, head_dim] (a slab, a naive request's)."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  query_lens: Sequence[int], seq_lens: Sequence[int]):

@@ -8,8 +8,7 @@ type to float32; this module only translates: metadata -> `LlamaConfig` with HF 
 (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and the q/k row order:
 llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) interleaves the channel pairs
 RoPE rotates together, where HF's "rotate half" pairs i with i + head_dim/2 (`unpermute_rows`).
-
-The weights are the 4-bit-rounded ones, so logits differ from the bf16 release and equal
+The weights are the 4-bit-rounded ones: logits differ from the bf16 release and equal
 transformers' own dequantized load of the file (tests/test_gguf_loader.py, to 1e-4).
 """
 
@@ -83,10 +82,9 @@ def gguf_metadata(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
 
 
 def read_gguf_config(path_or_reader: Any, name: str | None = None) -> LlamaConfig:
-    """The model's shape from the metadata. head_dim: `{arch}.attention.key_length`, else
-    embedding_length / head_count; tied when there is no `output.weight`. FileNotFoundError;
-    ConfigError: not GGUF, not llama, a missing key (RoPE scaling is kept for
-    `check_model_supported` to name)."""
+    """The model's shape: head_dim is `{arch}.attention.key_length` or embedding_length/head_count;
+    tied without `output.weight`. FileNotFoundError; ConfigError: not GGUF, not llama, a missing key
+    (RoPE scaling is kept for `check_model_supported` to name)."""
     reader = path_or_reader if hasattr(path_or_reader, "fields") else open_gguf(path_or_reader)
     arch = gguf_metadata(reader, "general.architecture")
     label = name or gguf_metadata(reader, "general.name", "gguf")

@@ -1,9 +1,9 @@
 """Model configuration with Hugging Face Llama field names.
 
 A `LlamaConfig` holds the numbers that size a model's weights and KV cache, named as in a Hugging
-Face `config.json`, so any published checkpoint's config reads against it. Both RoPE styles are
-read: top-level `rope_theta` + `rope_scaling` (Llama 2/3, Mistral, Qwen2) and the `rope_parameters`
-dict that current `transformers` writes.
+Face `config.json`, so any published checkpoint's config reads against it, in either RoPE style:
+top-level `rope_theta` + `rope_scaling` (Llama 2/3, Mistral, Qwen2) or the `rope_parameters` dict
+of current `transformers`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 __all__ = ["LlamaConfig", "ConfigError", "PRESETS", "COURSE_MODELS", "load_config"]
 
-# The course's own models, committed with kvlab (weights and all): `--model tiny` works for every
-# subcommand, `kvlab size tiny` included, by reading the folder's config.json.
+# The course's own models, committed with kvlab (weights and all), so `--model tiny` works for every
+# subcommand (`kvlab size tiny` reads the folder's config.json).
 COURSE_MODELS = {name: Path(__file__).parent / "models" / name for name in ("tiny", "tiny-mha")}
 
 
@@ -96,7 +96,6 @@ class LlamaConfig:
                     f"divisible by num_attention_heads={heads}")
             head_dim = raw["hidden_size"] // heads
 
-        # RoPE: newer transformers nest theta and scaling in `rope_parameters`.
         rope_parameters = raw.get("rope_parameters")
         if rope_parameters:
             rope_theta = rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0))

@@ -40,10 +40,9 @@ def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int
 
 
 class ContiguousKVCache:
-    """`max_num_seqs` slabs of `max_model_len` tokens, reserved at construction. KVCacheOutOfMemory
-    with the arithmetic ("128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget") past
-    `budget_bytes` (on CPU, a stand-in for a GPU's free memory) or when CUDA's allocator refuses.
-    `config` is only the KV shape; `kvlab.generate` checks max_model_len against the model's."""
+    """`max_num_seqs` slabs of `max_model_len` tokens (`config` gives only the KV shape), or
+    KVCacheOutOfMemory with the arithmetic ("128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB
+    budget") past `budget_bytes` (on CPU, a stand-in for free GPU memory) or CUDA's free memory."""
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
                  dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
@@ -185,12 +184,11 @@ class ContiguousSequence:
 
 
 class SlabBatchStore:
-    """KV store for one forward pass over several sequences, each in contiguous memory of its own:
-    sequence i's query_lens[i] new tokens follow sequence i - 1's, ending at its seq_lens[i]. Each
-    layer writes every token's K/V at its position, then attends each sequence's new tokens over
-    its first seq_lens[i] positions (causally), one sequence after another: the loop a padded
-    batched kernel would run. keys[i], values[i]: views [num_hidden_layers, max_tokens,
-    num_key_value_heads, head_dim] (a slab, a naive request's)."""
+    """KV store for one pass over sequences each in contiguous memory of its own, keys[i] and
+    values[i] [num_hidden_layers, max_tokens, num_key_value_heads, head_dim]; sequence i's
+    query_lens[i] new tokens follow i - 1's. Each layer writes every token's K/V at its position,
+    then attends each sequence's new tokens over its first seq_lens[i] positions (causally), one
+    sequence after another: the loop a padded batched kernel would run."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  query_lens: Sequence[int], seq_lens: Sequence[int]):

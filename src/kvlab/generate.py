@@ -63,13 +63,12 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
              temperature: float = 0.0,
              seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
              attention_backend: BackendLike = None) -> GenerationResult:
-    """Generate from one prompt, greedy by default. With cache 'paged' or 'prefix', prompt_ids may
-    be several prompts, one batch admitted in order (with 'prefix' each can hit the blocks of those
-    before it), and n > 1 completions share the prompt's blocks. max_model_len: at most (and by
-    default) max_position_embeddings. eos_token_id: one stop id or several (EOS and end-of-turn),
-    the stop token returned last. seed: the request's stream; with several prompts or 'prefix' the
-    engine's, prompt i drawing from (seed, i). ValueError: a bad request (`check_request`), cache,
-    temperature, seed or eos_token_id; n > 1 or several prompts without a paged cache;
+    """Generate, greedy by default. 'paged' and 'prefix' take several prompts (one batch, admitted
+    in order, so with 'prefix' each can hit its predecessors' blocks) and n > 1 completions sharing
+    the prompt's blocks. max_model_len: at most (default) max_position_embeddings. eos_token_id:
+    one stop id or several, the stop token returned last. seed: the request's stream, or with
+    several prompts or 'prefix' the engine's (prompt i draws from (seed, i)). ValueError: a bad
+    request, cache, temperature, seed or eos_token_id, or n > 1 or several prompts without paging;
     RequestTooLongError: prompt + max_new_tokens > max_model_len; KVCacheOutOfMemory."""
     config = model.config
     if cache not in CACHE_KINDS:

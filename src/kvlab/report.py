@@ -53,7 +53,6 @@ class ContiguousStrategy:
     max_model_len: int
     bytes_per_token: int
     name: str = "contiguous"
-    # Every request reserves the same slab at every step, so budget // slab is exact.
     exact_requests_held = True
 
     def reserved_token_steps(self, request: Request) -> int:
@@ -75,7 +74,6 @@ class PagedStrategy:
     block_size: int
     bytes_per_token: int
     name: str = "paged"
-    # What a request reserves changes as it grows, so budget / average is only an estimate.
     exact_requests_held = False
 
     def reserved_token_steps(self, request: Request) -> int:

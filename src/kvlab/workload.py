@@ -15,12 +15,10 @@ maximum), which trims the output mean to about 201 tokens; medians are unchanged
 
 What the fit does NOT match: the tail. A log-normal through the mean and median has a far thinner
 tail than the real prompts: far fewer requests longer than a typical max_model_len, a lower 99th
-percentile (`compare_to_trace`; figures in the README and `tests/test_workload.py`). Use the real trace for
-waste and rejection figures, the fit for sweeps. The second preset, ShareGPT (vLLM paper: input
-mean 161, output mean 338; means only), assumes the Azure fit's spreads.
-
-The last functions turn any workload into the requests a server replays (`from_sizes`), then
-reshape them: Poisson arrivals, a trace sped up, lengths shrunk for a CPU, synthetic token ids.
+percentile (`compare_to_trace`; figures in the README and `tests/test_workload.py`). Use the real
+trace for waste and rejection figures, the fit for sweeps. The second preset, ShareGPT (vLLM
+paper: input mean 161, output mean 338; means only), assumes the Azure fit's spreads. From
+`from_sizes` on, the functions turn a workload into the requests a server replays and reshape them.
 """
 
 from __future__ import annotations
@@ -40,15 +38,12 @@ __all__ = ["Request", "LogNormalFit", "AZURE_CONV_2023", "SHAREGPT", "synthetic_
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request as a trace or a fit gives it; the server's view is `kvlab.serving.Request`.
-
-    prompt_len >= 1 and output_len >= 0 (0: prefill only) tokens; arrival_s: seconds from the
-    trace's start. trace_block_ids: the trace's ids of the prompt's consecutive blocks of
-    trace_block_size tokens (Mooncake: 512; 0 when none); equal ids at equal positions = a shared
-    prefix; empty for Azure and synthetic traffic. Not vLLM's `block_hashes`, which chain KV
-    blocks. num_cached_tokens: leading prompt tokens a prefix cache supplied in a replay
-    (`kvlab.prefix.report_row`), else 0.
-    """
+    """One request as a trace or a fit gives it (the server's view: `kvlab.serving.Request`).
+    prompt_len >= 1, output_len >= 0 (0: prefill only) tokens; arrival_s from the trace's start.
+    trace_block_ids: the trace's ids of the prompt's consecutive blocks of trace_block_size tokens
+    (Mooncake: 512); equal ids at equal positions = a shared prefix; empty (size 0) for Azure and
+    synthetic traffic; not vLLM's `block_hashes`, which chain KV blocks. num_cached_tokens: leading
+    prompt tokens a prefix cache supplied in a replay (`kvlab.prefix.report_row`), else 0."""
 
     prompt_len: int
     output_len: int
@@ -245,10 +240,9 @@ def shrink(requests: Sequence[ServedRequest], factor: int) -> list[ServedRequest
 
 
 def synthetic_prompt_ids(request: ServedRequest, vocab_size: int, seed: int = 0) -> list[int]:
-    """Uniform ids in [0, vocab_size) for a request known only by its length. Each trace block's
-    come from a generator seeded by (seed, position, block id), so prompts sharing a prefix of
-    blocks share those ids and the prefix cache finds them; the rest from (seed, request_id).
-    ValueError: vocab_size < 1."""
+    """Uniform ids in [0, vocab_size) for a request known only by its length; each trace block's
+    seeded by (seed, position, block id), so prompts sharing a prefix of blocks share those ids
+    (the prefix cache finds them), the rest by (seed, request_id). ValueError: vocab_size < 1."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     ids: list[int] = []

@@ -1,13 +1,12 @@
 """Causal attention with grouped-query heads, written so the grouping is visible.
 
 Grouped-query attention (GQA; Ainslie et al., 2023, "GQA: Training Generalized Multi-Query
-Transformer Models from Multi-Head Checkpoints", section 2) lets `G = num_attention_heads /
-num_key_value_heads` query heads share one key/value head. Query head `h` reads KV head
-`h // G`. MHA is G = 1, MQA (Shazeer, 2019) is one KV head for all.
-
-`grouped_attention` lays the G query heads of one KV head side by side as extra rows, so one
-batched matmul per KV head serves the group and K/V are never copied G times. `repeat_kv` does the
-copy (G times the memory, what GQA avoids): the tests' reference, and the training script's SDPA.
+Transformer Models from Multi-Head Checkpoints", section 2) lets G = num_attention_heads /
+num_key_value_heads query heads share one key/value head: query head h reads KV head h // G (MHA
+is G = 1; MQA, Shazeer 2019, one KV head for all). `grouped_attention` lays a KV head's G query
+heads side by side as extra rows, so one batched matmul per KV head serves the group without
+copying K/V; `repeat_kv` makes the copy (G times the memory) for the tests' reference and the
+training script's SDPA.
 """
 
 from __future__ import annotations

@@ -7,12 +7,9 @@ other request may use it. The vLLM paper (Kwon et al., SOSP 2023, section 3 and 
 only 20.4-38.2 % of such reservations holding token states.
 
 Per layer, `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
-head_dim]; the token at position p of slab `s` lives at `[s, p]`.
-
-KV stores (`kvlab.model.KVStore`) over slabs: `ContiguousSequence`, one sequence, for a notebook's
-own loop; `SlabBatchStore`, several sequences' new tokens laid out flat as a serving step runs
-them, over any per-sequence memory of this shape (the naive strategy's one tensor per request,
-`kvlab.tools.oom_story.naive`, too).
+head_dim], the token at position p of slab `s` at `[s, p]`. The KV stores (`kvlab.model.KVStore`):
+`ContiguousSequence` for a notebook's own loop, `SlabBatchStore` for a serving step, over any
+per-sequence memory of this shape (the naive strategy's tensors, `kvlab.tools.oom_story.naive`).
 """
 
 from __future__ import annotations

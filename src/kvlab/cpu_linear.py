@@ -82,11 +82,10 @@ class _OneDNNLinears:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Route every nn.Linear of `model` through oneDNN (idempotent); returns how many (0 when
-    this build lacks it). Layers a `FUSED_METHODS` method calls together (`Attention.qkv`,
-    `MLP.gate_up`) run as one matmul through it (called one by one, they run `F.linear`), the rest
-    through their own `forward`. Parameters are kept, so `state_dict` and tied weights are
-    unchanged; each packed copy costs the weights' bytes again (a tied LM head's included)."""
+    """Route every nn.Linear of `model` through oneDNN (idempotent); returns how many (0 without
+    it). Layers a `FUSED_METHODS` method calls together (`Attention.qkv`, `MLP.gate_up`) run as one
+    matmul through it (alone, they run `F.linear`). Parameters are kept (`state_dict` and tied
+    weights unchanged); each packed copy costs the weights' bytes again, a tied LM head's too."""
     if not onednn_available():
         return 0
     fused: set[int] = set()

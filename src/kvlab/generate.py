@@ -9,8 +9,7 @@ from the request's own seeded stream (`kvlab.sampling`), so it too is the same t
 
 `chat` renders each user message with the model's chat template (as transformers'
 `apply_chat_template(..., add_generation_prompt=True)`) and stops each reply at its end-of-turn
-token (SmolLM2's `<|im_end|>`); without that an instruct model runs on and invents the next user
-message.
+token (SmolLM2's `<|im_end|>`), without which an instruct model invents the next user message.
 """
 
 from __future__ import annotations

@@ -49,8 +49,7 @@ def device_name(device: str | torch.device) -> str:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Bytes a model and its KV cache take on one device (fields as `AccountedCache`'s;
-    peak_allocated_bytes and allocator_kv_bytes CUDA only)."""
+    """A model's and its KV cache's bytes on one device (as `AccountedCache`; last two CUDA only)."""
 
     device: str
     weights_bytes: int

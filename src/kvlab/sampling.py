@@ -4,9 +4,9 @@ A request's `SamplingParams` (vLLM's name) say what to do with its logits: tempe
 arg-max, T > 0 samples softmax(logits / T). Each sequence draws from its *own* `torch.Generator`,
 so its samples do not depend on its batch, its index in it, or preemption. As with vLLM's
 `SamplingParams.seed`, sibling s of a seeded request uses a stream from (seed, s) only, the same
-alone or tenth in a batch, through any cache; an unseeded request's streams come from the
-engine's seed, its index and s, so two copies of a prompt sample independently. Seeds are
-SHA-256-hashed, so nearby seeds give unrelated streams.
+alone or tenth in a batch, through any cache; an unseeded request's come from the engine's seed,
+its index and s, so two copies of a prompt sample independently. Seeds are SHA-256-hashed: nearby
+seeds give unrelated streams.
 
 A request ends after any of its stop tokens: an instruct model ends a reply with its end-of-turn
 token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may differ from its end-of-sequence

@@ -97,10 +97,9 @@ def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuM
 def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: DTypeLike = "bf16",
                       gpu_memory_utilization: float = 0.9, tp: int = 1,
                       gpu_memory_bytes: int | None = None) -> int:
-    """Bytes left for the KV cache on one GPU: int(gpu_memory_utilization x GPU bytes) - weights in
-    `dtype` (per GPU under tp), vLLM's block pool before activations (`kvlab.paged.budget`); <= 0
-    when the weights alone do not fit. gpu_memory_bytes replaces `gpu`. SizingError: an unknown GPU
-    or dtype, an impossible tp, or a utilization outside (0, 1]."""
+    """int(gpu_memory_utilization x GPU bytes) - weights in `dtype` per GPU: vLLM's KV budget before
+    activations (`kvlab.paged.budget`), <= 0 if the weights do not fit; gpu_memory_bytes replaces
+    `gpu`. SizingError: an unknown GPU or dtype, an impossible tp, a utilization outside (0, 1]."""
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if gpu_memory_bytes is None:
@@ -194,7 +193,8 @@ def weights_bytes(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -
 @dataclasses.dataclass
 class SizeReport:
     """What `kvlab size` prints: per GPU unless the name ends in `_total` (all tp GPUs).
-    kv_cache_dtype is vLLM's --kv-cache-dtype; kv_heads_replicated: GPUs holding each KV head."""
+    kv_cache_dtype is vLLM's --kv-cache-dtype (default `dtype`); kv_heads_replicated, the GPUs
+    holding each KV head."""
 
     model: str
     dtype: str
@@ -229,12 +229,11 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
                 gpu: str | None = None,
                 gpu_mem_gib: float | None = None,
                 gpu_memory_utilization: float = 0.9) -> SizeReport:
-    """Weights and KV cache of `batch` requests of `seq_len` tokens, and how many fit on a GPU:
-    max_concurrent_requests = floor(default_kv_budget / (seq_len x KV bytes per token per GPU)), 0
-    when the weights alone do not fit, None with no GPU. Activations and the CUDA context are left
-    out (vLLM measures them in a profiling run). kv_cache_dtype defaults to `dtype`. SizingError:
-    batch outside [1, MAX_BATCH], seq_len outside [1, MAX_SEQ_LEN], an unknown dtype or GPU, an
-    impossible tp, or a utilization outside (0, 1]."""
+    """Weights and KV cache of `batch` requests of `seq_len` tokens; max_concurrent_requests =
+    floor(default_kv_budget / (seq_len x KV bytes per token per GPU)), 0 if the weights do not fit,
+    None with no GPU (activations are left to vLLM's profiling run). SizingError: batch outside [1,
+    MAX_BATCH], seq_len outside [1, MAX_SEQ_LEN], an unknown dtype or GPU, an impossible tp, or a
+    utilization outside (0, 1]."""
     for name, value, top in (("batch", batch, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN)):
         if not isinstance(value, int) or not 1 <= value <= top:
             raise SizingError(f"{name} must be a whole number of {'requests' if name == 'batch' else 'tokens'} "

@@ -2,10 +2,9 @@
 
 Under tensor parallelism each GPU holds 1/tp of the weights and of every token's K/V
 (`kvlab.sizing`). vLLM v1 refuses to start unless what is left of `gpu_memory_utilization` x the
-card after the weights holds one request of max_model_len tokens ("To serve at least one request
-with the model's max seq len ...", `check_enough_kv_cache_memory` in
-vllm/v1/core/kv_cache_utils.py). `tp_shortfall` says why a size fails that check, with the numbers;
-`smallest_fitting_tp` finds the smallest size that passes it.
+card after the weights holds one max_model_len request ("To serve at least one request with the
+model's max seq len ...", `check_enough_kv_cache_memory`, vllm/v1/core/kv_cache_utils.py): the
+check `tp_shortfall` explains and `smallest_fitting_tp` passes at the smallest size.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ def smallest_fitting_tp(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: in
 
 
 def _splits(config: LlamaConfig, tp: int) -> bool:
-    """Whether `kv_heads_per_gpu` accepts this tp."""
     try:
         kv_heads_per_gpu(config, tp)
     except SizingError:

@@ -116,10 +116,9 @@ def share_longer_than(requests: Sequence[Request], tokens: int) -> float:
 
 
 def percentile(values: Iterable[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between order statistics (numpy's default, which
-    vLLM's benchmark scripts report), nan for no values; the course's one definition, for traffic
-    and replay latencies (`kvlab.serving.metrics`). percentile([1, 2, 3, 4], 50) == 2.5.
-    ValueError: q outside [0, 100]."""
+    """The q-th percentile (0..100), linear between order statistics (numpy's default, as vLLM's
+    benchmarks report), nan for no values: the course's one, for traffic and replay latencies.
+    percentile([1, 2, 3, 4], 50) == 2.5. ValueError: q outside [0, 100]."""
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
     ordered = sorted(values)

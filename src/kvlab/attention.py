@@ -30,13 +30,12 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       key_mask: torch.Tensor | None = None,
                       scale: float | None = None) -> torch.Tensor:
     """Causal softmax attention of one sequence, GQA by grouping. query [num_query_tokens,
-    num_attention_heads, head_dim] (also the output's shape and dtype); key, value
-    [num_key_tokens, num_key_value_heads, head_dim]; positions int64 (key_positions default 0 ..
-    num_key_tokens - 1); key_mask [num_key_tokens] bool, False for padding; scale default 1 /
-    sqrt(head_dim) (Vaswani et al., 2017). A query at position p sees keys at positions <= p;
-    scores and softmax in float32 (as HF and vLLM). Slots no query may see have their values
-    zeroed first, as 0 x NaN is NaN and a reused or padding block may hold another request's NaN
-    or uninitialised memory. ValueError: heads that do not group evenly, or mismatched head_dim."""
+    num_attention_heads, head_dim] (and the output); key, value [num_key_tokens,
+    num_key_value_heads, head_dim]; positions int64 (key_positions default 0 .. num_key_tokens - 1);
+    key_mask [num_key_tokens] bool, False for padding; scale default 1 / sqrt(head_dim) (Vaswani et
+    al., 2017). A query at position p sees keys at positions <= p; scores and softmax in float32 (as
+    HF and vLLM). Values no query may see are zeroed first: 0 x NaN is NaN, and a reused or padding
+    block may hold another request's NaN. ValueError: uneven head groups, unequal head_dims."""
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads, key_dim = key.shape
     if key_dim != head_dim or value.shape != key.shape:

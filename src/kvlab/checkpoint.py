@@ -138,8 +138,7 @@ def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
 
 
 def load_chat_template(model: str | Path = "smollm2-135m"):
-    """The model's `ChatTemplate`, GGUF models only. ValueError: none (the tiny model is not a
-    chat model); FileNotFoundError: as `gguf_file`."""
+    """A GGUF model's `ChatTemplate`; ValueError for the tiny model; else raises as `gguf_file`."""
     gguf_path = gguf_file(model)
     if gguf_path is None:
         raise ValueError(f"{model}: no chat template (only GGUF models such as smollm2-135m "

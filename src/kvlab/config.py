@@ -26,9 +26,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-style decoder; every size a count (tokens, heads, channels), never
-    bytes. ConfigError: a non-positive size, or num_attention_heads not divisible by
-    num_key_value_heads (each KV head serves a whole group; Ainslie et al. 2023, section 2)."""
+    """The shape of a Llama-style decoder, every size a count, never bytes. ConfigError: a size
+    <= 0, or KV heads not each serving a whole group of query heads (Ainslie et al. 2023, 2)."""
 
     vocab_size: int
     hidden_size: int
@@ -74,8 +73,6 @@ class LlamaConfig:
     def with_changes(self, **changes: Any) -> "LlamaConfig":
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)
-
-    # ---- reading and writing HF config.json -------------------------------------------------
 
     @classmethod
     def from_hf_dict(cls, raw: dict, name: str = "custom") -> "LlamaConfig":

@@ -73,8 +73,6 @@ class ContiguousKVCache:
         self.seq_lens = [0] * max_num_seqs       # tokens held by each slab
         self.in_use = [False] * max_num_seqs
 
-    # ---- accounting --------------------------------------------------------------------------
-
     @property
     def reserved_bytes(self) -> int:
         """Exact bytes of the K and V slabs (all of them, in use or not)."""
@@ -94,8 +92,6 @@ class ContiguousKVCache:
     def used_bytes(self) -> int:
         """Bytes holding token states: tokens held by all slabs x KV bytes per token."""
         return sum(self.seq_lens) * self.bytes_per_token
-
-    # ---- slabs -------------------------------------------------------------------------------
 
     def add_sequence(self) -> int:
         """Claim a free slab, not cleared (attention reads only positions this sequence writes);
@@ -157,9 +153,8 @@ class ContiguousSequence:
         self.cache, self.slab = cache, slab
 
     def attend(self, layer_index, query, key, value, positions):
-        """Write K/V at `positions` of the slab, attend over positions 0 .. max(positions).
-        ValueError for a negative position or one that leaves an unwritten gap; KVCacheOutOfMemory
-        for a position past max_model_len (nothing written)."""
+        """Write K/V at `positions`, attend over 0 .. max(positions). ValueError: a position < 0 or
+        an unwritten gap; KVCacheOutOfMemory: a position past max_model_len (nothing written)."""
         cache = self.cache
         check_index("layer_index", layer_index, cache.config.num_hidden_layers)
         first, end = int(positions.min()), int(positions.max()) + 1

@@ -6,7 +6,6 @@ CPU wheels run a float32 `F.linear` through MKL's sgemm: ~75 GFLOP/s on one thre
 AMD EPYC machine for 256 rows of SmolLM2's 576 -> 1,536 projection. oneDNN, also in those wheels,
 reaches ~140 GFLOP/s, and at 16-64 rows (a decode batch) is 2.5-4.5x faster than MKL once the
 weight is reordered into its blocked layout (1 thread, 64 rows: 2.19 ms MKL, 0.49 ms oneDNN).
-
 vLLM's CPU backend packs every unquantized linear weight for oneDNN at load time
 (`vllm/model_executor/layers/utils.py`, `dispatch_cpu_unquantized_gemm`: `ops.create_onednn_mm`,
 then `torch.ops._C.onednn_mm` in each forward). Here PyTorch's own oneDNN ops do it

@@ -37,8 +37,7 @@ CACHE_KINDS = ("none", "contiguous", "paged", "prefix")
 @dataclasses.dataclass
 class GenerationResult:
     """token_ids: the first completion, prompt excluded; completions: all n; prompt_completions:
-    every prompt's, in order. stats (`EngineStats`, from `kvlab.serving.LLMEngine`) for "paged" and
-    "prefix", prefix_stats for "prefix", else None."""
+    each prompt's. stats (`EngineStats`): "paged", "prefix"; prefix_stats: "prefix"; else None."""
 
     token_ids: list[int]
     completions: list[list[int]] = dataclasses.field(default_factory=list)

@@ -46,14 +46,12 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors llama.cpp may store that the decoder recomputes (RoPE frequencies).
 _IGNORED_TENSORS = ("rope_freqs.weight",)
 
 
 def open_gguf(path: str | Path):
-    """A memory-mapped `gguf.GGUFReader`, shared per (path, size, mtime) because parsing takes
-    seconds (49,152 vocabulary strings): model, tokenizer and chat template come from one parse, so
-    treat it as read-only. FileNotFoundError: no file; ConfigError: not GGUF."""
+    """A memory-mapped `gguf.GGUFReader`, one per (path, size, mtime) as a parse takes seconds: read
+    only, shared by model, tokenizer and chat template. FileNotFoundError; ConfigError: not GGUF."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -156,8 +154,7 @@ def describe_quantization(path: str | Path) -> dict[str, int]:
 def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32
                          ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """(config, {HF name: CPU tensor in dtype}), q/k rows in HF order, no lm_head.weight when tied.
-    Raises as `read_gguf_config`; KeyError: an unknown tensor; ValueError: a shape the config
-    does not imply."""
+    Raises as `read_gguf_config`; KeyError: an unknown tensor; ValueError: an unexpected shape."""
     import gguf
 
     reader = open_gguf(path)

@@ -49,7 +49,7 @@ def device_name(device: str | torch.device) -> str:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """A model's and its KV cache's bytes on one device (as `AccountedCache`; last two CUDA only)."""
+    """A model's and its KV cache's bytes on a device (as `AccountedCache`; last two CUDA only)."""
 
     device: str
     weights_bytes: int
@@ -88,9 +88,8 @@ def _exact(num_bytes: int) -> str:
 
 def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None = None,
             device: str | torch.device | None = None) -> MemoryReport:
-    """A model's weights (tied once) and a cache's bytes on device (default the model's, else
-    CPU). RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree beyond its
-    rounding (the cache is not counting what it holds)."""
+    """Weights (tied once) and a cache's bytes on `device` (default the model's, else CPU);
+    RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree past its rounding."""
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
     device = torch.device(device)

@@ -14,8 +14,7 @@ For a request of P prompt and G generated tokens (a test checks these against th
   request reserves the same max_model_len slab); for paging a **steady-state estimate** (while
   the requests in flight are longer than average, fewer fit), which `measure_held` (`kvlab
   report --measure`) checks with stage 7's scheduler.
-
-Requests longer than max_model_len cannot be served by any strategy: they are rejected and counted.
+* Requests longer than max_model_len cannot be served by any strategy: they are rejected, counted.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ __all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow"
 
 
 class CacheStrategy(Protocol):
-    """How a cache design reserves KV memory for a request."""
+    """How a cache design reserves KV memory for a request. Optional: held_token_steps(request), for
+    one whose requests share tokens (paged+prefix counts a shared prefix once)."""
 
     name: str
     bytes_per_token: int
@@ -41,9 +41,6 @@ class CacheStrategy(Protocol):
     def reserved_token_steps(self, request: Request) -> int:
         """Token slots reserved, summed over the request's decode steps."""
         ...
-
-    # Optional: held_token_steps(request) -> int, for a strategy whose requests share tokens
-    # (paged+prefix counts a shared prefix once); default kvlab.lifetime.held_token_steps.
 
 
 @dataclasses.dataclass
@@ -123,9 +120,8 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
            kv_budget_bytes: int, workload: str = "", model: str = "",
            kv_budget_source: str = "", tp: int = 1,
            tp_chosen_because: str | None = None) -> Report:
-    """Replay request sizes through each strategy; kv_budget_bytes and bytes_per_token are per GPU,
-    the other arguments labels for the table. ValueError: no request can be served, or
-    max_model_len or the budget is not positive."""
+    """Replay request sizes through each strategy (the budget and bytes per token per GPU, the rest
+    labels). ValueError: no request servable, or max_model_len or the budget not positive."""
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     if kv_budget_bytes <= 0:
@@ -168,8 +164,8 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
                   kv_budget_bytes, workload, model, kv_budget_source, tp, tp_chosen_because)
 
 
-# The one table of the designs' names: a row's name, as `kvlab report` and `kvlab serve` print
-# it -> the stage-7 strategy that serves it (`kvlab.serving.STRATEGIES`, `kvlab serve --strategy`).
+# The one table of the designs' names: a row of `kvlab report` / `kvlab serve` -> its stage-7
+# strategy (`kvlab.serving.STRATEGIES`, `kvlab serve --strategy`).
 SERVING_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", "paged": "paged",
                     "paged+prefix": "prefix"}
 

@@ -17,8 +17,7 @@ What the fit does NOT match: the tail. A log-normal through the mean and median 
 tail than the real prompts: far fewer requests longer than a typical max_model_len, a lower 99th
 percentile (`compare_to_trace`; figures in the README and `tests/test_workload.py`). Use the real
 trace for waste and rejection figures, the fit for sweeps. The second preset, ShareGPT (vLLM
-paper: input mean 161, output mean 338; means only), assumes the Azure fit's spreads. From
-`from_sizes` on, the functions turn a workload into the requests a server replays and reshape them.
+paper: input mean 161, output mean 338; means only), assumes the Azure fit's spreads.
 """
 
 from __future__ import annotations

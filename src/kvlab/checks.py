@@ -44,9 +44,8 @@ def check_index(name: str, value, size: int) -> int:
 
 
 def check_model_len(config: "LlamaConfig", max_model_len: int | None) -> int:
-    """The max_model_len to use: the model's max_position_embeddings by default, never more. Past
-    its trained positions a model's RoPE angles are ones it never saw, so vLLM refuses a larger
-    max_model_len too (ValueError with both numbers)."""
+    """max_model_len, by default and at most max_position_embeddings: past them RoPE angles are ones
+    the model never saw, so vLLM refuses a larger one too (ValueError with both numbers)."""
     limit = config.max_position_embeddings
     if max_model_len is None:
         return limit

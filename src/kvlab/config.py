@@ -192,9 +192,8 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def load_config(model: str | Path) -> LlamaConfig:
-    """A preset, a course model ('tiny', 'tiny-mha'), a `config.json` or a folder holding one.
-    ConfigError: none of those (the message lists the presets), not a JSON object, a bad field;
-    InputFileError: unreadable, empty, binary or not UTF-8."""
+    """A preset, a course model ('tiny', 'tiny-mha'), a `config.json` or its folder. ConfigError:
+    none of those, not a JSON object, a bad field; InputFileError: as `read_text`."""
     from .input_files import read_text
 
     key = str(model).lower()

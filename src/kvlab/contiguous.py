@@ -124,9 +124,8 @@ class ContiguousKVCache:
 
     def batch_store(self, slabs: Sequence[int], query_lens: Sequence[int],
                     seq_lens: Sequence[int]) -> "SlabBatchStore":
-        """The `SlabBatchStore` of one pass over the newest tokens of several slabs; sets their
-        seq_lens. ValueError for a slab not in use or a query_len outside [1, seq_len];
-        KVCacheOutOfMemory for a seq_len past max_model_len. Nothing changes on an error."""
+        """The `SlabBatchStore` of a pass over slabs' newest tokens, setting seq_lens. ValueError: a
+        slab not in use, query_len outside [1, seq_len]; KVCacheOutOfMemory: over max_model_len."""
         slabs = [self._slab_in_use(slab) for slab in slabs]
         for slab, query_len, seq_len in zip(slabs, query_lens, seq_lens):
             if seq_len > self.max_model_len:

@@ -23,9 +23,8 @@ _CUDA_SLACK_PER_TENSOR = 2**20 + 512
 
 
 class AccountedCache(Protocol):
-    """What `measure` reads from a KV cache. reserved_bytes: set aside for sequences (held blocks,
-    or every slab); used_bytes: tokens held x KV bytes per token; allocated_bytes: every tensor
-    (the whole pool, held or free); allocator_delta_bytes: CUDA only, else None."""
+    """What `measure` reads: reserved_bytes (held blocks, or every slab), used_bytes (tokens held x
+    KV bytes per token), allocated_bytes (every tensor), allocator_delta_bytes (CUDA, else None)."""
 
     reserved_bytes: int
     used_bytes: int

@@ -2,9 +2,8 @@
 
 This is `kvlab report`, the course's main job, with no model weights and no GPU: a strategy
 decides how many token *slots* a request has reserved at each scheduler step, the workload how
-many tokens it really holds, and a real model's KV bytes per token turns both into bytes.
-
-For a request of P prompt and G generated tokens (a test checks these against the paged engine):
+many tokens it really holds, and a real model's KV bytes per token turns both into bytes. For a
+request of P prompt and G generated tokens (a test checks these against the paged engine):
 
 * It lives S = max(G, 1) steps and holds P + i tokens at step i (`kvlab.lifetime` says why).
 * waste = 1 - sum(held) / sum(reserved), summed over every step of every request.

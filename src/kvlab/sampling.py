@@ -6,12 +6,11 @@ so its samples do not depend on its batch, its index in it, or preemption. As wi
 `SamplingParams.seed`, sibling s of a seeded request uses a stream from (seed, s) only, the same
 alone or tenth in a batch, through any cache; an unseeded request's come from the engine's seed,
 its index and s, so two copies of a prompt sample independently. Seeds are SHA-256-hashed: nearby
-seeds give unrelated streams.
-
-A request ends after any of its stop tokens: an instruct model ends a reply with its end-of-turn
-token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may differ from its end-of-sequence
-token, hence a set of stop token ids, as vLLM's `SamplingParams.stop_token_ids`, HF's list-valued
-`GenerationConfig.eos_token_id` and llama.cpp's end-of-generation ids.
+seeds give unrelated streams. A request ends after any of its stop tokens: an instruct model ends
+a reply with its end-of-turn token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may
+differ from its end-of-sequence token, hence a set of stop token ids, as vLLM's
+`SamplingParams.stop_token_ids`, HF's list-valued `GenerationConfig.eos_token_id` and llama.cpp's
+end-of-generation ids.
 """
 
 from __future__ import annotations
@@ -61,12 +60,11 @@ def next_token(logits: torch.Tensor, temperature: float,
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's `SamplingParams`, cut down. stream_seed: the request's own stream (`stream_seed`),
-    None with temperature 0; stop_token_ids (any iterable, kept as a frozenset): finish ("stop")
-    right after sampling one, else run to max_output_tokens ("length"); first_token: a forced first
-    output token (the course's way to make greedy siblings diverge, so copy-on-write shows).
-    ValueError: a temperature not a finite number >= 0, or > 0 without a stream_seed; a token id
-    not an integer >= 0."""
+    """vLLM's `SamplingParams`, cut down. stream_seed: the request's own stream, None when greedy;
+    stop_token_ids (any iterable, kept as a frozenset): finish ("stop") right after sampling one,
+    else at max_output_tokens ("length"); first_token: forced (the course's way to make greedy
+    siblings diverge, so copy-on-write shows). ValueError: a temperature not a finite number >= 0
+    or > 0 without a stream_seed; a token id not an integer >= 0."""
 
     temperature: float = 0.0
     stream_seed: int | None = None

@@ -4,12 +4,11 @@ Early serving stacks (FasterTransformer, Orca as described in the vLLM paper) re
 `max_num_seqs` slabs, each big enough for a request of `max_model_len` tokens, whatever it really
 uses: a request that stops after 200 tokens leaves the rest of its 4,096-token slab empty, and no
 other request may use it. The vLLM paper (Kwon et al., SOSP 2023, section 3 and figure 2) measured
-only 20.4-38.2 % of such reservations holding token states.
-
-Per layer, `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
-head_dim], the token at position p of slab `s` at `[s, p]`. The KV stores (`kvlab.model.KVStore`):
-`ContiguousSequence` for a notebook's own loop, `SlabBatchStore` for a serving step, over any
-per-sequence memory of this shape (the naive strategy's tensors, `kvlab.tools.oom_story.naive`).
+only 20.4-38.2 % of such reservations holding token states. Per layer, `k[layer]` and `v[layer]` are
+[max_num_seqs, max_model_len, num_key_value_heads, head_dim], the token at position p of slab `s` at
+`[s, p]`. The KV stores (`kvlab.model.KVStore`): `ContiguousSequence` for a notebook's own loop,
+`SlabBatchStore` for a serving step, over any per-sequence memory of this shape (the naive
+strategy's tensors, `kvlab.tools.oom_story.naive`).
 """
 
 from __future__ import annotations
@@ -175,11 +174,10 @@ class ContiguousSequence:
 
 
 class SlabBatchStore:
-    """KV store for one pass over sequences each in contiguous memory of its own, keys[i] and
-    values[i] [num_hidden_layers, max_tokens, num_key_value_heads, head_dim]; sequence i's
-    query_lens[i] new tokens follow i - 1's. Each layer writes every token's K/V at its position,
-    then attends each sequence's new tokens over its first seq_lens[i] positions (causally), one
-    sequence after another: the loop a padded batched kernel would run."""
+    """KV store for one pass over sequences in their own memory, keys[i] and values[i]
+    [num_hidden_layers, max_tokens, num_key_value_heads, head_dim], sequence i's query_lens[i] new
+    tokens after i - 1's. Each layer writes all tokens' K/V, then attends each sequence's new ones
+    over its first seq_lens[i] positions, causally, one after another (a padded kernel's loop)."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  query_lens: Sequence[int], seq_lens: Sequence[int]):

@@ -20,8 +20,7 @@ __all__ = ["DType", "DTypeLike", "DTYPES", "resolve_dtype", "torch_dtype", "dtyp
 
 @dataclasses.dataclass(frozen=True)
 class DType:
-    """name as in figures and flags ("bf16"); bytes per element; torch_name, the `torch` attribute
-    ("float8_e4m3fn" is the fp8 format vLLM uses by default for an fp8 KV cache)."""
+    """name ("bf16"), bytes per element, torch_name (fp8: "float8_e4m3fn", vLLM's fp8 KV dtype)."""
     name: str
     bytes: int
     torch_name: str

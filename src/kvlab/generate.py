@@ -1,15 +1,14 @@
 """Generation of one request, with the KV cache of your choice: the course's one entry point.
 
-cache="none" (stage 1: rerun the whole sequence each step), "contiguous" (stage 2: one
-max_model_len slab), "paged" (stage 4: blocks of a shared pool) or "prefix" (stage 6: later prompts
-hit earlier prompts' full blocks). With a cache the prompt runs once (prefill) and each later step
-feeds only the newest token at its absolute position (decode). Greedy decoding picks the arg-max,
-so every cache must give the same tokens: the course's first equivalence check; a sample draws
-from the request's own seeded stream (`kvlab.sampling`), so it too is the same through every cache.
-
-`chat` renders each user message with the model's chat template (as transformers'
-`apply_chat_template(..., add_generation_prompt=True)`) and stops each reply at its end-of-turn
-token (SmolLM2's `<|im_end|>`), without which an instruct model invents the next user message.
+cache="none" (stage 1: rerun the whole sequence each step), "contiguous" (stage 2: one max_model_len
+slab), "paged" (stage 4: blocks of a shared pool) or "prefix" (stage 6: later prompts hit earlier
+prompts' full blocks). With a cache the prompt runs once (prefill) and each later step feeds only
+the newest token at its absolute position (decode). Greedy decoding picks the arg-max, so every
+cache must give the same tokens: the course's first equivalence check; a sample draws from the
+request's own seeded stream (`kvlab.sampling`), so it too is the same through every cache. `chat`
+renders each user message with the model's chat template (as transformers' `apply_chat_template(...,
+add_generation_prompt=True)`) and stops each reply at its end-of-turn token (SmolLM2's
+`<|im_end|>`), without which an instruct model invents the next user message.
 """
 
 from __future__ import annotations

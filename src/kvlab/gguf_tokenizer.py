@@ -4,9 +4,8 @@ There is no tokenizer.json; llama.cpp's converter stores the pieces: `tokenizer.
 = byte-level BPE), `.tokens` (id = list index), `.merges` ("a b", best first), `.token_type` (3 =
 control token such as `<|im_start|>`), `.pre` (the pre-tokenizer) and `tokenizer.chat_template`
 (Jinja, as in HF's tokenizer_config.json), assembled here with `tokenizers` and sandboxed `jinja2`
-as `apply_chat_template` does (tests/test_gguf_loader.py compares both with transformers' own).
-
-A reply ends at the end-of-turn token, which need not be EOS: a ChatML fine-tune may keep
+as `apply_chat_template` does (tests/test_gguf_loader.py compares both with transformers' own). A
+reply ends at the end-of-turn token, which need not be EOS: a ChatML fine-tune may keep
 `<|endoftext|>` as EOS while its template closes messages with `<|im_end|>`. llama.cpp stops at EOS,
 EOT, EOM and known end-of-turn texts (llama-vocab.cpp); kvlab reads the control token the template
 writes right after a message's content (`ChatTemplate.stop_token_ids`).

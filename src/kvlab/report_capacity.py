@@ -23,8 +23,7 @@ __all__ = ["HeldMeasurement", "measure_requests_held"]
 
 @dataclasses.dataclass(frozen=True)
 class HeldMeasurement:
-    """Requests running while others waited (memory the limit): mean and peak. num_steps 0: the
-    whole workload fit at once, so they are its own concurrency, not the budget's."""
+    """Requests running while others waited (mean, peak); num_steps 0: all fit at once, no limit."""
 
     mean: float
     peak: int

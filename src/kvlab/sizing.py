@@ -6,11 +6,10 @@ PagedAttention", SOSP 2023, section 3):
 
     KV bytes per token = 2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
 
-Llama-3.1-70B in bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB per token.
-
-Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; as vLLM shards attention) gives each of `tp`
-GPUs num_key_value_heads / tp KV heads. When tp exceeds num_key_value_heads the heads cannot be
-split further, so each GPU keeps one whole KV head, replicated (vLLM does the same).
+Llama-3.1-70B in bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB per token. Tensor parallelism
+(Megatron-LM, Shoeybi et al. 2019; as vLLM shards attention) gives each of `tp` GPUs
+num_key_value_heads / tp KV heads; past tp = num_key_value_heads the heads cannot be split
+further, so each GPU keeps one whole KV head, replicated (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -231,9 +230,8 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
                 gpu_memory_utilization: float = 0.9) -> SizeReport:
     """Weights and KV cache of `batch` requests of `seq_len` tokens; max_concurrent_requests =
     floor(default_kv_budget / (seq_len x KV bytes per token per GPU)), 0 if the weights do not fit,
-    None with no GPU (activations are left to vLLM's profiling run). SizingError: batch outside [1,
-    MAX_BATCH], seq_len outside [1, MAX_SEQ_LEN], an unknown dtype or GPU, an impossible tp, or a
-    utilization outside (0, 1]."""
+    None with no GPU; activations left to vLLM's profiling run. SizingError: batch, seq_len outside
+    [1, MAX_BATCH], [1, MAX_SEQ_LEN]; an unknown dtype or GPU; an impossible tp or utilization."""
     for name, value, top in (("batch", batch, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN)):
         if not isinstance(value, int) or not 1 <= value <= top:
             raise SizingError(f"{name} must be a whole number of {'requests' if name == 'batch' else 'tokens'} "

@@ -37,11 +37,10 @@ __all__ = ["Request", "LogNormalFit", "AZURE_CONV_2023", "SHAREGPT", "synthetic_
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request as a trace or a fit gives it (the server's view: `kvlab.serving.Request`).
-    prompt_len >= 1, output_len >= 0 (0: prefill only) tokens; arrival_s from the trace's start.
-    trace_block_ids: the trace's ids of the prompt's consecutive blocks of trace_block_size tokens
-    (Mooncake: 512); equal ids at equal positions = a shared prefix; empty (size 0) for Azure and
-    synthetic traffic; not vLLM's `block_hashes`, which chain KV blocks. num_cached_tokens: leading
+    """A request as a trace or a fit gives it (`kvlab.serving.Request` is the server's): prompt_len
+    >= 1, output_len >= 0 tokens (0: prefill only); trace_block_ids: ids of the prompt's blocks of
+    trace_block_size tokens (Mooncake: 512), equal ids at equal positions a shared prefix, empty
+    for Azure and synthetic traffic (not vLLM's chained `block_hashes`); num_cached_tokens: leading
     prompt tokens a prefix cache supplied in a replay (`kvlab.prefix.report_row`), else 0."""
 
     prompt_len: int

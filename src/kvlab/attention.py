@@ -1,13 +1,12 @@
 """Causal attention with grouped-query heads, written so the grouping is visible.
 
 Grouped-query attention (GQA; Ainslie et al., 2023, "GQA: Training Generalized Multi-Query
-Transformer Models from Multi-Head Checkpoints", section 2) lets `G = num_attention_heads /
-num_key_value_heads` query heads share one key/value head. Query head `h` reads KV head
-`h // G`. MHA is G = 1, MQA (Shazeer, 2019) is one KV head for all.
-
-`grouped_attention` lays the G query heads of one KV head side by side as extra rows, so one
-batched matmul per KV head serves the group and K/V are never copied G times. `repeat_kv` does the
-copy (G times the memory, what GQA avoids): the tests' reference, and the training script's SDPA.
+Transformer Models from Multi-Head Checkpoints", section 2) lets G = num_attention_heads /
+num_key_value_heads query heads share one key/value head: query head h reads KV head h // G (MHA
+is G = 1; MQA, Shazeer 2019, one KV head for all). `grouped_attention` lays a KV head's G query
+heads side by side as extra rows, so one batched matmul per KV head serves the group without
+copying K/V; `repeat_kv` makes the copy (G times the memory) for the tests' reference and the
+training script's SDPA.
 """
 
 from __future__ import annotations
@@ -30,17 +29,13 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       query_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
                       key_mask: torch.Tensor | None = None,
                       scale: float | None = None) -> torch.Tensor:
-    """Causal softmax attention of one sequence, GQA by grouping (no repeated K/V).
-
-    query [num_query_tokens, num_attention_heads, head_dim] (also the output's shape and dtype);
-    key, value [num_key_tokens, num_key_value_heads, head_dim]; positions int64 (key_positions
-    default 0 .. num_key_tokens - 1); key_mask [num_key_tokens] bool, False for padding slots;
-    scale default 1 / sqrt(head_dim) (Vaswani et al., 2017). A query at position p sees keys at
-    positions <= p; scores and softmax in float32 (as HF and vLLM). Values of slots no query may
-    see are zeroed before the weighted sum, since 0 x NaN is NaN: a reused or padding block may
-    hold another request's NaN or uninitialised memory. ValueError: heads that do not group
-    evenly, or mismatched head_dim.
-    """
+    """Causal softmax attention of one sequence, GQA by grouping. query [num_query_tokens,
+    num_attention_heads, head_dim] (and the output); key, value [num_key_tokens,
+    num_key_value_heads, head_dim]; positions int64 (key_positions default 0 .. num_key_tokens - 1);
+    key_mask [num_key_tokens] bool, False for padding; scale default 1 / sqrt(head_dim) (Vaswani et
+    al., 2017). A query at position p sees keys at positions <= p; scores and softmax in float32 (as
+    HF and vLLM). Values no query may see are zeroed first: 0 x NaN is NaN, and a reused or padding
+    block may hold another request's NaN. ValueError: uneven head groups, unequal head_dims."""
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads, key_dim = key.shape
     if key_dim != head_dim or value.shape != key.shape:

@@ -1,9 +1,8 @@
 """Load and save Llama checkpoints in the Hugging Face folder layout.
 
-A folder of `config.json`, `*.safetensors` (HF parameter names) and `tokenizer.json`: what
-`save_pretrained` writes and the Hub serves; the course's tiny model (`TINY_MODEL_DIR`) has the same
-layout. A GGUF file loads too, by path or as a model fetched with `kvlab fetch` (`kvlab.fetch`,
-`kvlab.gguf_loader`, `kvlab.gguf_tokenizer`).
+`config.json`, `*.safetensors` (HF parameter names) and `tokenizer.json`, as `save_pretrained`
+writes, the Hub serves and the tiny model (`TINY_MODEL_DIR`) has. A GGUF file loads too, by path
+or fetched with `kvlab fetch` (`kvlab.fetch`, `kvlab.gguf_loader`, `kvlab.gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -139,8 +138,7 @@ def load_tokenizer(model: str | Path = "tiny") -> Tokenizer:
 
 
 def load_chat_template(model: str | Path = "smollm2-135m"):
-    """The model's `ChatTemplate`, GGUF models only. ValueError: none (the tiny model is not a
-    chat model); FileNotFoundError: as `gguf_file`."""
+    """A GGUF model's `ChatTemplate`; ValueError for the tiny model; else raises as `gguf_file`."""
     gguf_path = gguf_file(model)
     if gguf_path is None:
         raise ValueError(f"{model}: no chat template (only GGUF models such as smollm2-135m "

@@ -1,13 +1,10 @@
 """Checking what a caller asks for before any memory is touched: requests, limits, indices.
 
-Every cache, manager and engine of the course validates its public arguments with these helpers, so
-a bad value is refused with the same kind of message everywhere ("block_id must be an integer in
-[0, 8), got -1") and the call that received it changes nothing. Python's own indexing would
-otherwise accept a negative index silently and touch the *last* slot, block or slab.
-
-Limits follow vLLM's rules: `max_model_len` may not exceed the model's `max_position_embeddings`
-(vLLM refuses unless told to override it), and a request's prompt + max_new_tokens must fit in
-max_model_len.
+Every cache, manager and engine validates its public arguments with these, so a bad value is
+refused with one kind of message everywhere ("block_id must be an integer in [0, 8), got -1") and
+the call changes nothing; Python's own indexing would take a negative index silently and touch the
+*last* slot, block or slab. Limits follow vLLM: max_model_len may not exceed the model's
+max_position_embeddings, and a request's prompt + max_new_tokens must fit in max_model_len.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ __all__ = ["check_int", "check_index", "check_model_len", "check_request"]
 
 
 def check_int(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
-    """`value` as an int if minimum <= value <= maximum; ValueError naming the argument, range and
-    value. Accepts Python and NumPy/torch integer scalars (anything with `__index__`); refuses
-    bools, floats and strings."""
+    """`value` as an int in [minimum, maximum], else ValueError naming argument, range and value.
+    Python, NumPy and torch integers (`__index__`) pass; bools, floats and strings do not."""
     if isinstance(value, bool):
         index = None
     else:
@@ -48,9 +44,8 @@ def check_index(name: str, value, size: int) -> int:
 
 
 def check_model_len(config: "LlamaConfig", max_model_len: int | None) -> int:
-    """The max_model_len to use: the model's max_position_embeddings by default, never more. Past
-    its trained positions a model's RoPE angles are ones it never saw, so vLLM refuses a larger
-    max_model_len too (ValueError with both numbers)."""
+    """max_model_len, by default and at most max_position_embeddings: past them RoPE angles are ones
+    the model never saw, so vLLM refuses a larger one too (ValueError with both numbers)."""
     limit = config.max_position_embeddings
     if max_model_len is None:
         return limit
@@ -63,9 +58,8 @@ def check_model_len(config: "LlamaConfig", max_model_len: int | None) -> int:
 
 def check_request(prompt_ids: Sequence[int], max_new_tokens: int, max_model_len: int,
                   vocab_size: int) -> None:
-    """Validate one request before any memory is touched. ValueError for an empty prompt,
-    max_new_tokens < 1 or a token id outside [0, vocab_size); RequestTooLongError (a ValueError)
-    when prompt + max_new_tokens > max_model_len."""
+    """ValueError: an empty prompt, max_new_tokens < 1 or a token id outside [0, vocab_size);
+    RequestTooLongError (a ValueError): prompt + max_new_tokens > max_model_len."""
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

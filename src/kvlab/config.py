@@ -1,9 +1,9 @@
 """Model configuration with Hugging Face Llama field names.
 
 A `LlamaConfig` holds the numbers that size a model's weights and KV cache, named as in a Hugging
-Face `config.json`, so any published checkpoint's config reads against it. Both RoPE styles are
-read: top-level `rope_theta` + `rope_scaling` (Llama 2/3, Mistral, Qwen2) and the `rope_parameters`
-dict that current `transformers` writes.
+Face `config.json`, so any published checkpoint's config reads against it, in either RoPE style:
+top-level `rope_theta` + `rope_scaling` (Llama 2/3, Mistral, Qwen2) or the `rope_parameters` dict
+of current `transformers`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 __all__ = ["LlamaConfig", "ConfigError", "PRESETS", "COURSE_MODELS", "load_config"]
 
-# The course's own models, committed with kvlab (weights and all): `--model tiny` works for every
-# subcommand, `kvlab size tiny` included, by reading the folder's config.json.
+# The course's own models, committed with kvlab (weights and all), so `--model tiny` works for every
+# subcommand (`kvlab size tiny` reads the folder's config.json).
 COURSE_MODELS = {name: Path(__file__).parent / "models" / name for name in ("tiny", "tiny-mha")}
 
 
@@ -26,9 +26,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-style decoder; every size a count (tokens, heads, channels), never
-    bytes. ConfigError: a non-positive size, or num_attention_heads not divisible by
-    num_key_value_heads (each KV head serves a whole group; Ainslie et al. 2023, section 2)."""
+    """The shape of a Llama-style decoder, every size a count, never bytes. ConfigError: a size
+    <= 0, or KV heads not each serving a whole group of query heads (Ainslie et al. 2023, 2)."""
 
     vocab_size: int
     hidden_size: int
@@ -75,8 +74,6 @@ class LlamaConfig:
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    # ---- reading and writing HF config.json -------------------------------------------------
-
     @classmethod
     def from_hf_dict(cls, raw: dict, name: str = "custom") -> "LlamaConfig":
         """From a HF `config.json` dict. An explicit `head_dim` wins (Mistral Nemo's differs from
@@ -96,7 +93,6 @@ class LlamaConfig:
                     f"divisible by num_attention_heads={heads}")
             head_dim = raw["hidden_size"] // heads
 
-        # RoPE: newer transformers nest theta and scaling in `rope_parameters`.
         rope_parameters = raw.get("rope_parameters")
         if rope_parameters:
             rope_theta = rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -196,9 +192,8 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def load_config(model: str | Path) -> LlamaConfig:
-    """A preset, a course model ('tiny', 'tiny-mha'), a `config.json` or a folder holding one.
-    ConfigError: none of those (the message lists the presets), not a JSON object, a bad field;
-    InputFileError: unreadable, empty, binary or not UTF-8."""
+    """A preset, a course model ('tiny', 'tiny-mha'), a `config.json` or its folder. ConfigError:
+    none of those, not a JSON object, a bad field; InputFileError: as `read_text`."""
     from .input_files import read_text
 
     key = str(model).lower()

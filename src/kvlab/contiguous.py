@@ -1,20 +1,14 @@
 """The naive KV cache: one contiguous slab of max_model_len tokens reserved per request.
 
-This is how early serving stacks (FasterTransformer, Orca as described in the vLLM paper) kept the
-cache: at start-up, reserve `max_num_seqs` slabs, each big enough for a request of `max_model_len`
-tokens, whatever the request will really use. A request that stops after 200 tokens leaves the rest
-of its 4,096-token slab empty, and no other request may use it. The vLLM paper (Kwon et al., SOSP
-2023, section 3 and figure 2) measured only 20.4-38.2 % of such reservations holding token states.
-
-Layout per layer: `k[layer]` and `v[layer]` are [max_num_seqs, max_model_len, num_key_value_heads,
-head_dim]; slab `s` is row `s`, token at position p lives at `[s, p]`.
-
-Two KV stores (see `kvlab.model.KVStore`) run a forward pass over slabs: `ContiguousSequence`, one
-sequence, for a notebook's own loop; `SlabBatchStore`, the new tokens of several sequences laid out
-flat, as the serving runner runs a step. `SlabBatchStore` takes any per-sequence memory of this
-shape, so the naive strategy's one tensor per request (`kvlab.tools.oom_story.naive`) runs on it
-too. Like the paged store, it writes every token's K/V of a layer before any token of that layer
-attends.
+Early serving stacks (FasterTransformer, Orca as described in the vLLM paper) reserved at start-up
+`max_num_seqs` slabs, each big enough for a request of `max_model_len` tokens, whatever it really
+uses: a request that stops after 200 tokens leaves the rest of its 4,096-token slab empty, and no
+other request may use it. The vLLM paper (Kwon et al., SOSP 2023, section 3 and figure 2) measured
+only 20.4-38.2 % of such reservations holding token states. Per layer, `k[layer]` and `v[layer]` are
+[max_num_seqs, max_model_len, num_key_value_heads, head_dim], the token at position p of slab `s` at
+`[s, p]`. The KV stores (`kvlab.model.KVStore`): `ContiguousSequence` for a notebook's own loop,
+`SlabBatchStore` for a serving step, over any per-sequence memory of this shape (the naive
+strategy's tensors, `kvlab.tools.oom_story.naive`).
 """
 
 from __future__ import annotations
@@ -42,14 +36,9 @@ def reservation_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int
 
 
 class ContiguousKVCache:
-    """`max_num_seqs` slabs of `max_model_len` tokens, reserved once at construction.
-
-    `budget_bytes` refuses a larger reservation (a stand-in for a GPU's free memory on CPU); on CUDA
-    with no budget the allocator decides. Both raise KVCacheOutOfMemory with the arithmetic, e.g.
-    "128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB budget". `config` is only the KV shape here
-    (notebooks size real models' slabs on CPU); whoever serves a model checks max_model_len against
-    its max_position_embeddings (`kvlab.generate`).
-    """
+    """`max_num_seqs` slabs of `max_model_len` tokens (`config` gives only the KV shape), or
+    KVCacheOutOfMemory with the arithmetic ("128 seqs x 4096 tokens x 128 KiB = 64 GiB > 40 GiB
+    budget") past `budget_bytes` (on CPU, a stand-in for free GPU memory) or CUDA's free memory."""
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
                  dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
@@ -83,8 +72,6 @@ class ContiguousKVCache:
         self.seq_lens = [0] * max_num_seqs       # tokens held by each slab
         self.in_use = [False] * max_num_seqs
 
-    # ---- accounting --------------------------------------------------------------------------
-
     @property
     def reserved_bytes(self) -> int:
         """Exact bytes of the K and V slabs (all of them, in use or not)."""
@@ -105,12 +92,9 @@ class ContiguousKVCache:
         """Bytes holding token states: tokens held by all slabs x KV bytes per token."""
         return sum(self.seq_lens) * self.bytes_per_token
 
-    # ---- slabs -------------------------------------------------------------------------------
-
     def add_sequence(self) -> int:
-        """Claim a free slab; KVCacheOutOfMemory (nothing changes) when all max_num_seqs are in use.
-        The slab still holds its last user's bytes (not cleared, as on a server); attention only
-        ever reads positions this sequence wrote."""
+        """Claim a free slab, not cleared (attention reads only positions this sequence writes);
+        KVCacheOutOfMemory (nothing changes) when all max_num_seqs are in use."""
         for slab, busy in enumerate(self.in_use):
             if not busy:
                 self.in_use[slab], self.seq_lens[slab] = True, 0
@@ -139,9 +123,8 @@ class ContiguousKVCache:
 
     def batch_store(self, slabs: Sequence[int], query_lens: Sequence[int],
                     seq_lens: Sequence[int]) -> "SlabBatchStore":
-        """The `SlabBatchStore` of one pass over the newest tokens of several slabs; sets their
-        seq_lens. ValueError for a slab not in use or a query_len outside [1, seq_len];
-        KVCacheOutOfMemory for a seq_len past max_model_len. Nothing changes on an error."""
+        """The `SlabBatchStore` of a pass over slabs' newest tokens, setting seq_lens. ValueError: a
+        slab not in use, query_len outside [1, seq_len]; KVCacheOutOfMemory: over max_model_len."""
         slabs = [self._slab_in_use(slab) for slab in slabs]
         for slab, query_len, seq_len in zip(slabs, query_lens, seq_lens):
             if seq_len > self.max_model_len:
@@ -161,19 +144,15 @@ class ContiguousKVCache:
 
 
 class ContiguousSequence:
-    """One request's slab seen as a KV store: writes new K/V at their positions, attends over all.
-
-    A sequence's tokens sit at positions 0 .. seq_len - 1 of its slab, all written by it (prefill
-    writes 0 .. P - 1, each decode step the next one), so attention reads exactly the slots it owns.
-    """
+    """One request's slab as a KV store: its tokens sit at positions 0 .. seq_len - 1, all written
+    by it (prefill 0 .. P - 1, then one per decode step), so attention reads only slots it owns."""
 
     def __init__(self, cache: ContiguousKVCache, slab: int):
         self.cache, self.slab = cache, slab
 
     def attend(self, layer_index, query, key, value, positions):
-        """Write K/V at `positions` of the slab, attend over positions 0 .. max(positions).
-        ValueError for a negative position or one that leaves an unwritten gap; KVCacheOutOfMemory
-        for a position past max_model_len (nothing written)."""
+        """Write K/V at `positions`, attend over 0 .. max(positions). ValueError: a position < 0 or
+        an unwritten gap; KVCacheOutOfMemory: a position past max_model_len (nothing written)."""
         cache = self.cache
         check_index("layer_index", layer_index, cache.config.num_hidden_layers)
         first, end = int(positions.min()), int(positions.max()) + 1
@@ -195,14 +174,10 @@ class ContiguousSequence:
 
 
 class SlabBatchStore:
-    """KV store for one forward pass over several sequences, each in contiguous memory of its own.
-
-    The tokens are flat: sequence i's query_lens[i] new tokens follow sequence i - 1's and end at
-    its seq_lens[i]. Each layer writes every token's K/V at its position, then attends each
-    sequence's new tokens over its first seq_lens[i] positions (causally among themselves), one
-    sequence after another: the loop a padded batched kernel would run. keys[i], values[i]: views
-    [num_hidden_layers, max_tokens, num_key_value_heads, head_dim] (a slab, a naive request's).
-    """
+    """KV store for one pass over sequences in their own memory, keys[i] and values[i]
+    [num_hidden_layers, max_tokens, num_key_value_heads, head_dim], sequence i's query_lens[i] new
+    tokens after i - 1's. Each layer writes all tokens' K/V, then attends each sequence's new ones
+    over its first seq_lens[i] positions, causally, one after another (a padded kernel's loop)."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  query_lens: Sequence[int], seq_lens: Sequence[int]):

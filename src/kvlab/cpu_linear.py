@@ -1,23 +1,20 @@
 """Faster float32 linear layers on x86 CPUs: each weight reordered once into oneDNN's layout.
 
 A small model served on a CPU spends most of a step in its linear layers (SmolLM2-135M through
-kvlab's engine, 16 chats: 58 % of the time in `torch.nn.functional.linear`, profiled with
-cProfile). PyTorch's CPU wheels run a float32 `F.linear` through MKL's sgemm, which on this
-course's AMD EPYC machine reaches ~75 GFLOP/s on one thread for 256 rows of SmolLM2's 576 -> 1,536
-projection. oneDNN, also inside those wheels, runs the same product at ~140 GFLOP/s, and at 16-64
-rows (a decode batch) 2.5-4.5x faster than MKL, once the weight has been reordered into its blocked
-layout (measured here, 1 thread: 64 rows 2.19 ms with MKL, 0.49 ms with oneDNN).
+kvlab's engine, 16 chats: 58 % of the time in `torch.nn.functional.linear`, by cProfile). PyTorch's
+CPU wheels run a float32 `F.linear` through MKL's sgemm: ~75 GFLOP/s on one thread of this course's
+AMD EPYC machine for 256 rows of SmolLM2's 576 -> 1,536 projection. oneDNN, also in those wheels,
+reaches ~140 GFLOP/s, and at 16-64 rows (a decode batch) is 2.5-4.5x faster than MKL once the
+weight is reordered into its blocked layout (1 thread, 64 rows: 2.19 ms MKL, 0.49 ms oneDNN).
+vLLM's CPU backend packs every unquantized linear weight for oneDNN at load time
+(`vllm/model_executor/layers/utils.py`, `dispatch_cpu_unquantized_gemm`: `ops.create_onednn_mm`,
+then `torch.ops._C.onednn_mm` in each forward). Here PyTorch's own oneDNN ops do it
+(`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call, the pair
+TorchInductor's CPU backend uses when it freezes weights).
 
-vLLM's CPU backend does the same: it packs every unquantized linear weight for oneDNN at load
-time (`vllm/model_executor/layers/utils.py`, `dispatch_cpu_unquantized_gemm`, which calls
-`ops.create_onednn_mm` and then `torch.ops._C.onednn_mm` in each forward). Here PyTorch's own
-oneDNN ops do it (`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call,
-the pair TorchInductor's CPU backend uses when it freezes weights).
-
-The results differ from MKL's in the last bits (~1e-6 relative: the two libraries sum in different
-orders), as two BLAS libraries do. The packed copy follows the weight: if the weight is replaced or
-changed in place, the next call packs it again; off the CPU, in another dtype, or when autograd
-needs the graph, the layer runs `F.linear` as before.
+Results differ from MKL's in the last bits (~1e-6 relative: the libraries sum in different orders).
+The packed copy follows the weight: replaced or changed in place, it is packed again at the next
+call; off the CPU, in another dtype, or when autograd needs the graph, the layer runs `F.linear`.
 """
 
 from __future__ import annotations
@@ -35,10 +32,9 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-# Linear layers that read the same input, by the module method that calls them: run as one matmul
-# over their stacked weights (vLLM's QKVParallelLinear and MergedColumnParallelLinear). One call
-# instead of three reads the input once and pays oneDNN's per-call cost once (measured here, 30
-# SmolLM2 layers, 1 thread: 5 % less time at 16 rows, 8 % at 1 row).
+# Linear layers reading the same input, by the method calling them, run as one matmul over their
+# stacked weights (vLLM's QKVParallelLinear, MergedColumnParallelLinear): input read and oneDNN's
+# per-call cost paid once (30 SmolLM2 layers, 1 thread: 5 % less time at 16 rows, 8 % at 1 row).
 FUSED_METHODS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
@@ -63,8 +59,7 @@ class _OneDNNLinears:
         self.packed_from = self._fingerprint()
 
     def _fingerprint(self) -> tuple:
-        """What identifies the weights' current values: each one's storage (a new dtype, device
-        or shape is a new storage) and in-place version counter."""
+        """Each weight's storage (new for a new dtype, device or shape) and in-place version."""
         return tuple((linear.weight.data_ptr(), linear.weight._version)
                      for linear in self.linears)
 
@@ -86,15 +81,10 @@ class _OneDNNLinears:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Run every nn.Linear of `model` through oneDNN (see the module docstring); idempotent.
-
-    Layers called together by a method of `FUSED_METHODS` (`Attention.qkv`, `MLP.gate_up`) run as
-    one matmul through that method (called one by one, they then run `F.linear`); every other
-    layer through its own `forward`. Returns the number of layers now routed through oneDNN (0
-    when this build lacks it). The parameters are kept, so `state_dict` and tied weights are
-    unchanged; each packed copy costs the weights' bytes again (a tied LM head is packed
-    separately from the embedding it shares).
-    """
+    """Route every nn.Linear of `model` through oneDNN (idempotent); returns how many (0 without
+    it). Layers a `FUSED_METHODS` method calls together (`Attention.qkv`, `MLP.gate_up`) run as one
+    matmul through it (alone, they run `F.linear`). Parameters are kept (`state_dict` and tied
+    weights unchanged); each packed copy costs the weights' bytes again, a tied LM head's too."""
     if not onednn_available():
         return 0
     fused: set[int] = set()

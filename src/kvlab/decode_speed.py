@@ -2,8 +2,7 @@
 
 Without a cache step i feeds all P + i tokens so far; with one the prompt is fed once (prefill)
 and each later step one token (decode; Kwon et al., SOSP 2023, section 2.2). `tokens_fed` counts
-that work; `time_decoding` times the same greedy generation both ways, so a notebook prints the
-measured speed-up beside the arithmetic.
+that work and `time_decoding` times it, so a notebook prints the speed-up beside the arithmetic.
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ def tokens_fed(prompt_len: int, new_tokens: int, cache: str) -> int:
 def time_decoding(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
                   caches: Sequence[str] = ("none", "contiguous"),
                   repeats: int = 3) -> dict[str, DecodeTiming]:
-    """{cache: DecodeTiming} of one warm-up and `repeats` timed runs each (synchronised on a GPU;
-    the slab exactly the request's length). ValueError: repeats < 1, or from `generate`;
-    RuntimeError: the caches generated different tokens."""
+    """{cache: DecodeTiming}: one warm-up and `repeats` timed runs each, the slab as long as the
+    request. ValueError: repeats < 1, or from `generate`; RuntimeError: tokens differ."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     max_model_len = len(prompt_ids) + max_new_tokens

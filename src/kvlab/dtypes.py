@@ -1,10 +1,9 @@
 """One vocabulary for storage dtypes: a name, a torch dtype, or an element size, all mean the same.
 
 Sizing speaks in short names ("bf16"), the caches allocate `torch.dtype`s, a byte count is an
-element size; `resolve_dtype` turns any of them into one `DType`. A size alone names a dtype only
-when unambiguous (4 is fp32, 1 is fp8, 2 could be bf16 or fp16: `resolve_dtype(2)` refuses,
-`dtype_bytes(2)` accepts). torch is imported only when a torch dtype is asked for, so `kvlab size`
-starts without it.
+element size; `resolve_dtype` turns any into one `DType`. A size alone names a dtype only when
+unambiguous (4 is fp32, 1 is fp8, 2 could be bf16 or fp16: `resolve_dtype(2)` refuses,
+`dtype_bytes(2)` accepts). torch is imported only for a torch dtype: `kvlab size` starts without it.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ __all__ = ["DType", "DTypeLike", "DTYPES", "resolve_dtype", "torch_dtype", "dtyp
 
 @dataclasses.dataclass(frozen=True)
 class DType:
-    """name as in figures and flags ("bf16"); bytes per element; torch_name, the `torch` attribute
-    ("float8_e4m3fn" is the fp8 format vLLM uses by default for an fp8 KV cache)."""
+    """name ("bf16"), bytes per element, torch_name (fp8: "float8_e4m3fn", vLLM's fp8 KV dtype)."""
     name: str
     bytes: int
     torch_name: str

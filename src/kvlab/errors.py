@@ -1,6 +1,4 @@
-"""The errors of the KV caches and the requests they serve, in one place every stage imports.
-
-A server reacts to each differently, so they are different classes:
+"""The errors of the KV caches and the requests they serve, one class per way a server reacts:
 
 * `KVCacheOutOfMemory`: the cache cannot be set up or grow (a slab over budget in stage 2, a pool
   that cannot hold one max_model_len request, a budget below the weights in stage 4).
@@ -10,7 +8,7 @@ A server reacts to each differently, so they are different classes:
   waiting would block the queue forever, so it is rejected at once.
 
 Bad arguments raise the built-in `ValueError` / `KeyError` with the value; a failed call changes no
-state. No kvlab imports here, so any stage imports it without a cycle.
+state. No kvlab imports here, so every stage imports this module without a cycle.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ __all__ = ["perplexity"]
 
 @torch.inference_mode()
 def perplexity(model: LlamaForCausalLM, token_ids: Sequence[int], window: int = 256) -> float:
-    """exp(mean NLL) over non-overlapping windows, each an independent sequence (a last window
-    under 2 tokens is dropped). ValueError: window outside [2, max_position_embeddings], or
-    fewer than 2 tokens."""
+    """exp(mean NLL) over non-overlapping windows, each its own sequence (a last one under 2 tokens
+    dropped). ValueError: window outside [2, max_position_embeddings], or under 2 tokens."""
     if not 2 <= window <= model.config.max_position_embeddings:
         raise ValueError(f"window must be in [2, {model.config.max_position_embeddings}], "
                          f"got {window}")

@@ -66,8 +66,7 @@ class ModelNotFetchedError(FileNotFoundError):
 
 
 def cache_dir() -> Path:
-    """$KVLAB_CACHE_DIR, else $XDG_CACHE_HOME/kvlab, else ~/.cache/kvlab (XDG, as pip and HF do);
-    not created here."""
+    """$KVLAB_CACHE_DIR, else $XDG_CACHE_HOME/kvlab, else ~/.cache/kvlab (as pip, HF); not made."""
     if os.environ.get("KVLAB_CACHE_DIR"):
         return Path(os.environ["KVLAB_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -83,8 +82,7 @@ def _lookup(name: str) -> PretrainedModel:
 
 
 def model_path(name: str = "smollm2-135m") -> Path:
-    """A fetched model's GGUF file. ValueError: unknown name; ModelNotFetchedError: absent or the
-    wrong size (the message names `kvlab fetch <name>`)."""
+    """A fetched model's GGUF file; ValueError: unknown; ModelNotFetchedError: absent or short."""
     spec = _lookup(name)
     path = cache_dir() / name / spec.filename
     if not path.is_file() or path.stat().st_size != spec.size:

@@ -1,19 +1,14 @@
 """Generation of one request, with the KV cache of your choice: the course's one entry point.
 
-cache="none" (stage 1: rerun the whole sequence each step), "contiguous" (stage 2: one
-max_model_len slab), "paged" (stage 4: blocks of a shared pool) or "prefix" (stage 6: later prompts
-hit earlier prompts' full blocks). With a cache the prompt runs once (prefill) and each later step
-feeds only the newest token at its absolute position (decode).
-
-Greedy decoding picks the arg-max, so every cache must give the same tokens: the course's first
-equivalence check. A sample draws from the request's own seeded stream (`kvlab.sampling`), so it
-too is the same through every cache. This module owns the choice of cache; `kvlab generate` only
-parses and prints.
-
-`chat` renders each user message with the model's chat template (as transformers'
-`apply_chat_template(..., add_generation_prompt=True)`) and stops each reply at its end-of-turn
-token (SmolLM2's `<|im_end|>`); without that an instruct model runs on and invents the next user
-message.
+cache="none" (stage 1: rerun the whole sequence each step), "contiguous" (stage 2: one max_model_len
+slab), "paged" (stage 4: blocks of a shared pool) or "prefix" (stage 6: later prompts hit earlier
+prompts' full blocks). With a cache the prompt runs once (prefill) and each later step feeds only
+the newest token at its absolute position (decode). Greedy decoding picks the arg-max, so every
+cache must give the same tokens: the course's first equivalence check; a sample draws from the
+request's own seeded stream (`kvlab.sampling`), so it too is the same through every cache. `chat`
+renders each user message with the model's chat template (as transformers' `apply_chat_template(...,
+add_generation_prompt=True)`) and stops each reply at its end-of-turn token (SmolLM2's
+`<|im_end|>`), without which an instruct model invents the next user message.
 """
 
 from __future__ import annotations
@@ -41,8 +36,7 @@ CACHE_KINDS = ("none", "contiguous", "paged", "prefix")
 @dataclasses.dataclass
 class GenerationResult:
     """token_ids: the first completion, prompt excluded; completions: all n; prompt_completions:
-    every prompt's, in order. stats (`EngineStats`, from `kvlab.serving.LLMEngine`) for "paged" and
-    "prefix", prefix_stats for "prefix", else None."""
+    each prompt's. stats (`EngineStats`): "paged", "prefix"; prefix_stats: "prefix"; else None."""
 
     token_ids: list[int]
     completions: list[list[int]] = dataclasses.field(default_factory=list)
@@ -66,17 +60,13 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
              temperature: float = 0.0,
              seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
              attention_backend: BackendLike = None) -> GenerationResult:
-    """Generate from one prompt, greedy by default (module docstring for the caches).
-
-    With cache 'paged' or 'prefix', prompt_ids may be several prompts, one batch admitted in order
-    (so with 'prefix' each can hit the blocks of those before it), and n > 1 completions share
-    the prompt's blocks. max_model_len defaults to (and may not exceed) max_position_embeddings.
-    eos_token_id: one stop id or several (EOS and end-of-turn), the stop token returned last.
-    seed: the request's stream; with several prompts or 'prefix' it seeds the engine, prompt i
-    drawing from (seed, i). ValueError: a bad request (`kvlab.checks.check_request`), cache,
-    temperature, seed or eos_token_id; n > 1 or several prompts without a paged cache;
-    RequestTooLongError: prompt + max_new_tokens > max_model_len; KVCacheOutOfMemory.
-    """
+    """Generate, greedy by default. 'paged' and 'prefix' take several prompts (one batch, admitted
+    in order, so with 'prefix' each can hit its predecessors' blocks) and n > 1 completions sharing
+    the prompt's blocks. max_model_len: at most (default) max_position_embeddings. eos_token_id:
+    one stop id or several, the stop token returned last. seed: the request's stream, or with
+    several prompts or 'prefix' the engine's (prompt i draws from (seed, i)). ValueError: a bad
+    request, cache, temperature, seed or eos_token_id, or n > 1 or several prompts without paging;
+    RequestTooLongError: prompt + max_new_tokens > max_model_len; KVCacheOutOfMemory."""
     config = model.config
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache kind {cache!r}; choose from {', '.join(CACHE_KINDS)}")
@@ -94,8 +84,6 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[int] | Sequence[Seque
     stop = stop_token_ids(eos_token_id, config.vocab_size)
     check_int("n", n, 1)
     if cache in ("paged", "prefix"):
-        # With the prefix cache or several prompts, prompt i draws from the stream of (seed, i);
-        # with one prompt on the paged cache, the request's own seed decides (as without a cache).
         batch = generate_batch(
             model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
             max_model_len=max_model_len, n=n, eos_token_id=stop, temperature=temperature,

@@ -8,8 +8,7 @@ type to float32; this module only translates: metadata -> `LlamaConfig` with HF 
 (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and the q/k row order:
 llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) interleaves the channel pairs
 RoPE rotates together, where HF's "rotate half" pairs i with i + head_dim/2 (`unpermute_rows`).
-
-The weights are the 4-bit-rounded ones, so logits differ from the bf16 release and equal
+The weights are the 4-bit-rounded ones: logits differ from the bf16 release and equal
 transformers' own dequantized load of the file (tests/test_gguf_loader.py, to 1e-4).
 """
 
@@ -47,14 +46,12 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors llama.cpp may store that the decoder recomputes (RoPE frequencies).
 _IGNORED_TENSORS = ("rope_freqs.weight",)
 
 
 def open_gguf(path: str | Path):
-    """A memory-mapped `gguf.GGUFReader`, shared per (path, size, mtime) because parsing takes
-    seconds (49,152 vocabulary strings): model, tokenizer and chat template come from one parse, so
-    treat it as read-only. FileNotFoundError: no file; ConfigError: not GGUF."""
+    """A memory-mapped `gguf.GGUFReader`, one per (path, size, mtime) as a parse takes seconds: read
+    only, shared by model, tokenizer and chat template. FileNotFoundError; ConfigError: not GGUF."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -83,10 +80,9 @@ def gguf_metadata(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
 
 
 def read_gguf_config(path_or_reader: Any, name: str | None = None) -> LlamaConfig:
-    """The model's shape from the metadata. head_dim: `{arch}.attention.key_length`, else
-    embedding_length / head_count; tied when there is no `output.weight`. FileNotFoundError;
-    ConfigError: not GGUF, not llama, a missing key (RoPE scaling is kept for
-    `check_model_supported` to name)."""
+    """The model's shape: head_dim is `{arch}.attention.key_length` or embedding_length/head_count;
+    tied without `output.weight`. FileNotFoundError; ConfigError: not GGUF, not llama, a missing key
+    (RoPE scaling is kept for `check_model_supported` to name)."""
     reader = path_or_reader if hasattr(path_or_reader, "fields") else open_gguf(path_or_reader)
     arch = gguf_metadata(reader, "general.architecture")
     label = name or gguf_metadata(reader, "general.name", "gguf")
@@ -158,8 +154,7 @@ def describe_quantization(path: str | Path) -> dict[str, int]:
 def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32
                          ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """(config, {HF name: CPU tensor in dtype}), q/k rows in HF order, no lm_head.weight when tied.
-    Raises as `read_gguf_config`; KeyError: an unknown tensor; ValueError: a shape the config
-    does not imply."""
+    Raises as `read_gguf_config`; KeyError: an unknown tensor; ValueError: an unexpected shape."""
     import gguf
 
     reader = open_gguf(path)

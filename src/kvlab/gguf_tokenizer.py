@@ -3,15 +3,12 @@
 There is no tokenizer.json; llama.cpp's converter stores the pieces: `tokenizer.ggml.model` ("gpt2"
 = byte-level BPE), `.tokens` (id = list index), `.merges` ("a b", best first), `.token_type` (3 =
 control token such as `<|im_start|>`), `.pre` (the pre-tokenizer) and `tokenizer.chat_template`
-(Jinja, as in HF's tokenizer_config.json). They are assembled with `tokenizers` and the template
-rendered by sandboxed `jinja2`, as `apply_chat_template` does (tests/test_gguf_loader.py compares
-both with transformers' own GGUF conversion).
-
-A reply ends at the end-of-turn token, which need not be EOS: a ChatML fine-tune may keep
-`<|endoftext|>` as EOS while its template closes messages with `<|im_end|>` (SmolLM2-Instruct's EOS
-is `<|im_end|>`). llama.cpp stops at EOS, EOT, EOM and known end-of-turn texts (llama-vocab.cpp);
-kvlab instead reads the control token the template writes right after a message's content
-(`ChatTemplate.stop_token_ids`).
+(Jinja, as in HF's tokenizer_config.json), assembled here with `tokenizers` and sandboxed `jinja2`
+as `apply_chat_template` does (tests/test_gguf_loader.py compares both with transformers' own). A
+reply ends at the end-of-turn token, which need not be EOS: a ChatML fine-tune may keep
+`<|endoftext|>` as EOS while its template closes messages with `<|im_end|>`. llama.cpp stops at EOS,
+EOT, EOM and known end-of-turn texts (llama-vocab.cpp); kvlab reads the control token the template
+writes right after a message's content (`ChatTemplate.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -139,9 +136,8 @@ _SENTINEL = "kvlab-reply-ends-here"
 
 
 def end_of_turn_token(template: ChatTemplate, control_tokens: dict[str, int]) -> str | None:
-    """The control token the template writes right after an assistant message's content
-    (SmolLM2's ChatML: '<|im_end|>'), or None if it writes none there (or cannot render a
-    user/assistant exchange). control_tokens: token text -> id; the longest match wins."""
+    """The control token written right after an assistant message (SmolLM2: '<|im_end|>'), else
+    None (also if no user/assistant exchange renders). control_tokens: text -> id; longest wins."""
     try:
         text = template.render([{"role": "user", "content": "hello"},
                                 {"role": "assistant", "content": _SENTINEL}],

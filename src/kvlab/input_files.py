@@ -32,9 +32,8 @@ def input_file_error(path: str | Path, problem: str, expected: str) -> InputFile
 
 
 def read_text(path: str | Path, expected: str) -> str:
-    """The whole file as UTF-8 (a byte-order mark dropped); `expected` is for the message.
-    MissingInputFileError: no such file; InputFileError: a folder, over MAX_TEXT_BYTES,
-    unreadable, empty or blank, binary (NUL bytes), or not UTF-8."""
+    """The file as UTF-8 (BOM dropped); `expected` is for the message. MissingInputFileError;
+    InputFileError: a folder, over MAX_TEXT_BYTES, unreadable, blank, binary (NUL) or not UTF-8."""
     path = Path(path)
     if not path.exists():
         raise MissingInputFileError(f"{path}: no such file; expected {expected}")

@@ -23,9 +23,8 @@ _CUDA_SLACK_PER_TENSOR = 2**20 + 512
 
 
 class AccountedCache(Protocol):
-    """What `measure` reads from a KV cache. reserved_bytes: set aside for sequences (held blocks,
-    or every slab); used_bytes: tokens held x KV bytes per token; allocated_bytes: every tensor
-    (the whole pool, held or free); allocator_delta_bytes: CUDA only, else None."""
+    """What `measure` reads: reserved_bytes (held blocks, or every slab), used_bytes (tokens held x
+    KV bytes per token), allocated_bytes (every tensor), allocator_delta_bytes (CUDA, else None)."""
 
     reserved_bytes: int
     used_bytes: int
@@ -49,8 +48,7 @@ def device_name(device: str | torch.device) -> str:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Bytes a model and its KV cache take on one device (fields as `AccountedCache`'s;
-    peak_allocated_bytes and allocator_kv_bytes CUDA only)."""
+    """A model's and its KV cache's bytes on a device (as `AccountedCache`; last two CUDA only)."""
 
     device: str
     weights_bytes: int
@@ -89,9 +87,8 @@ def _exact(num_bytes: int) -> str:
 
 def measure(model: torch.nn.Module | None = None, cache: AccountedCache | None = None,
             device: str | torch.device | None = None) -> MemoryReport:
-    """A model's weights (tied once) and a cache's bytes on device (default the model's, else
-    CPU). RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree beyond its
-    rounding (the cache is not counting what it holds)."""
+    """Weights (tied once) and a cache's bytes on `device` (default the model's, else CPU);
+    RuntimeError: on CUDA, the allocator's delta and the tensor bytes disagree past its rounding."""
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
     device = torch.device(device)

@@ -3,15 +3,14 @@
 The pieces are the ones in Touvron et al., "LLaMA" (2023), section 2.2, and Llama 2/3 after it:
 RMSNorm before each block (Zhang & Sennrich, 2019), rotary position embeddings at absolute positions
 (RoPE; Su et al., 2021), a SwiGLU feed-forward block (Shazeer, 2020) and attention whose key/value
-heads may be shared by groups of query heads (GQA; Ainslie et al., 2023).
+heads may be shared by groups of query heads (GQA; Ainslie et al., 2023). Parameter names match
+Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), so a published
+checkpoint loads with no renaming (`kvlab.checkpoint`).
 
-Parameter names match Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`,
-...), so a published checkpoint loads with no renaming (see `kvlab.checkpoint`).
-
-Tokens are laid out flat, as vLLM does: a forward pass takes `token_ids [num_tokens]` and
-`positions [num_tokens]`. Where keys and values live is not the model's business: each attention
-layer hands its new K/V to a *KV store* (`NoCache`, a contiguous slab, a paged block pool, ...) and
-gets the attention output back. That one seam is what the whole course turns.
+Tokens are laid out flat, as vLLM does: token_ids and positions are [num_tokens]. Where keys and
+values live is not the model's business: each attention layer hands its new K/V to a *KV store*
+(`NoCache`, a contiguous slab, a paged block pool, ...) and gets the attention output back. That
+one seam is what the whole course turns.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ class KVStore(Protocol):
 
 
 class NoCache:
-    """No KV cache: each pass recomputes every K/V (O(n^2) projections for n tokens); the
-    reference every cache is checked against."""
+    """No cache: each pass recomputes every K/V (O(n^2) projections); every cache's reference."""
 
     def attend(self, layer_index, query, key, value, positions):
         return grouped_attention(query, key, value, query_positions=positions,
@@ -144,8 +142,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three projections of x (`kvlab.cpu_linear` runs them as one matmul, as vLLM's
-        QKVParallelLinear does)."""
+        """The q, k, v projections: one matmul in `kvlab.cpu_linear` (vLLM's QKVParallelLinear)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
@@ -163,8 +160,7 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_proj(x), up_proj(x) (one matmul under `kvlab.cpu_linear`, as vLLM's
-        MergedColumnParallelLinear)."""
+        """Gate and up projections: one matmul in `cpu_linear` (MergedColumnParallelLinear)."""
         return self.gate_proj(x), self.up_proj(x)
 
 
@@ -220,11 +216,9 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [num_tokens, vocab_size] of token_ids [num_tokens] at absolute positions
         (default 0 .. num_tokens - 1) through kv (default `NoCache()`: one whole sequence).
-
-        logits_indices [num_rows] int64: only those rows' logits ([num_rows, vocab_size]). A server
-        samples only after each request's last scheduled token (vLLM's `logits_indices`), and the
-        vocabulary projection is a small model's largest matmul: a 1,000-token prefill that needs
-        one row skips 999 of them."""
+        logits_indices [num_rows] int64: only those rows ([num_rows, vocab_size]), as vLLM samples
+        only after each request's last scheduled token; the vocabulary projection is a small
+        model's largest matmul, so a 1,000-token prefill that needs one row skips 999."""
         if positions is None:
             positions = torch.arange(token_ids.shape[0], device=token_ids.device)
         hidden = self.model(token_ids, positions, kv if kv is not None else NoCache())

@@ -1,11 +1,10 @@
 """One call at the top of every notebook: device, Triton mode, seeds, threads, quiet known warnings.
 
-In the order that matters: 1. the device (`kvlab.device`: CUDA if any, else CPU) and its dtype
-(float32 on CPU, bf16 or fp16 on a GPU); 2. without CUDA, TRITON_INTERPRET=1, which Triton reads
-when a kernel is *defined*, so call `setup()` before importing any kernel (the result says if
-Triton came first); 3. seeds for Python, NumPy (if installed) and torch; 4. torch's CPU threads
-(default 1: on a shared CPU a pool costs more than the tiny tensors save); 5. silences only
-`KNOWN_HARMLESS_WARNINGS`, by message and category.
+In the order that matters: 1. the device and dtype (`kvlab.device`); 2. without CUDA,
+TRITON_INTERPRET=1, which Triton reads when a kernel is *defined*, so call `setup()` before
+importing any kernel (the result says if Triton came first); 3. seeds for Python, NumPy (if
+installed) and torch; 4. torch's CPU threads (default 1: on a shared CPU a pool costs more than
+the tiny tensors save); 5. silences only `KNOWN_HARMLESS_WARNINGS`, by message and category.
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
 """Replay traffic through each cache strategy and count what it reserves against what it uses.
 
-This is `kvlab report`, the course's main job. It needs no model weights and no GPU: a strategy
-decides how many token *slots* a request has reserved at each scheduler step, and the workload decides
-how many tokens it really holds. At the KV shape of a real model (bytes per token) that gives bytes.
-
-Definitions, for one request of P prompt tokens and G generated tokens (a test replays requests
-through the paged engine to check them):
+This is `kvlab report`, the course's main job, with no model weights and no GPU: a strategy
+decides how many token *slots* a request has reserved at each scheduler step, the workload how
+many tokens it really holds, and a real model's KV bytes per token turns both into bytes. For a
+request of P prompt and G generated tokens (a test checks these against the paged engine):
 
 * It lives S = max(G, 1) steps and holds P + i tokens at step i (`kvlab.lifetime` says why).
 * waste = 1 - sum(held) / sum(reserved), summed over every step of every request.
-* kv_reserved_bytes / kv_used_bytes = the bytes one request reserves / fills, averaged over all
-  request-steps of the workload (a time average: what an average in-flight request costs).
-* requests_held = floor(KV budget / kv_reserved_bytes). For the contiguous strategy every request
-  reserves the same max_model_len slab, so that count is exact. For paging it is a **steady-state
-  estimate**: the budget divided by what an *average* in-flight request reserves. At a moment when
-  the requests in flight are longer than average, fewer fit; `measure_held` (`kvlab report
-  --measure`) has stage 7's scheduler measure the real figure.
-
-Requests longer than max_model_len cannot be served by any strategy: they are rejected and counted.
+* kv_reserved_bytes / kv_used_bytes: what one request reserves / fills, averaged over all
+  request-steps (a time average: what an average in-flight request costs).
+* requests_held = floor(KV budget / kv_reserved_bytes): exact for the contiguous strategy (every
+  request reserves the same max_model_len slab); for paging a **steady-state estimate** (while
+  the requests in flight are longer than average, fewer fit), which `measure_held` (`kvlab
+  report --measure`) checks with stage 7's scheduler.
+* Requests longer than max_model_len cannot be served by any strategy: they are rejected, counted.
 """
 
 from __future__ import annotations
@@ -35,7 +31,8 @@ __all__ = ["CacheStrategy", "ContiguousStrategy", "PagedStrategy", "StrategyRow"
 
 
 class CacheStrategy(Protocol):
-    """How a cache design reserves KV memory for a request."""
+    """How a cache design reserves KV memory for a request. Optional: held_token_steps(request), for
+    one whose requests share tokens (paged+prefix counts a shared prefix once)."""
 
     name: str
     bytes_per_token: int
@@ -43,9 +40,6 @@ class CacheStrategy(Protocol):
     def reserved_token_steps(self, request: Request) -> int:
         """Token slots reserved, summed over the request's decode steps."""
         ...
-
-    # Optional: held_token_steps(request) -> int, for a strategy whose requests share tokens
-    # (paged+prefix counts a shared prefix once); default kvlab.lifetime.held_token_steps.
 
 
 @dataclasses.dataclass
@@ -55,7 +49,6 @@ class ContiguousStrategy:
     max_model_len: int
     bytes_per_token: int
     name: str = "contiguous"
-    # Every request reserves the same slab at every step, so budget // slab is exact.
     exact_requests_held = True
 
     def reserved_token_steps(self, request: Request) -> int:
@@ -63,23 +56,20 @@ class ContiguousStrategy:
 
 
 def _block_slots_up_to(tokens: int, block_size: int) -> int:
-    """sum_{n=1}^{tokens} ceil(n / B) * B in closed form, B = block_size. With q = tokens // B full
-    blocks and r = tokens % B, the counts n = 1..B each need 1 block, B+1..2B need 2, ..., so the
-    sum is B*(B*(1 + ... + q)) + r*B*(q + 1)."""
+    """sum_{n=1}^{tokens} ceil(n / B) * B, B = block_size: with q = tokens // B and r = tokens % B,
+    n = 1..B need 1 block, B+1..2B need 2, ..., so it is B*(B*(1 + ... + q)) + r*B*(q + 1)."""
     q, r = divmod(tokens, block_size)
     return block_size * (block_size * q * (q + 1) // 2 + r * (q + 1))
 
 
 @dataclasses.dataclass
 class PagedStrategy:
-    """Paged allocation: ceil(held / block_size) blocks at each step (vLLM paper, section 4.2). A
-    block is reserved only when the tokens cross a block boundary: waste below one block per
-    sequence."""
+    """Paged allocation: ceil(held / block_size) blocks at each step (vLLM paper, section 4.2), a
+    new block only when the tokens cross a boundary: waste below one block per sequence."""
 
     block_size: int
     bytes_per_token: int
     name: str = "paged"
-    # What a request reserves changes as it grows, so budget / average is only an estimate.
     exact_requests_held = False
 
     def reserved_token_steps(self, request: Request) -> int:
@@ -92,9 +82,8 @@ class PagedStrategy:
 
 @dataclasses.dataclass
 class StrategyRow:
-    """One line of the report: bytes are averages per in-flight request, waste a fraction.
-    requests_held is exact when requests_held_exact (a fixed reservation per request), else the
-    steady-state estimate budget // average reservation (see the module docstring)."""
+    """One line of the report: bytes averaged per in-flight request, waste a fraction;
+    requests_held is exact when requests_held_exact, else the steady-state estimate."""
 
     strategy: str
     kv_bytes_per_token: int
@@ -130,10 +119,8 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
            kv_budget_bytes: int, workload: str = "", model: str = "",
            kv_budget_source: str = "", tp: int = 1,
            tp_chosen_because: str | None = None) -> Report:
-    """Replay request sizes through each strategy; requests over max_model_len are rejected and
-    counted. kv_budget_bytes (per GPU) gives requests_held; the strategies' bytes_per_token are
-    already per GPU at `tp`; the other arguments are labels printed with the table. ValueError when
-    no request can be served, or max_model_len or the budget is not positive."""
+    """Replay request sizes through each strategy (the budget and bytes per token per GPU, the rest
+    labels). ValueError: no request servable, or max_model_len or the budget not positive."""
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     if kv_budget_bytes <= 0:
@@ -176,17 +163,15 @@ def replay(requests: Sequence[Request], strategies: Sequence[CacheStrategy], max
                   kv_budget_bytes, workload, model, kv_budget_source, tp, tp_chosen_because)
 
 
-# The one table of the designs' names: a row's name, as `kvlab report` and `kvlab serve` print
-# it -> the stage-7 strategy that serves it (`kvlab.serving.STRATEGIES`, `kvlab serve --strategy`).
+# The one table of the designs' names: a row of `kvlab report` / `kvlab serve` -> its stage-7
+# strategy (`kvlab.serving.STRATEGIES`, `kvlab serve --strategy`).
 SERVING_STRATEGY = {"contiguous-mha": "contiguous", "contiguous": "contiguous", "paged": "paged",
                     "paged+prefix": "prefix"}
 
 
 def measure_held(report: Report, requests: Sequence[Request], block_size: int) -> None:
-    """Fill each row's requests_held_measured(_peak) with stage 7's scheduler. Every request is
-    queued at once, at the row's KV bytes per token, in the report's budget
-    (`kvlab.report_capacity`). For contiguous rows it equals the exact count; for paging it checks
-    the steady-state estimate. ValueError for a row whose strategy has no stage-7 manager."""
+    """Fill each row's requests_held_measured(_peak) with stage 7's scheduler, every request queued
+    at once (`kvlab.report_capacity`). ValueError: a row whose strategy has no stage-7 manager."""
     from .report_capacity import measure_requests_held  # stage 7, only when asked for
 
     for row in report.rows:

@@ -1,14 +1,11 @@
 """How many requests a KV budget really holds: the one scheduler with the pool kept full.
 
-`kvlab report` divides the budget by what an average in-flight request reserves: exact for
-stage 2's slabs, only a steady-state estimate for paging (`kvlab.report` says why). Here the
-figure is measured: every request of the workload is queued at once, so the scheduler always has
-someone waiting and admits until the KV manager says no; the requests running at each such step
-are what the budget holds. With `max_num_seqs` set to the workload's size, memory is the only
-limit.
-
-No time is modelled: with every request waiting from the start, no decision depends on the clock
-(each step counts as one unit). `kvlab report --measure` prints the result next to the estimate.
+`kvlab report` divides the budget by what an average in-flight request reserves: exact for stage
+2's slabs, a steady-state estimate for paging (`kvlab.report` says why). Here it is measured: every
+request is queued at once, so someone always waits and the scheduler admits until the KV manager
+says no; the requests running at those steps are what the budget holds (`max_num_seqs` is the
+workload's size, so memory is the only limit). No time is modelled: with every request waiting
+from the start, no decision depends on the clock. `kvlab report --measure` prints the result.
 """
 
 from __future__ import annotations
@@ -26,9 +23,7 @@ __all__ = ["HeldMeasurement", "measure_requests_held"]
 
 @dataclasses.dataclass(frozen=True)
 class HeldMeasurement:
-    """Requests running at the steps where others were waiting (memory was the limit): mean and
-    peak. num_steps 0 means the whole workload fit at once: mean and peak are then the workload's
-    own concurrency, not the budget's."""
+    """Requests running while others waited (mean, peak); num_steps 0: all fit at once, no limit."""
 
     mean: float
     peak: int
@@ -48,11 +43,9 @@ class _UnitClock:
 def measure_requests_held(sizes: Iterable, strategy: str, kv_budget_bytes: int,
                           bytes_per_token: int, max_model_len: int, block_size: int = 16,
                           max_num_batched_tokens: int = 8192) -> HeldMeasurement:
-    """Serve every request at once through `strategy` (`kvlab.serving.STRATEGIES`); count those
-    held. `sizes` are rows with prompt_len and output_len, e.g. `kvlab.workload.Request`; rows with
-    trace_block_ids (Mooncake) let the prefix strategy find shared blocks. Requests over
-    max_model_len are rejected, as in the report. ValueError for an unknown strategy, a budget that
-    cannot hold one max_model_len request, or no request that fits max_model_len."""
+    """Queue every row of `sizes` (`kvlab.workload.Request`s) at once through `strategy`
+    (`kvlab.serving.STRATEGIES`), rejecting those over max_model_len. ValueError: an unknown
+    strategy, a budget below one max_model_len request, or no request that fits."""
     requests = from_sizes(sizes)
     for request in requests:
         request.arrival_s = 0.0  # all queued at once: the pool stays full while any wait

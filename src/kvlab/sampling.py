@@ -1,18 +1,16 @@
 """Choosing the next token: greedy, or a sample whose randomness belongs to its request.
 
-What to do with a request's logits is its `SamplingParams` (vLLM's name): temperature 0 is
-arg-max; T > 0 samples softmax(logits / T). Each sequence draws from its *own*
-`torch.Generator`, so its samples do not depend on its batch, its index in it, or preemption. As
-with vLLM's `SamplingParams.seed`: sibling s of a seeded request uses a stream from (seed, s) only,
-the same alone or tenth in a batch, through any cache; an unseeded request's streams come from the
-engine's seed, its index and s, so two copies of a prompt sample independently. Seeds are
-SHA-256-hashed, so nearby seeds give unrelated streams.
-
-A request ends after any of its stop tokens. A model can have several: an instruct model ends a
-reply with its end-of-turn token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may
-differ from its end-of-sequence token, so a request carries a set of stop token ids, as vLLM's
+A request's `SamplingParams` (vLLM's name) say what to do with its logits: temperature 0 is
+arg-max, T > 0 samples softmax(logits / T). Each sequence draws from its *own* `torch.Generator`,
+so its samples do not depend on its batch, its index in it, or preemption. As with vLLM's
+`SamplingParams.seed`, sibling s of a seeded request uses a stream from (seed, s) only, the same
+alone or tenth in a batch, through any cache; an unseeded request's come from the engine's seed,
+its index and s, so two copies of a prompt sample independently. Seeds are SHA-256-hashed: nearby
+seeds give unrelated streams. A request ends after any of its stop tokens: an instruct model ends
+a reply with its end-of-turn token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may
+differ from its end-of-sequence token, hence a set of stop token ids, as vLLM's
 `SamplingParams.stop_token_ids`, HF's list-valued `GenerationConfig.eos_token_id` and llama.cpp's
-end-of-generation ids do.
+end-of-generation ids.
 """
 
 from __future__ import annotations
@@ -62,22 +60,11 @@ def next_token(logits: torch.Tensor, temperature: float,
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How a request's next tokens are chosen from the logits (vLLM's `SamplingParams`, cut down).
-
-    Attributes:
-        temperature: 0 = greedy (arg-max); T > 0 samples from softmax(logits / T).
-        stream_seed: seed of the request's own random stream (`stream_seed`), so its samples do
-            not depend on its batch or on preemption; None with temperature 0.
-        stop_token_ids: the request finishes right after sampling any of these (finish reason
-            "stop"); empty: it runs to max_output_tokens (finish reason "length"). Any iterable
-            of ids is accepted and stored as a frozenset.
-        first_token: a forced first output token (the course's way to make greedy siblings
-            diverge, so copy-on-write shows); None: sampled like the rest.
-
-    Raises:
-        ValueError: a temperature that is not a finite number >= 0, a temperature > 0 without a
-            stream_seed, or a token id that is not an integer >= 0.
-    """
+    """vLLM's `SamplingParams`, cut down. stream_seed: the request's own stream, None when greedy;
+    stop_token_ids (any iterable, kept as a frozenset): finish ("stop") right after sampling one,
+    else at max_output_tokens ("length"); first_token: forced (the course's way to make greedy
+    siblings diverge, so copy-on-write shows). ValueError: a temperature not a finite number >= 0
+    or > 0 without a stream_seed; a token id not an integer >= 0."""
 
     temperature: float = 0.0
     stream_seed: int | None = None

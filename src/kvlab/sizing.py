@@ -6,11 +6,10 @@ PagedAttention", SOSP 2023, section 3):
 
     KV bytes per token = 2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
 
-Llama-3.1-70B in bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB per token.
-
-Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; as vLLM shards attention) gives each of `tp`
-GPUs num_key_value_heads / tp KV heads. When tp exceeds num_key_value_heads the heads cannot be
-split further, so each GPU keeps one whole KV head, replicated (vLLM does the same).
+Llama-3.1-70B in bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B = 320 KiB per token. Tensor parallelism
+(Megatron-LM, Shoeybi et al. 2019; as vLLM shards attention) gives each of `tp` GPUs
+num_key_value_heads / tp KV heads; past tp = num_key_value_heads the heads cannot be split
+further, so each GPU keeps one whole KV head, replicated (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ __all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
            "SizeReport", "size_report", "SizingError", "format_bytes", "plural", "MAX_SEQ_LEN",
            "MAX_BATCH"]
 
-# NOMINAL memory of common cards: the capacity on the vendor's datasheet (NVIDIA, AMD), read as GiB
-# (2**30 bytes). A card reports less to torch.cuda: the driver, ECC and the CUDA context keep some,
-# and "GB" on a datasheet is not always 2**30 bytes. Whenever a GPU is present, `gpu="local"` (and
-# `kvlab size` with no --gpu) uses the figure torch.cuda reports instead.
+# NOMINAL memory of common cards (vendor datasheets, NVIDIA and AMD), read as GiB. A card reports
+# less to torch.cuda (the driver, ECC and CUDA context keep some; a datasheet's "GB" is not always
+# 2**30 bytes); with a GPU present, `gpu="local"` (`kvlab size` without --gpu) uses torch's figure.
 GPU_MEMORY_GIB = {
     "T4": 16, "L4": 24, "A10G": 24, "RTX-4090": 24, "L40S": 48, "A100-40GB": 40,
     "A100-80GB": 80, "H100-80GB": 80, "H200": 141, "B200": 180, "MI300X": 192,
@@ -51,9 +49,8 @@ class SizingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GpuMemory:
-    """One GPU's memory and where the figure comes from. source: "nominal, vendor datasheet"
-    (GPU_MEMORY_GIB), "reported by torch.cuda" (this machine's card; less than nominal) or "given"
-    (a size the user typed)."""
+    """One GPU's memory; source: "nominal, vendor datasheet", "reported by torch.cuda" (this
+    machine's card, less than nominal) or "given" (typed by the user)."""
 
     name: str
     total_bytes: int
@@ -61,11 +58,8 @@ class GpuMemory:
 
 
 def local_gpu_memory() -> GpuMemory | None:
-    """This machine's first CUDA (or ROCm) GPU as torch.cuda reports it, or None.
-
-    total_bytes is the driver's cudaDeviceProp.totalGlobalMem: what the card can hand out, less than
-    its nominal size.
-    """
+    """This machine's first CUDA (or ROCm) GPU, or None; total_bytes is the driver's
+    cudaDeviceProp.totalGlobalMem, what the card can hand out (less than nominal)."""
     try:
         import torch
     except ImportError:  # the calculator itself needs no torch
@@ -77,10 +71,8 @@ def local_gpu_memory() -> GpuMemory | None:
 
 
 def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuMemory | None:
-    """A GPU by name from GPU_MEMORY_GIB (nominal), "local" (torch.cuda), or GiB given; else None.
-
-    Raises SizingError for an unknown name, "local" with no GPU present, or GiB not in (0, 16384].
-    """
+    """A GPU by name from GPU_MEMORY_GIB, "local" (torch.cuda) or GiB given; else None. SizingError:
+    an unknown name, "local" with no GPU present, or GiB not in (0, 16384]."""
     if gpu is not None:
         if gpu.lower() in ("local", "cuda"):
             found = local_gpu_memory()
@@ -104,14 +96,9 @@ def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuM
 def default_kv_budget(config: LlamaConfig, gpu: str = "H100-80GB", *, dtype: DTypeLike = "bf16",
                       gpu_memory_utilization: float = 0.9, tp: int = 1,
                       gpu_memory_bytes: int | None = None) -> int:
-    """Bytes left for the KV cache on one GPU: int(gpu_memory_utilization x GPU bytes) - weights.
-
-    The budget vLLM gives its block pool before it subtracts activations (vLLM's default
-    gpu_memory_utilization is 0.9; `kvlab.paged.budget` explains the start-up sequence). `dtype` is
-    the weights' (per GPU under `tp`); gpu_memory_bytes, when given, replaces `gpu`. Zero or
-    negative when the weights alone do not fit. Raises SizingError for an unknown GPU or dtype, an
-    impossible tp, or a utilization outside (0, 1].
-    """
+    """int(gpu_memory_utilization x GPU bytes) - weights in `dtype` per GPU: vLLM's KV budget before
+    activations (`kvlab.paged.budget`), <= 0 if the weights do not fit; gpu_memory_bytes replaces
+    `gpu`. SizingError: an unknown GPU or dtype, an impossible tp, a utilization outside (0, 1]."""
     if not 0 < gpu_memory_utilization <= 1:
         raise SizingError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if gpu_memory_bytes is None:
@@ -141,13 +128,9 @@ def dtype_name(dtype: DTypeLike) -> str:
 
 
 def kv_heads_per_gpu(config: LlamaConfig, tp: int = 1) -> int:
-    """KV heads each of `tp` tensor-parallel GPUs stores.
-
-    tp <= num_key_value_heads: the heads are split, num_key_value_heads / tp each.
-    tp > num_key_value_heads: one head per GPU, each head replicated tp / num_key_value_heads times.
-    Raises SizingError when tp < 1, tp does not divide num_attention_heads, or tp and
-    num_key_value_heads do not divide one another.
-    """
+    """KV heads on each of `tp` GPUs: num_key_value_heads / tp, or 1 (replicated) past that.
+    SizingError: tp < 1, tp not dividing num_attention_heads, or tp and num_key_value_heads not
+    dividing one another."""
     kv = config.num_key_value_heads
     if not isinstance(tp, int) or tp < 1:
         raise SizingError(f"tensor parallel size must be a positive integer, got {tp!r}")
@@ -208,11 +191,9 @@ def weights_bytes(config: LlamaConfig, dtype: DTypeLike = "bf16", tp: int = 1) -
 
 @dataclasses.dataclass
 class SizeReport:
-    """What `kvlab size` prints. Per-GPU figures unless the name ends in `_total` (all tp GPUs).
-
-    `kv_cache_dtype` is vLLM's --kv-cache-dtype (the weights' dtype unless given).
-    kv_heads_replicated > 1 when tp exceeds num_key_value_heads: each KV head is on that many GPUs.
-    """
+    """What `kvlab size` prints: per GPU unless the name ends in `_total` (all tp GPUs).
+    kv_cache_dtype is vLLM's --kv-cache-dtype (default `dtype`); kv_heads_replicated, the GPUs
+    holding each KV head."""
 
     model: str
     dtype: str
@@ -247,15 +228,10 @@ def size_report(config: LlamaConfig, *, batch: int = 1, seq_len: int = 4096,
                 gpu: str | None = None,
                 gpu_mem_gib: float | None = None,
                 gpu_memory_utilization: float = 0.9) -> SizeReport:
-    """Weights and KV cache of `batch` requests of `seq_len` tokens, and how many fit on a GPU.
-
-    max_concurrent_requests = floor(default_kv_budget / (seq_len x KV bytes per token per GPU)): 0
-    when the weights alone do not fit, None when no GPU is given. Activations and the CUDA context
-    are ignored here: vLLM measures them with a profiling run. kv_cache_dtype defaults to `dtype`
-    (e.g. an fp8 cache beside bf16 weights); `gpu` and gpu_mem_gib are as in `gpu_memory`.
-    Raises SizingError for batch outside [1, MAX_BATCH], seq_len outside [1, MAX_SEQ_LEN], an
-    unknown dtype or GPU, an impossible tp, or a utilization outside (0, 1].
-    """
+    """Weights and KV cache of `batch` requests of `seq_len` tokens; max_concurrent_requests =
+    floor(default_kv_budget / (seq_len x KV bytes per token per GPU)), 0 if the weights do not fit,
+    None with no GPU; activations left to vLLM's profiling run. SizingError: batch, seq_len outside
+    [1, MAX_BATCH], [1, MAX_SEQ_LEN]; an unknown dtype or GPU; an impossible tp or utilization."""
     for name, value, top in (("batch", batch, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN)):
         if not isinstance(value, int) or not 1 <= value <= top:
             raise SizingError(f"{name} must be a whole number of {'requests' if name == 'batch' else 'tokens'} "

@@ -2,10 +2,9 @@
 
 Under tensor parallelism each GPU holds 1/tp of the weights and of every token's K/V
 (`kvlab.sizing`). vLLM v1 refuses to start unless what is left of `gpu_memory_utilization` x the
-card after the weights holds one request of max_model_len tokens ("To serve at least one request
-with the model's max seq len ...", `check_enough_kv_cache_memory` in
-vllm/v1/core/kv_cache_utils.py). `tp_shortfall` says why a size fails that check, with the numbers;
-`smallest_fitting_tp` finds the smallest size that passes it.
+card after the weights holds one max_model_len request ("To serve at least one request with the
+model's max seq len ...", `check_enough_kv_cache_memory`, vllm/v1/core/kv_cache_utils.py): the
+check `tp_shortfall` explains and `smallest_fitting_tp` passes at the smallest size.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ def tp_shortfall(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: int, *, t
                  max_model_len: int, dtype: DTypeLike = "bf16",
                  kv_cache_dtype: DTypeLike | None = None, gpu_memory_utilization: float = 0.9,
                  kv_budget_bytes: int | None = None) -> str | None:
-    """Why one of `tp` GPUs cannot hold its share, with the numbers; None when it can. Without
-    kv_budget_bytes this is vLLM's start-up check (module docstring); with it, the weights and that
-    KV budget must fit in the card. E.g. "141.1 GB of bf16 weights > 80 GiB H100-80GB"
-    (llama-3.1-70b at tp 1). SizingError for an impossible tp or unknown dtype."""
+    """Why one of `tp` GPUs cannot hold its share, e.g. "141.1 GB of bf16 weights > 80 GiB
+    H100-80GB" (llama-3.1-70b, tp 1); None when it can. With kv_budget_bytes, weights + that budget
+    must fit the card instead of vLLM's check. SizingError: an impossible tp or unknown dtype."""
     weights = weights_bytes(config, dtype, tp)
     per_gpu = " per GPU" if tp > 1 else ""
     shown = f"{weights / 1e9:.1f} GB of {dtype_name(dtype)} weights{per_gpu}"
@@ -63,7 +61,6 @@ def smallest_fitting_tp(config: LlamaConfig, gpu_name: str, gpu_memory_bytes: in
 
 
 def _splits(config: LlamaConfig, tp: int) -> bool:
-    """Whether `kv_heads_per_gpu` accepts this tp."""
     try:
         kv_heads_per_gpu(config, tp)
     except SizingError:

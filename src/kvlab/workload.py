@@ -5,29 +5,19 @@ replays a real production trace: the **Azure LLM inference trace 2023, conversat
 (Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024;
 Azure Public Dataset, CC BY 4.0), shipped as `kvlab.traces.azure_trace("conv")`.
 
-This module draws *synthetic* traffic, for sweeps and arrival processes that a fixed trace cannot
-give (any number of requests, any seed). Its default fit uses the trace's published statistics
-
-    context (prompt) tokens:  mean 1,155  median 1,020
-    generated tokens:         mean   211  median   129
-
-We fit a log-normal to each: for a log-normal, median = e^mu and mean = e^(mu + sigma^2 / 2), so
-mu = ln(median) and sigma = sqrt(2 ln(mean / median)). That gives prompt ~ LogNormal(6.928, 0.499)
-and output ~ LogNormal(4.860, 0.992). Draws are rounded to whole tokens, at least 1, and outputs
-are capped at 1,000 tokens as the service capped them (the trace's maximum). The cap trims the
-output mean to about 201 tokens (the log-normal's tail above 1,000 is cut); medians are unchanged.
+This module draws *synthetic* traffic for sweeps and arrival processes a fixed trace cannot give
+(any number of requests, any seed), by default fitted to the trace's published statistics: prompt
+tokens mean 1,155, median 1,020; generated tokens mean 211, median 129. For a log-normal, median =
+e^mu and mean = e^(mu + sigma^2 / 2), so mu = ln(median) and sigma = sqrt(2 ln(mean / median)):
+prompt ~ LogNormal(6.928, 0.499), output ~ LogNormal(4.860, 0.992). Draws are rounded to whole
+tokens, at least 1, and outputs capped at 1,000 tokens as the service capped them (the trace's
+maximum), which trims the output mean to about 201 tokens; medians are unchanged.
 
 What the fit does NOT match: the tail. A log-normal through the mean and median has a far thinner
-tail than the real prompts, so it has far fewer requests longer than a typical max_model_len and a
-lower 99th percentile (`compare_to_trace` computes both; the README and `tests/test_workload.py`
-give the figures). Use the real trace for waste and rejection figures; use the fit for sweeps.
-
-ShareGPT statistics from the vLLM paper (input mean 161, output mean 338) are given as a second
-preset; the paper reports means only, so its fit assumes the same spreads as the Azure fit.
-
-The last functions turn any of these workloads into the requests a server replays
-(`kvlab.serving.Request`, `from_sizes`), then reshape them: Poisson arrivals, a trace sped up,
-lengths shrunk for a CPU, synthetic token ids for model mode.
+tail than the real prompts: far fewer requests longer than a typical max_model_len, a lower 99th
+percentile (`compare_to_trace`; figures in the README and `tests/test_workload.py`). Use the real
+trace for waste and rejection figures, the fit for sweeps. The second preset, ShareGPT (vLLM
+paper: input mean 161, output mean 338; means only), assumes the Azure fit's spreads.
 """
 
 from __future__ import annotations
@@ -47,21 +37,11 @@ __all__ = ["Request", "LogNormalFit", "AZURE_CONV_2023", "SHAREGPT", "synthetic_
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request as a trace or a fit gives it (every reader and `synthetic_requests` makes these).
-
-    Attributes:
-        prompt_len, output_len: tokens; prompt_len >= 1, output_len >= 0 (0: prefill only).
-        arrival_s: seconds from the start of the trace.
-        trace_block_ids: the trace's ids of the prompt's consecutive blocks of `trace_block_size`
-            tokens (Mooncake: 512); equal ids at equal positions = a shared prefix. Empty when the
-            trace has none (Azure, synthetic). Not vLLM's `block_hashes`, which chain KV blocks.
-        trace_block_size: tokens per entry of `trace_block_ids` (0 when there are none).
-        num_cached_tokens: leading prompt tokens a prefix cache supplies, when a replay found them
-            (`kvlab.prefix.report_row`); 0 otherwise.
-
-    The server's view of a request (progress, sampling) is `kvlab.serving.Request`, made from
-    these by `from_sizes`.
-    """
+    """A request as a trace or a fit gives it (`kvlab.serving.Request` is the server's): prompt_len
+    >= 1, output_len >= 0 tokens (0: prefill only); trace_block_ids: ids of the prompt's blocks of
+    trace_block_size tokens (Mooncake: 512), equal ids at equal positions a shared prefix, empty
+    for Azure and synthetic traffic (not vLLM's chained `block_hashes`); num_cached_tokens: leading
+    prompt tokens a prefix cache supplied in a replay (`kvlab.prefix.report_row`), else 0."""
 
     prompt_len: int
     output_len: int
@@ -108,13 +88,8 @@ SHAREGPT = LogNormalFit(
 
 def synthetic_requests(num_requests: int, fit: LogNormalFit = AZURE_CONV_2023,
                        seed: int = 0) -> list[Request]:
-    """Draw request sizes from a log-normal fit; the same seed gives the same requests everywhere.
-
-    Uses Python's `random.Random` (Mersenne Twister), whose draws do not depend on the platform.
-
-    Raises:
-        ValueError: num_requests < 1.
-    """
+    """Sizes drawn from `fit` by `random.Random` (Mersenne Twister, the same on every platform),
+    so a seed gives the same requests everywhere. ValueError: num_requests < 1."""
     if not isinstance(num_requests, int) or num_requests < 1:
         raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
     rng = random.Random(seed)
@@ -131,27 +106,17 @@ def synthetic_requests(num_requests: int, fit: LogNormalFit = AZURE_CONV_2023,
 
 
 def share_longer_than(requests: Sequence[Request], tokens: int) -> float:
-    """Fraction of requests whose prompt + output exceeds `tokens` (those a server with
-    max_model_len = tokens must reject). Example: on the Azure conversation trace, tokens=4096.
-
-    Raises:
-        ValueError: no requests.
-    """
+    """Fraction of requests whose prompt + output exceeds `tokens`: those a server with
+    max_model_len = tokens must reject. ValueError: no requests."""
     if not requests:
         raise ValueError("no requests: the share of an empty workload is undefined")
     return sum(r.total_len > tokens for r in requests) / len(requests)
 
 
 def percentile(values: Iterable[float], q: float) -> float:
-    """The q-th percentile (0..100), interpolated linearly between order statistics; nan for no values.
-
-    The course's one definition, used for traffic (`traffic_stats`) and for replay latencies
-    (`kvlab.serving.metrics`): numpy's default method, the one vLLM's benchmark scripts report, so
-    a p99 here reads the same as a vLLM benchmark's. Example: percentile([1, 2, 3, 4], 50) == 2.5.
-
-    Raises:
-        ValueError: q outside [0, 100].
-    """
+    """The q-th percentile (0..100), linear between order statistics (numpy's default, as vLLM's
+    benchmarks report), nan for no values: the course's one, for traffic and replay latencies.
+    percentile([1, 2, 3, 4], 50) == 2.5. ValueError: q outside [0, 100]."""
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
     ordered = sorted(values)
@@ -179,11 +144,7 @@ class TrafficStats:
 
 def traffic_stats(requests: Sequence[Request],
                   thresholds: Sequence[int] = (2048, 4096, 8192)) -> TrafficStats:
-    """Mean, median and 99th percentile of prompt and output lengths, and tail shares.
-
-    Raises:
-        ValueError: no requests.
-    """
+    """Mean, median and p99 of prompt and output lengths, and tail shares; ValueError: none."""
     import statistics
 
     if not requests:
@@ -201,10 +162,8 @@ def traffic_stats(requests: Sequence[Request],
 
 def compare_to_trace(trace: Sequence[Request], fit: LogNormalFit = AZURE_CONV_2023,
                      seed: int = 0) -> tuple[TrafficStats, TrafficStats]:
-    """(trace stats, fit stats) over as many synthetic draws as the trace has requests.
-
-    Shows where a log-normal fit to a trace's mean and median parts from the trace: the tail.
-    """
+    """(trace stats, fit stats) over as many draws as the trace has requests: where a fit to the
+    trace's mean and median parts from it (the tail)."""
     return traffic_stats(trace), traffic_stats(synthetic_requests(len(trace), fit, seed=seed))
 
 
@@ -213,12 +172,8 @@ def compare_to_trace(trace: Sequence[Request], fit: LogNormalFit = AZURE_CONV_20
 
 def from_sizes(sizes: Iterable[Request], prompt_ids: bool = False, vocab_size: int = 0,
                seed: int = 0) -> list[ServedRequest]:
-    """Requests to serve (`kvlab.serving.Request`) from a trace's or a fit's, in arrival order.
-
-    Rows with 0 output tokens are served as 1 (a server always returns at least one token).
-    Their `trace_block_ids` / `trace_block_size` are carried over. With prompt_ids=True every
-    request gets `synthetic_prompt_ids` (vocab_size needed).
-    """
+    """`kvlab.serving.Request`s in arrival order, trace block ids kept; 0 output tokens are served
+    as 1 (a server returns at least one). prompt_ids=True: `synthetic_prompt_ids` for each."""
     from .serving.request import Request as ServedRequest
 
     requests = []
@@ -263,15 +218,9 @@ def speed_up(requests: Sequence[ServedRequest], factor: float) -> list[ServedReq
 
 
 def shrink(requests: Sequence[ServedRequest], factor: int) -> list[ServedRequest]:
-    """Prompt and output lengths divided by `factor` (rounded, at least 1), arrival times kept.
-
-    For the tiny model on a CPU, whose max_position_embeddings is 1,024: the traffic keeps its shape
-    (long tail, bursts) at a size a CPU runs in seconds. Trace block ids are kept, with their
-    block size divided too (it must stay a whole number of tokens).
-
-    Raises:
-        ValueError: factor < 1, or a trace block size it does not divide.
-    """
+    """Prompt and output lengths divided by `factor` (rounded, at least 1), arrivals kept: the same
+    shape (long tail, bursts) at a size the tiny model (1,024 positions) serves on a CPU in seconds.
+    Trace block sizes are divided too. ValueError: factor < 1, or one not dividing a block size."""
     from .serving.request import Request as ServedRequest
 
     if not isinstance(factor, int) or factor < 1:
@@ -288,16 +237,9 @@ def shrink(requests: Sequence[ServedRequest], factor: int) -> list[ServedRequest
 
 
 def synthetic_prompt_ids(request: ServedRequest, vocab_size: int, seed: int = 0) -> list[int]:
-    """Token ids for a request known only by its length (model mode on a trace).
-
-    Ids are drawn uniformly from [0, vocab_size). With trace block ids, the tokens of each named
-    block are drawn from a generator seeded by (seed, position, block id), so two prompts that share
-    a prefix of blocks in the trace share exactly those token ids, and the prefix cache can find
-    them. The rest of the prompt is drawn from a generator seeded by (seed, request_id).
-
-    Raises:
-        ValueError: vocab_size < 1.
-    """
+    """Uniform ids in [0, vocab_size) for a request known only by its length; each trace block's
+    seeded by (seed, position, block id), so prompts sharing a prefix of blocks share those ids
+    (the prefix cache finds them), the rest by (seed, request_id). ValueError: vocab_size < 1."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     ids: list[int] = []

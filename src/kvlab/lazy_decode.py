@@ -35,6 +35,7 @@ from typing import Sequence
 from .paged.kv_cache_manager import KVCacheManager
 from .prefix.manager import PrefixCachingKVCacheManager
 from .serving import engine_core
+from .serving.cost_model import CostModel
 from .serving.metrics import ServeResult, StepSeries, summarize
 from .serving.request import Request, RequestState
 from .serving.reservation import ContiguousManager, KVManager
@@ -195,12 +196,13 @@ class _LazyReplay:
         if not scheduled and not num_lazy:
             self.active = []
             return False  # the only running request preempted itself
-        computed = self.lazy_computed + sum(r.num_computed_tokens for r, _ in scheduled)
-        tokens = num_lazy + sum(n for _, n in scheduled)
-        pairs = self.lazy_computed + num_lazy + sum(
-            n * r.num_computed_tokens + n * (n + 1) // 2 for r, n in scheduled)
-        # every lazy (decoding) request samples; a scheduled one when its chunk reaches its end
-        sampled = num_lazy + sum(r.num_computed_tokens + n == r.num_tokens for r, n in scheduled)
+        # The scheduled requests' sizes as the cost model counts them, plus the lazy decodes':
+        # each computes and samples 1 token, reading its computed ones and attending them + 1.
+        tokens, computed, pairs, sampled = CostModel.step_sizes(scheduled)
+        tokens += num_lazy
+        computed += self.lazy_computed
+        pairs += self.lazy_computed + num_lazy
+        sampled += num_lazy
         seconds = self.step_time(tokens, computed, pairs, sampled)
         # held during the step: every running request's computed tokens and the step's own
         still_running = [r for r in active if r.state is RequestState.RUNNING] + admitted

@@ -263,18 +263,18 @@ def refit(clock: CpuClock, config: LlamaConfig) -> CpuClock:
     """
     stored = clock.measured["probes"]
     sizes = probe_sizes(config)
+    if len(stored) != len(sizes):
+        raise ValueError(f"{len(stored)} stored probes, today's are {len(sizes)}: other steps")
     for number, (probe, now) in enumerate(zip(stored, sizes)):
         old = np.asarray(probe["sizes"])
-        if len(stored) != len(sizes) or not np.array_equal(old, now[:, :old.shape[1]]):
+        if not np.array_equal(old, now[:, :old.shape[1]]):
             raise ValueError(f"stored probe {number} made other steps than today's probes")
     fitted = fit_cpu_clock(config, [StepTimes.from_seconds(now, probe["seconds"])
                                     for probe, now in zip(stored, sizes)], clock.dtype,
                            clock.bandwidth_bytes_per_s)
-    errors = fitted.measured["errors"]
     probes_now = [{**probe, "sizes": now.astype(int).tolist()} for probe, now in zip(stored, sizes)]
     return dataclasses.replace(fitted, measured={
         **clock.measured, **fitted.measured, "probes": probes_now,
-        "median_abs_error": round(statistics.median(abs(e) for e in errors), 4),
         "refitted": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
 
 
@@ -344,11 +344,14 @@ def fit_cpu_clock(config: LlamaConfig, runs: Sequence[StepTimes], dtype: str = "
     theta = min(fits, key=lambda fit: float(np.sum(errors(fit) ** 2)))
     with np.errstate(over="ignore"):
         flop_rate, bandwidth, overhead = (float(v) for v in unpack(theta))
+    fit_errors = np.round(np.expm1(errors(theta)), 4).tolist()
     return CpuClock(flop_rate, bandwidth, overhead, dtype=dtype,
                     measured={"intervals": len(durations),
                               "bandwidth": "fitted" if bandwidth_bytes_per_s is None else
                               "measured (measure_read_bandwidth)",
-                              "errors": np.round(np.expm1(errors(theta)), 4).tolist()})
+                              "errors": fit_errors,
+                              "median_abs_error": round(statistics.median(map(abs, fit_errors)),
+                                                        4)})
 
 
 def _load_average() -> str:
@@ -386,13 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                "seconds": np.round(np.diff(run.ends, prepend=0.0), 6).tolist()} for run in timed]
     fitted = fit_cpu_clock(model.config, [StepTimes.from_seconds(p["sizes"], p["seconds"])
                                           for p in stored], bandwidth_bytes_per_s=bandwidth)
-    errors = fitted.measured["errors"]
     fitted = dataclasses.replace(fitted, measured={
         **fitted.measured, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "load_average_before": load, "load_average_after": _load_average(),
         "wall_s": round(time.perf_counter() - started, 1), "repeats": args.repeats,
-        "median_abs_error": round(statistics.median(abs(e) for e in errors), 4),
         "probes": stored})
     Path(args.out).write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
     print(f"{fitted.describe()}\nstored in {args.out}")

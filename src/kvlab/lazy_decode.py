@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import bisect
 import collections
-import time
 from typing import Sequence
 
 from .paged.kv_cache_manager import KVCacheManager
 from .prefix.manager import PrefixCachingKVCacheManager
 from .serving import engine_core
 from .serving.cost_model import CostModel
-from .serving.metrics import ServeResult, StepSeries, summarize
+from .serving.metrics import ServeResult
 from .serving.request import Request, RequestState
 from .serving.reservation import ContiguousManager, KVManager
 from .serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -154,9 +153,9 @@ class _LazyReplay:
         consumed += len(running) - last - 1
         return plan, len(running) - (consumed - limit) if consumed > limit else None
 
-    def _lazy_step(self, now: float):
-        """One step with the lazy requests advanced by their sums (False: nothing ran); None
-        (nothing changed) if the token budget would leave a lazy request out of the step."""
+    def _lazy_step(self, now: float) -> engine_core.StepResult | None:
+        """One step with the lazy requests advanced by their sums; None (nothing changed) if the
+        token budget would leave a lazy request out of the step."""
         scheduler, kv, running = self.scheduler, self.kv, self.scheduler.running
         limit = scheduler.config.max_num_batched_tokens
         due = self._due(self.tick + 1)
@@ -194,8 +193,8 @@ class _LazyReplay:
             admitted, _ = scheduler.admit_waiting(budget, scheduled)
             self._number(admitted)
         if not scheduled and not num_lazy:
-            self.active = []
-            return False  # the only running request preempted itself
+            self.active = []  # the only running request preempted itself: nothing ran
+            return engine_core.StepResult(SchedulerOutput([], admitted, preempted, 0), [])
         # The scheduled requests' sizes as the cost model counts them, plus the lazy decodes':
         # each computes and samples 1 token, reading its computed ones and attending them + 1.
         tokens, computed, pairs, sampled = CostModel.step_sizes(scheduled)
@@ -213,59 +212,22 @@ class _LazyReplay:
         self.tick += 1
         self.lazy_computed += num_lazy
         self._settle(still_running)
-        return finished, seconds, num_running, reserved, used, num_lazy + len(scheduled)
+        return engine_core.StepResult(output, finished, seconds, num_running, reserved, used,
+                                      num_lazy)
 
-    def _full_step(self, now: float):
-        """`engine_step` itself, every request whole; False if it scheduled nothing."""
+    def _full_step(self, now: float) -> engine_core.StepResult:
+        """`engine_step` itself, every request whole."""
         self._wake_all()
         step = engine_core.engine_step(self.scheduler, self.executor, now)
         self._number(step.output.admitted)
         self._settle(self.scheduler.running)
-        if not step.output.scheduled:
-            return False
-        return (step.finished, step.seconds, step.num_running, step.reserved_tokens,
-                step.used_tokens, len(step.output.scheduled))
+        return step
 
-    # ---- the loop: engine_core.serve's ------------------------------------------------------
+    def _step(self, now: float) -> engine_core.StepResult:
+        step = self._lazy_step(now) if self.scheduler.running else None
+        return step if step is not None else self._full_step(now)
 
     def run(self, bytes_per_token: int, progress: bool | None) -> ServeResult:
-        from tqdm.auto import tqdm
-
-        scheduler, pending, kv = self.scheduler, self.pending, self.kv
-        series = StepSeries()
-        now = pending[0].arrival_s if pending else 0.0
-        events, idle_steps, started = 0, 0, time.perf_counter()
-        wanted = progress if progress is not None else len(self.served) > 2000
-        bar = tqdm(total=len(self.served), desc=kv.name, unit="req", leave=False,
-                   disable=None if wanted else True)
-        while pending or scheduler.has_unfinished():
-            while pending and pending[0].arrival_s <= now:
-                request = pending.popleft()
-                if not scheduler.add_request(request):
-                    bar.update(request.num_seqs)
-            if not scheduler.has_unfinished():
-                now = pending[0].arrival_s
-                continue
-            step = self._lazy_step(now) if scheduler.running else None
-            if step is None:
-                step = self._full_step(now)
-            if step is False:
-                idle_steps += 1
-                if idle_steps > 1:
-                    raise RuntimeError(f"scheduler stuck at t={now:.3f} s: "
-                                       f"{len(scheduler.waiting)} waiting, "
-                                       f"{len(scheduler.running)} running")
-                continue
-            idle_steps = 0
-            finished, seconds, running, reserved, used, num_scheduled = step
-            now += seconds
-            events += num_scheduled
-            series.record(now, seconds, running, len(scheduler.waiting), reserved, used)
-            if finished:
-                bar.update(len(finished))
-        bar.close()
-        hits = scheduler.num_hit_tokens if kv.has_prefix_cache else None
-        return summarize(kv.name, self.served, series, scheduler.num_preemptions,
-                         scheduler.num_recomputed_tokens, hits, scheduler.num_queried_tokens,
-                         kv.capacity_tokens, bytes_per_token, time.perf_counter() - started,
-                         events)
+        """`engine_core.replay`, the loop of `serve`, with this class's steps."""
+        return engine_core.replay(self.pending, self.served, self.scheduler, self._step,
+                                  bytes_per_token, progress)

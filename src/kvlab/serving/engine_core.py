@@ -1,6 +1,6 @@
 """The engine core: one step (decide, execute, record) and the serving loop around it.
 
-`serve` is the whole server in one loop (vLLM v1's `EngineCore`, cut to its core):
+`serve` is the whole server in one loop, `replay` (vLLM v1's `EngineCore`, cut to its core):
 
     while requests are pending or unfinished:
         queue every request that has arrived by now (reject the ones that can never fit)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
 import time
 from typing import Callable, Protocol, Sequence
@@ -30,7 +31,7 @@ from .request import Request
 from .reservation import KVManager
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve"]
+__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve", "replay"]
 
 _computed = operator.attrgetter("num_computed_tokens")  # summed over the running, every step
 
@@ -69,6 +70,8 @@ class StepResult:
     num_running: int = 0
     reserved_tokens: int = 0
     used_tokens: int = 0
+    # requests the step advanced besides output.scheduled (kvlab.lazy_decode's decodes)
+    num_lazy: int = 0
 
 
 def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
@@ -99,12 +102,22 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
     """Replay `requests` (copied, so one list serves several strategies) by arrival time through a
     fresh KV manager; all end FINISHED or REJECTED. RuntimeError: nothing ran twice in a row.
     bytes_per_token (per GPU) labels bytes; progress: a tqdm bar (default: over 2,000 requests)."""
-    from tqdm.auto import tqdm
-
     pending = collections.deque(sorted((r.fresh_copy() for r in requests),
                                        key=lambda r: r.arrival_s))
     served = [member for request in pending for member in (request, *request.forks)]
     scheduler = Scheduler(kv, config)
+    return replay(pending, served, scheduler, functools.partial(engine_step, scheduler, executor),
+                  bytes_per_token, progress)
+
+
+def replay(pending: collections.deque, served: list[Request], scheduler: Scheduler,
+           step_at: Callable[[float], StepResult], bytes_per_token: int = 0,
+           progress: bool | None = None) -> ServeResult:
+    """`serve`'s loop: arrivals join the scheduler when the clock reaches them, and
+    `step_at(now)` runs one step (`engine_step`, or `kvlab.lazy_decode`'s own)."""
+    from tqdm.auto import tqdm
+
+    kv = scheduler.kv
     series = StepSeries()
     now = pending[0].arrival_s if pending else 0.0
     events, idle_steps, started = 0, 0, time.perf_counter()
@@ -119,8 +132,8 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
         if not scheduler.has_unfinished():
             now = pending[0].arrival_s  # idle: jump to the next arrival
             continue
-        step = engine_step(scheduler, executor, now)
-        if not step.output.scheduled:
+        step = step_at(now)
+        if not step.output.scheduled and not step.num_lazy:
             idle_steps += 1
             if idle_steps > 1:
                 raise RuntimeError(f"scheduler stuck at t={now:.3f} s: {len(scheduler.waiting)} "
@@ -128,7 +141,7 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
             continue  # the only running request preempted itself; next step re-admits it
         idle_steps = 0
         now += step.seconds
-        events += len(step.output.scheduled)
+        events += len(step.output.scheduled) + step.num_lazy
         series.record(now, step.seconds, step.num_running, len(scheduler.waiting),
                       step.reserved_tokens, step.used_tokens)
         if step.finished:

@@ -46,7 +46,7 @@ def test_drop_all_drops_each_block_as_drop_does():
     def filled() -> PrefixCache:
         cache = PrefixCache()
         for block_id in range(12):  # hashes shared by pairs: buckets of two entries
-            cache.insert(block_id, block_id // 2, (block_id,), (), None)
+            cache.insert_chain([block_id], [block_id // 2], [(block_id,)], (), None)
         return cache
 
     one, many = filled(), filled()

@@ -4,8 +4,12 @@ A replay of the Azure trace at 70B TP4 runs about 10,000 steps of 400 running re
 of that is requests decoding one token, each step touching every one of them (its progress, its
 block table, its share of the step's time). A decoding request's step is predictable: +1 computed
 token, +1 output token, +1 slot in its last block. Only a few of its steps do anything else: the one
-that needs a new block (every `block_size` tokens), the one that fills a block (the prefix cache
-enters it), the one that produces its last token (it finishes). Those are its *events*.
+that needs a new block (every `block_size` tokens) and the one that produces its last token (it
+finishes). Those are its *events*. The step that fills a block, where the prefix cache enters it,
+is not one: the block is cached when the request wakes, before it takes a block, is preempted or
+finishes. Nothing can tell the difference: the block holds an output token, whose stand-in id is
+the request's own (`kvlab.prefix.trace_blocks`), so no other request can hit it, and the request
+holds it, so it cannot be evicted.
 
 So this loop keeps a decoding request *lazy* between events: its fields stay as they were when it
 became lazy, and its true progress is that plus the steps since (a tick counter). Each step does
@@ -91,8 +95,6 @@ class _LazyReplay:
             if free_slots and self.kv.pool.blocks[table.block_ids[-1]].ref_count != 1:
                 return False  # a shared last block: copy-on-write, left to the manager
             steps = min(steps, free_slots + 1)  # the step that takes a new block
-            if self.prefix:  # the step that fills a block, which the prefix cache enters
-                steps = min(steps, size - table.num_tokens % size)
         if steps == 1:
             return False  # its next step is an event: it stays active
         self.since[request.request_id] = self.tick
@@ -107,6 +109,8 @@ class _LazyReplay:
         request.num_output_tokens += steps
         if self.paged:
             self.kv.tables[request.request_id].num_tokens += steps
+        if self.prefix:  # the block it filled while lazy, if any, enters the prefix cache now
+            self.kv.cache_blocks(request)
         self.lazy_computed -= request.num_computed_tokens
 
     def _place(self, request: Request) -> int:

@@ -156,8 +156,8 @@ class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
                                new_computed_blocks, full_sequence_must_fit)
         new_blocks = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
                                             new_computed_blocks)
-        if new_blocks is not None and table.num_tokens // self.block_size > len(self._chains[rid]):
-            self._cache_full_blocks(request)  # it filled a block
+        if new_blocks is not None:
+            self.cache_blocks(request)  # if it filled a block
         return new_blocks
 
     def _admit(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -174,7 +174,7 @@ class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
             return None  # the lookup stays in _lookups for the retry
         self._lookups.pop(rid, None)
         self._tokens[rid], self._extra_keys[rid], self._chains[rid] = tokens, extra_keys, chain
-        self._cache_full_blocks(request)
+        self.cache_blocks(request)
         stats = self._stats
         stats.num_lookups += 1
         stats.num_query_tokens += len(tokens)
@@ -182,14 +182,19 @@ class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
         stats.num_hit_blocks += len(new_computed_blocks)
         return new_blocks
 
-    def _cache_full_blocks(self, request) -> None:
-        """Give every full block of the request not yet in its chain a hash and a cache entry."""
+    def cache_blocks(self, request) -> None:
+        """Give every full block of the request not yet in its chain a hash and a cache entry
+        (vLLM v1's `cache_blocks`; `allocate_slots` calls it, and so does simulation's lazy
+        replay for a request it advanced without calling `allocate_slots`)."""
         rid = request.request_id
-        table, tokens = self.tables[rid], self._tokens[rid]
+        table, chain = self.tables[rid], self._chains[rid]
+        if table.num_tokens // self.block_size <= len(chain):
+            return  # no block filled since the last call: most decode steps
+        tokens = self._tokens[rid]
         if table.num_tokens > len(tokens):  # record the ids of tokens it had not seen yet
             tokens.extend(trace_blocks.token_ids(request, len(tokens), table.num_tokens))
-        chain, extra_keys = self._chains[rid], self._extra_keys[rid]
-        size, hashes, cache = self.block_size, self._hashes(request), self.prefix_cache
+        extra_keys = self._extra_keys[rid]
+        size, hashes = self.block_size, self._hashes(request)
         start, stop = len(chain), table.num_tokens // size
         contents = tokens.blocks(start, stop, size)
         # Blocks are hashed in order, and every block of the chain was hashed before it was
@@ -197,13 +202,8 @@ class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
         if len(hashes) < stop:
             hashes += tokens.chain_hashes(hashes[-1] if hashes else None,
                                           contents[len(hashes) - start:], extra_keys, self.hash_fn)
-        for index in range(start, stop):
-            block_id = table.block_ids[index]
-            # A full block is never written again, so an existing entry of it is still right.
-            entry = cache.entry(block_id) or cache.insert(
-                block_id, hashes[index], contents[index - start], extra_keys,
-                chain[-1] if chain else None)
-            chain.append(entry)
+        chain += self.prefix_cache.insert_chain(table.block_ids[start:stop], hashes[start:stop],
+                                                contents, extra_keys, chain[-1] if chain else None)
 
     def fork(self, parent, child) -> None:
         """As `KVCacheManager.fork`; the child inherits the parent's tokens, chain and hashes."""

@@ -30,7 +30,7 @@ gets the same exactness from a radix tree keyed by the token ids themselves: no 
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Sequence
 
 from ..paged.block_pool import BlockPool
 from ..paged.free_queue import Block
@@ -94,20 +94,26 @@ class PrefixCache:
                 return candidate
         return None
 
-    def insert(self, block_id: int, block_hash: Hashable, token_ids: tuple[int, ...],
-               extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock:
-        """Cache a full block whose K/V holds exactly this prefix; its entry. ValueError: the block
-        is already cached (drop its entry first)."""
-        if block_id in self._by_block:
-            raise ValueError(f"block {block_id} is already cached")
-        entry = CachedBlock(block_id, block_hash, tuple(token_ids), tuple(extra_keys), parent)
-        same_hash = self._by_hash.get(block_hash)
-        if same_hash is None:
-            self._by_hash[block_hash] = {block_id: entry}
-        else:
-            same_hash[block_id] = entry
-        self._by_block[block_id] = entry
-        return entry
+    def insert_chain(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable],
+                     contents: Sequence[tuple[int, ...]], extra_keys: tuple[Hashable, ...],
+                     parent: CachedBlock | None) -> list[CachedBlock]:
+        """Cache consecutive full blocks of one sequence whose K/V holds exactly this prefix, each
+        the parent of the next (`parent`: the entry before the first, None for block 0); their
+        entries. A block already cached keeps its entry: a full block is never written again."""
+        by_block, by_hash, chain = self._by_block, self._by_hash, []
+        for block_id, block_hash, content in zip(block_ids, block_hashes, contents):
+            entry = by_block.get(block_id)
+            if entry is None:
+                entry = CachedBlock(block_id, block_hash, content, extra_keys, parent)
+                by_block[block_id] = entry
+                same_hash = by_hash.get(block_hash)
+                if same_hash is None:
+                    by_hash[block_hash] = {block_id: entry}
+                else:
+                    same_hash[block_id] = entry
+            chain.append(entry)
+            parent = entry
+        return chain
 
     def drop(self, block_id: int) -> bool:
         """Forget a block's entry (it is about to hold other tokens). Returns whether it had one."""

@@ -29,6 +29,31 @@ def test_the_cli_and_kvlab_size_with_a_named_gpu_do_not_import_torch():
     assert "torch" not in loaded
 
 
+def test_a_simulated_replay_and_the_report_do_not_import_torch():
+    # Simulation never touches a tensor; importing torch was a tenth of a whole Azure replay.
+    loaded = modules_after("from kvlab.cli import main\n"
+                           "import contextlib, io\n"
+                           "with contextlib.redirect_stdout(io.StringIO()):\n"
+                           "    main(['serve', '--trace', 'azure-conv', '--simulate',"
+                           " '--num-requests', '50'])\n"
+                           "    main(['report', '--measure', '--num-requests', '50'])")
+    assert "kvlab.lazy_decode" in loaded and "kvlab.report" in loaded
+    assert "torch" not in loaded
+
+
+def test_the_tensor_modules_still_load_on_first_use():
+    loaded = modules_after("import kvlab.serving, kvlab.paged\n"
+                           "assert kvlab.serving.ModelRunner.__name__ == 'ModelRunner'\n"
+                           "assert kvlab.paged.PagedKVCache.__name__ == 'PagedKVCache'\n"
+                           "from kvlab.serving import LLMEngine\n"
+                           "from kvlab.paged import write_kv")
+    assert {"torch", "kvlab.serving.model_runner", "kvlab.paged.paged_cache"} <= loaded
+    import kvlab.paged
+
+    with pytest.raises(AttributeError, match="module 'kvlab.paged' has no attribute 'nope'"):
+        kvlab.paged.nope  # noqa: B018
+
+
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_generate_does_not_pull_in_torch_dynamo(cache):
     # A meta-device model skeleton initialises through torch._refs, which imports torch._dynamo:

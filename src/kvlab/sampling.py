@@ -11,6 +11,9 @@ a reply with its end-of-turn token (SmolLM2's `<|im_end|>`, Llama 3's `<|eot_id|
 differ from its end-of-sequence token, hence a set of stop token ids, as vLLM's
 `SamplingParams.stop_token_ids`, HF's list-valued `GenerationConfig.eos_token_id` and llama.cpp's
 end-of-generation ids.
+
+torch is imported where a generator or a sample is made: simulation imports `SamplingParams` and
+never samples, so it starts without torch (as `kvlab size` does, `kvlab.dtypes`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from .checks import check_int
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SamplingParams", "GREEDY", "stop_token_ids", "check_temperature", "stream_seed",
            "make_generator", "next_token"]
@@ -44,6 +49,8 @@ def stream_seed(*parts: int | str) -> int:
 
 def make_generator(device: torch.device | str, *parts: int | str) -> torch.Generator:
     """A generator on `device` seeded with `stream_seed(*parts)`."""
+    import torch
+
     generator = torch.Generator(device=device)
     generator.manual_seed(stream_seed(*parts))
     return generator
@@ -54,6 +61,8 @@ def next_token(logits: torch.Tensor, temperature: float,
     """From logits [vocab_size]: arg-max at temperature 0, else a float32 softmax sample."""
     if temperature == 0:
         return int(logits.argmax())
+    import torch
+
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -22,15 +22,20 @@ What runs requests over the pool (admission, preemption, forks, sampling) is the
 """
 
 from ..errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
-from .backends import BACKENDS, AttentionBackend, TorchBackend, resolve_backend
+from ..lazy_import import on_first_use
 from .block_pool import BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
 from .free_queue import Block, FreeBlockQueue
 from .kv_cache_manager import KVCacheManager
-from .paged_cache import PagedBatchStore, PagedKVCache
-from .torch_attention import (gather_kv, paged_decode_attention, paged_prefill_attention,
-                              write_kv)
+
+# The tensors' modules load when first used: the block bookkeeping above needs no torch.
+__getattr__ = on_first_use(__name__, {
+    "backends": ("BACKENDS", "AttentionBackend", "TorchBackend", "resolve_backend"),
+    "paged_cache": ("PagedBatchStore", "PagedKVCache"),
+    "torch_attention": ("gather_kv", "paged_decode_attention", "paged_prefill_attention",
+                        "write_kv"),
+})
 
 __all__ = [
     "Block", "FreeBlockQueue", "BlockPool", "BlockTable", "cdiv", "KVCacheManager",

@@ -16,8 +16,6 @@ need them, so a bigger max_num_seqs costs nothing up front.
 
 from __future__ import annotations
 
-import torch
-
 from ..config import LlamaConfig
 from ..dtypes import DTypeLike
 from ..sizing import format_bytes, kv_bytes_per_token
@@ -27,7 +25,7 @@ from ..errors import KVCacheOutOfMemory
 __all__ = ["kv_block_bytes", "num_blocks_for_budget", "check_pool_fits"]
 
 
-def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = torch.float32) -> int:
+def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: DTypeLike = "fp32") -> int:
     """Bytes one block id stands for: its K and V slots in every layer (dtype: `kvlab.dtypes`).
 
     = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x dtype bytes

@@ -19,18 +19,24 @@ Elsewhere: traces (`kvlab.traces.load_trace`), `kvlab report --measure` (`kvlab.
 the clock's fit (`kvlab.calibration`), the naive server's OOM on a GPU (`kvlab.tools.oom_story`).
 """
 
+from ..lazy_import import on_first_use
 from ..sampling import SamplingParams
 from ..workload import from_sizes, poisson_arrivals, shrink, speed_up, synthetic_prompt_ids
 from .cost_model import CARDS, Card, CostModel, get_card
 from .engine_core import SimulatedExecutor, StepResult, engine_step, serve
-from .llm_engine import BatchResult, EngineStats, LLMEngine, default_pool_size, generate_batch
 from .metrics import ROW_KEYS, ServeResult, StepSeries, format_rows, percentile, plot_memory
-from .model_runner import ModelRunner
 from .reservation import (ContiguousManager, ExactBlocksManager, FirstFitSlabManager, GapRefusal,
                           KVManager)
 from .request import Request, RequestState
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .strategies import STRATEGIES, model_strategy, simulated_manager
+
+# Model mode's modules load when first used: simulation runs without torch.
+__getattr__ = on_first_use(__name__, {
+    "llm_engine": ("BatchResult", "EngineStats", "LLMEngine", "default_pool_size",
+                   "generate_batch"),
+    "model_runner": ("ModelRunner",),
+})
 
 __all__ = [
     "Request", "RequestState", "SamplingParams", "from_sizes", "poisson_arrivals", "speed_up",

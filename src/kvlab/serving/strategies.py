@@ -8,14 +8,17 @@ scheduler drives, with no tensors; `model_strategy` adds cache tensors and a `Mo
 
 from __future__ import annotations
 
-from ..contiguous import ContiguousKVCache
+from typing import TYPE_CHECKING
+
 from ..paged.kv_cache_manager import KVCacheManager
-from ..paged.paged_cache import PagedKVCache
 from ..prefix.block_hash import HashFunction, sha256
 from ..prefix.manager import PrefixCachingKVCacheManager
+from ..sizing import kv_bytes_per_token
 from .cost_model import CostModel
-from .model_runner import ModelRunner
 from .reservation import ContiguousManager, KVManager
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
 
 __all__ = ["STRATEGIES", "simulated_manager", "paged_manager", "model_strategy"]
 
@@ -54,9 +57,13 @@ def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: in
                    ) -> tuple[KVCacheManager | KVManager, ModelRunner]:
     """A strategy's KV manager (`simulated_manager`, same errors) and a `ModelRunner` over real
     cache tensors of `kv_budget_bytes` (a paged cache is given the manager the scheduler drives)."""
+    # The tensors' modules, imported here: simulation, which needs none, starts without torch.
+    from ..contiguous import ContiguousKVCache
+    from ..paged.paged_cache import PagedKVCache
+    from .model_runner import ModelRunner
+
     config = model.config
-    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
-                       * config.head_dim * model.dtype.itemsize)
+    bytes_per_token = kv_bytes_per_token(config, model.dtype)
     manager = simulated_manager(strategy, kv_budget_bytes, bytes_per_token, max_model_len,
                                 block_size)
     if strategy == "contiguous":

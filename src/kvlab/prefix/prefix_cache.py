@@ -55,13 +55,15 @@ class CachedBlock:
 
 
 class PrefixCache:
-    """Block hash -> {block_id: entry}, and block_id -> entry. One hash may map to several blocks:
-    the same block computed twice, or (with a weak hash) different prefixes sharing a hash.
+    """Block hash -> its entry, and block_id -> entry. One hash may map to several blocks (the
+    same block computed twice, or, with a weak hash, different prefixes sharing a hash): then its
+    value is {block_id: entry}, in insertion order. A lone entry is stored as itself, as in vLLM
+    v1's `BlockHashToBlockMap`: a dict per hash would cost one more object per cached block.
     verify=False trusts the hash alone, as vLLM does (only to show what a collision does)."""
 
     def __init__(self, verify: bool = True):
         self.verify = verify
-        self._by_hash: dict[Hashable, dict[int, CachedBlock]] = {}
+        self._by_hash: dict[Hashable, CachedBlock | dict[int, CachedBlock]] = {}
         self._by_block: dict[int, CachedBlock] = {}
 
     def __len__(self) -> int:
@@ -86,7 +88,10 @@ class PrefixCache:
              extra_keys: tuple[Hashable, ...], parent: CachedBlock | None) -> CachedBlock | None:
         """The cached block holding these token_ids and extra_keys after `parent` (the entry this
         lookup matched one block earlier; None for block 0), or None (a miss). Changes nothing."""
-        for candidate in self._by_hash.get(block_hash, {}).values():
+        same_hash = self._by_hash.get(block_hash)
+        if same_hash is None:
+            return None
+        for candidate in (same_hash,) if type(same_hash) is CachedBlock else same_hash.values():
             if not self.verify:
                 return candidate  # vLLM's rule: the hash alone decides
             if (candidate.parent is parent and candidate.token_ids == token_ids
@@ -106,10 +111,10 @@ class PrefixCache:
             if entry is None:
                 entry = CachedBlock(block_id, block_hash, content, extra_keys, parent)
                 by_block[block_id] = entry
-                same_hash = by_hash.get(block_hash)
-                if same_hash is None:
-                    by_hash[block_hash] = {block_id: entry}
-                else:
+                same_hash = by_hash.setdefault(block_hash, entry)
+                if type(same_hash) is CachedBlock and same_hash is not entry:
+                    by_hash[block_hash] = {same_hash.block_id: same_hash, block_id: entry}
+                elif type(same_hash) is dict:
                     same_hash[block_id] = entry
             chain.append(entry)
             parent = entry
@@ -127,9 +132,12 @@ class PrefixCache:
             if entry is None:
                 continue
             same_hash = by_hash[entry.block_hash]
-            del same_hash[block_id]
-            if not same_hash:
+            if same_hash is entry:
                 del by_hash[entry.block_hash]
+            else:
+                del same_hash[block_id]
+                if not same_hash:
+                    del by_hash[entry.block_hash]
             dropped += 1
         return dropped
 

@@ -52,6 +52,7 @@ def test_the_tensor_modules_still_load_on_first_use():
 
     with pytest.raises(AttributeError, match="module 'kvlab.paged' has no attribute 'nope'"):
         kvlab.paged.nope  # noqa: B018
+    assert {"PagedKVCache", "KVCacheManager", "write_kv"} <= set(dir(kvlab.paged))
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])

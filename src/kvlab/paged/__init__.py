@@ -30,7 +30,7 @@ from .free_queue import Block, FreeBlockQueue
 from .kv_cache_manager import KVCacheManager
 
 # The tensors' modules load when first used: the block bookkeeping above needs no torch.
-__getattr__ = on_first_use(__name__, {
+__getattr__, __dir__ = on_first_use(__name__, {
     "backends": ("BACKENDS", "AttentionBackend", "TorchBackend", "resolve_backend"),
     "paged_cache": ("PagedBatchStore", "PagedKVCache"),
     "torch_attention": ("gather_kv", "paged_decode_attention", "paged_prefill_attention",

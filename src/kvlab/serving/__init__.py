@@ -32,7 +32,7 @@ from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .strategies import STRATEGIES, model_strategy, simulated_manager
 
 # Model mode's modules load when first used: simulation runs without torch.
-__getattr__ = on_first_use(__name__, {
+__getattr__, __dir__ = on_first_use(__name__, {
     "llm_engine": ("BatchResult", "EngineStats", "LLMEngine", "default_pool_size",
                    "generate_batch"),
     "model_runner": ("ModelRunner",),

@@ -207,5 +207,14 @@ def test_torch_attention_range_checks():
         paged_decode_attention(query, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([0]))
     with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 8\], got 9"):
         paged_decode_attention(query, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([9]))
-    with pytest.raises(ValueError, match=r"query_positions must be in \[0, 4\], got 5"):
-        paged_prefill_attention(query, k_cache, v_cache, torch.tensor([0, 1]), 5, torch.tensor([5]))
+    for wrong in ([5], [3]):  # one query token of a 5-token sequence is at position 4
+        with pytest.raises(ValueError, match=rf"query_positions must be the sequence's last 1, "
+                                             rf"4 \.\. 4, got \[{wrong[0]}\]"):
+            paged_prefill_attention(query, k_cache, v_cache, torch.tensor([0, 1]), 5,
+                                    torch.tensor(wrong))
+    with pytest.raises(ValueError, match="3 query heads cannot be grouped over 2 KV heads"):
+        paged_prefill_attention(torch.zeros(1, 3, 8), k_cache, v_cache, torch.tensor([0, 1]), 5,
+                                torch.tensor([4]))
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        paged_prefill_attention(torch.zeros(1, 4, 6), k_cache, v_cache, torch.tensor([0, 1]), 5,
+                                torch.tensor([4]))

@@ -12,8 +12,8 @@ differ from its end-of-sequence token, hence a set of stop token ids, as vLLM's
 `SamplingParams.stop_token_ids`, HF's list-valued `GenerationConfig.eos_token_id` and llama.cpp's
 end-of-generation ids.
 
-torch is imported where a generator or a sample is made: simulation imports `SamplingParams` and
-never samples, so it starts without torch (as `kvlab size` does, `kvlab.dtypes`).
+torch is imported inside the two functions that make a generator or a sample: simulation imports
+`SamplingParams` and never samples (why it matters: `kvlab.lazy_import`).
 """
 
 from __future__ import annotations

@@ -10,10 +10,14 @@ block_id * block_size + offset. Three operations cover a forward pass:
 * `write_kv`: scatter this step's K/V into their slots (the slot mapping). vLLM's
   `reshape_and_cache` kernel does this.
 * gather, then attend: read a sequence's K/V back through its block table and run ordinary
-  attention over it (stage 3's `kvlab.attention.grouped_attention`, here through PyTorch's fused
-  SDPA). `paged_prefill_attention` does this for many query tokens of one sequence,
+  attention over it. `paged_prefill_attention` does this for many query tokens of one sequence,
   `paged_decode_attention` for one query token of each of a batch of sequences (vLLM paper, Kwon
   et al., SOSP 2023, section 4.1, equation 4: attention computed block by block over a block table).
+  The attention is stage 3's (`kvlab.attention.grouped_attention`: causal, GQA by grouping, float32
+  softmax) computed by PyTorch's fused SDPA, which never builds the [heads, queries, keys] scores
+  in memory; with torch 2.9 or later its CPU kernel also takes the grouped heads directly (older
+  versions compute the same numbers on a slower path). Measured on the engine's prefills:
+  docs/vllm_comparison.md, section 9.
 
 This implementation copies the blocks into a contiguous tensor before attending; a real kernel
 reads them in place, block by block. Same numbers, less memory traffic: that is stage 5.
@@ -112,24 +116,31 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             layout: str = TOKEN_MAJOR) -> torch.Tensor:
     """Causal attention of many query tokens of one sequence over its blocks (prefill).
 
-    The query tokens' own K/V must already be written (`write_kv`); they may be the whole sequence
-    or its last part (after recompute, or a prefix-cache hit in stage 6). query [num_tokens,
-    num_attention_heads, head_dim] -> the same shape, query's dtype; query_positions [num_tokens]
-    int64, ascending (num_tokens = seq_len means positions 0 .. seq_len - 1); scale defaults to 1 / sqrt(head_dim). ValueError: as `gather_kv`, or a query position
-    outside [0, seq_len).
+    The query tokens are the sequence's last num_tokens (the whole sequence, or its part after a
+    recompute or a prefix-cache hit in stage 6), their own K/V already written (`write_kv`).
+    query [num_tokens, num_attention_heads, head_dim] -> the same shape, query's dtype;
+    query_positions [num_tokens] int64, seq_len - num_tokens .. seq_len - 1; scale defaults to
+    1 / sqrt(head_dim). ValueError: as `gather_kv`, other query positions, uneven head groups or
+    unequal head_dims.
     """
-    _check_range("query_positions", query_positions, 0, seq_len - 1)
+    num_tokens, num_heads, head_dim = query.shape
+    positions = torch.arange(seq_len - num_tokens, seq_len, device=query_positions.device)
+    if not torch.equal(query_positions, positions):
+        raise ValueError(f"query_positions must be the sequence's last {num_tokens}, "
+                         f"{seq_len - num_tokens} .. {seq_len - 1}, got "
+                         f"{query_positions.tolist()[:8]}")
     keys = gather_kv(k_cache, block_table, seq_len, layout)  # [seq_len, H_kv, D]
     values = gather_kv(v_cache, block_table, seq_len, layout)
-    # Stage 3's `grouped_attention`, fused: PyTorch's SDPA does scores, the causal mask (a query
-    # at position p sees keys 0 .. p), softmax and the weighted sum in one call, in float32, with
-    # query head h reading KV head h // G (enable_gqa). On the CPU it never materialises the
-    # [heads, queries, keys] scores: 2-3x faster than the bmm path on 500-1,000-token prefills.
-    # A whole sequence (queries at 0 .. seq_len - 1) is SDPA's own causal case, which also skips
-    # the key tiles above the diagonal; a later part needs its mask.
-    whole = query.shape[0] == seq_len
+    kv_group_size(num_heads, keys.shape[1])
+    if keys.shape[2] != head_dim:
+        raise ValueError(f"head_dim mismatch: query {tuple(query.shape)}, pool rows "
+                         f"{tuple(keys.shape[1:])}")
+    # Stage 3's `grouped_attention` in one fused call (module docstring): a query at position p
+    # sees keys 0 .. p, and query head h reads KV head h // G (enable_gqa). A whole sequence is
+    # SDPA's own causal case; a later part sees every earlier key, so it needs the mask.
+    whole = num_tokens == seq_len
     visible = None if whole else (
-        torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None])
+        torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None])
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).float()[None], keys.transpose(0, 1).float()[None],
         values.transpose(0, 1).float()[None], attn_mask=visible, is_causal=whole, scale=scale,

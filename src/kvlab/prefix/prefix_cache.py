@@ -104,9 +104,11 @@ class PrefixCache:
                      parent: CachedBlock | None) -> list[CachedBlock]:
         """Cache consecutive full blocks of one sequence whose K/V holds exactly this prefix, each
         the parent of the next (`parent`: the entry before the first, None for block 0); their
-        entries. A block already cached keeps its entry: a full block is never written again."""
+        entries. Contents and extra_keys are tuples, as `find` compares them; ValueError if the
+        three sequences differ in length. A block already cached keeps its entry: a full block is
+        never written again."""
         by_block, by_hash, chain = self._by_block, self._by_hash, []
-        for block_id, block_hash, content in zip(block_ids, block_hashes, contents):
+        for block_id, block_hash, content in zip(block_ids, block_hashes, contents, strict=True):
             entry = by_block.get(block_id)
             if entry is None:
                 entry = CachedBlock(block_id, block_hash, content, extra_keys, parent)

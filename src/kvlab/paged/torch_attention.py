@@ -15,9 +15,9 @@ block_id * block_size + offset. Three operations cover a forward pass:
   et al., SOSP 2023, section 4.1, equation 4: attention computed block by block over a block table).
   The attention is stage 3's (`kvlab.attention.grouped_attention`: causal, GQA by grouping, float32
   softmax) computed by PyTorch's fused SDPA, which never builds the [heads, queries, keys] scores
-  in memory; with torch 2.9 or later its CPU kernel also takes the grouped heads directly (older
-  versions compute the same numbers on a slower path). Measured on the engine's prefills:
-  docs/vllm_comparison.md, section 9.
+  in memory. In torch 2.13 (the CPU build this course installs) its CPU flash kernel takes the
+  grouped heads and the mask as they are, checked; an older torch may compute the same numbers on
+  its slower math path. Measured on the engine's prefills: docs/vllm_comparison.md, section 9.
 
 This implementation copies the blocks into a contiguous tensor before attending; a real kernel
 reads them in place, block by block. Same numbers, less memory traffic: that is stage 5.

@@ -109,3 +109,21 @@ def test_write_kv_writes_only_the_mapped_slots():
     write_kv(k_cache, v_cache, key, 2 * key, torch.tensor([5, 0]))  # block 2 offset 1, block 0 offset 0
     assert k_cache[2, 1].eq(1).all() and v_cache[0, 0].eq(2).all()
     assert k_cache.sum() == 2 * KV_HEADS * HEAD_DIM
+
+
+def test_the_prefill_runs_on_sdpas_fused_cpu_kernel():
+    # torch_attention's docstring: torch 2.13's CPU flash kernel takes grouped heads and a mask,
+    # so the prefill never falls back to the math path that builds the scores. Forced to flash
+    # only, a whole sequence (causal) and a later part (masked) both run.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip(f"checked on torch 2.13; this is {torch.__version__}")
+    k_cache, v_cache = torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    block_table = torch.tensor([2, 0, 3])
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for num_tokens in (20, 6):
+            query = torch.randn(num_tokens, 6, 16)
+            out = paged_prefill_attention(query, k_cache, v_cache, block_table, 20,
+                                          torch.arange(20 - num_tokens, 20))
+            assert out.shape == query.shape and torch.isfinite(out).all()

@@ -114,10 +114,11 @@ class PrefixCache:
                 entry = CachedBlock(block_id, block_hash, content, extra_keys, parent)
                 by_block[block_id] = entry
                 same_hash = by_hash.setdefault(block_hash, entry)
-                if type(same_hash) is CachedBlock and same_hash is not entry:
-                    by_hash[block_hash] = {same_hash.block_id: same_hash, block_id: entry}
-                elif type(same_hash) is dict:
-                    same_hash[block_id] = entry
+                if same_hash is not entry:  # the hash has an entry already, or a dict of them
+                    if type(same_hash) is CachedBlock:
+                        by_hash[block_hash] = {same_hash.block_id: same_hash, block_id: entry}
+                    else:
+                        same_hash[block_id] = entry
             chain.append(entry)
             parent = entry
         return chain

@@ -8,8 +8,8 @@ end: vLLM's CPU build, run by `kvlab compare-vllm` on the same workloads with th
 1. `time_steps` runs probe workloads (`probes`) through kvlab's model mode (SmolLM2-135M, fp32,
    1 thread) and keeps every engine step's sizes (tokens computed, cached tokens read, attention
    pairs, rows sampled: `CostModel.step_sizes`) and wall seconds (the whole step: schedule,
-   forward pass, sampling, update), the median of a few repeats. Every request arrives at once, so no decision
-   depends on the clock and the repeats' steps line up.
+   forward pass, sampling, update), the median of a few repeats. Every request arrives at once,
+   so no decision depends on the clock and the repeats' steps line up.
 2. `fit_cpu_clock` chooses the cost model's numbers for this CPU: its memory bandwidth is measured
    (`measure_read_bandwidth`: one pass over the weights, the read a decode step makes); its
    effective FLOP rate and a per-step overhead are fitted by least squares on log step time

@@ -15,7 +15,8 @@ from kvlab import lazy_decode
 from kvlab.config import load_config
 from kvlab.serving import (Request, SchedulerConfig, SimulatedExecutor, from_sizes, serve,
                            shrink, simulated_manager, speed_up)
-from kvlab.serving.cost_model import CostModel, get_card
+from kvlab.gpus import get_card
+from kvlab.serving.cost_model import CostModel
 from kvlab.serving.engine_core import engine_step
 from kvlab.traces import load_trace
 

@@ -151,7 +151,8 @@ def test_prefix_manager_reserves_step_by_step_like_the_paged_one():
     # at the same steps as paging (vLLM v1 allocates what each step computes), chunked prefill
     # included. It used to reserve whole prompts at admission, which alone spared it preemptions.
     from kvlab.serving import SimulatedExecutor, simulated_manager
-    from kvlab.serving.cost_model import CostModel, get_card
+    from kvlab.gpus import get_card
+    from kvlab.serving.cost_model import CostModel
 
     rng = random.Random(2)
     requests = [Request(i, 0.0, rng.randint(20, 90), rng.randint(1, 30)) for i in range(40)]

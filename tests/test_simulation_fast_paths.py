@@ -13,7 +13,8 @@ from kvlab.paged.free_queue import Block, FreeBlockQueue
 from kvlab.prefix.prefix_cache import PrefixCache
 from kvlab.serving import (SchedulerConfig, SimulatedExecutor, from_sizes, serve, shrink,
                            simulated_manager, speed_up)
-from kvlab.serving.cost_model import CostModel, get_card
+from kvlab.gpus import get_card
+from kvlab.serving.cost_model import CostModel
 from kvlab.config import load_config
 from kvlab.traces import load_trace
 

@@ -336,3 +336,18 @@ def test_sizing_speaks_the_one_dtype_vocabulary():
         kv_bytes_per_token(config, "fp4")
     with pytest.raises(SizingError, match="torch.int8|int8"):
         size_report(config, kv_cache_dtype=torch.int8)
+
+
+def test_one_table_of_cards_serves_sizing_and_the_clock():
+    from kvlab.gpus import CARDS, get_card
+    from kvlab.serving import CostModel
+
+    # Sizing reads the same card the clock does: one home for a card's figures.
+    assert gpu_memory("h200").total_bytes == get_card("H200").memory_bytes == 141 * 2**30
+    assert GPU_MEMORY_GIB == {name: card.memory_gib for name, card in CARDS.items()}
+    # A card kvlab can size but has no bandwidth or FLOP/s for cannot time a step.
+    assert gpu_memory("T4").total_bytes == 16 * 2**30
+    with pytest.raises(SizingError, match="no roofline figures for GPU 'T4'; known: L4, A100"):
+        get_card("T4")
+    with pytest.raises(ValueError, match="T4: no bandwidth or FLOP/s"):
+        CostModel(load_config("llama-3.1-8b"), CARDS["T4"])

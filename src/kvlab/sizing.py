@@ -20,6 +20,7 @@ import math
 from . import dtypes
 from .config import LlamaConfig
 from .dtypes import DTypeLike
+from .gpus import CARDS, GPU_MEMORY_SOURCE, find_card
 
 __all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
            "local_gpu_memory", "default_kv_budget", "dtype_bytes", "dtype_name", "kv_heads_per_gpu",
@@ -27,14 +28,9 @@ __all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
            "SizeReport", "size_report", "SizingError", "format_bytes", "plural", "MAX_SEQ_LEN",
            "MAX_BATCH"]
 
-# NOMINAL memory of common cards (vendor datasheets, NVIDIA and AMD), read as GiB. A card reports
-# less to torch.cuda (the driver, ECC and CUDA context keep some; a datasheet's "GB" is not always
-# 2**30 bytes); with a GPU present, `gpu="local"` (`kvlab size` without --gpu) uses torch's figure.
-GPU_MEMORY_GIB = {
-    "T4": 16, "L4": 24, "A10G": 24, "RTX-4090": 24, "L40S": 48, "A100-40GB": 40,
-    "A100-80GB": 80, "H100-80GB": 80, "H200": 141, "B200": 180, "MI300X": 192,
-}
-GPU_MEMORY_SOURCE = "nominal, vendor datasheet"
+# Nominal memory of the cards kvlab knows by name, GiB (`kvlab.gpus`: datasheet figures). With a
+# GPU present, `gpu="local"` (`kvlab size` without --gpu) uses what torch.cuda reports instead.
+GPU_MEMORY_GIB = {name: card.memory_gib for name, card in CARDS.items()}
 
 # Inputs beyond these are typos, not deployments: the longest context windows published are a few
 # million tokens, and a million concurrent requests is far past any single server.
@@ -80,11 +76,11 @@ def gpu_memory(gpu: str | None = None, gpu_mem_gib: float | None = None) -> GpuM
                 raise SizingError("--gpu local: torch.cuda sees no GPU on this machine; name a "
                                   f"card ({', '.join(GPU_MEMORY_GIB)}) or give its memory size")
             return found
-        key = {name.lower(): name for name in GPU_MEMORY_GIB}.get(gpu.lower())
-        if key is None:
+        card = find_card(gpu)
+        if card is None:
             raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)}, or "
                               f"'local' (this machine's GPU), or give its memory size")
-        return GpuMemory(key, GPU_MEMORY_GIB[key] * 2**30, GPU_MEMORY_SOURCE)
+        return GpuMemory(card.name, card.memory_bytes, GPU_MEMORY_SOURCE)
     if gpu_mem_gib is not None:
         if not (isinstance(gpu_mem_gib, (int, float)) and 0 < gpu_mem_gib <= MAX_GPU_MEM_GIB):
             raise SizingError(f"GPU memory must be in (0, {MAX_GPU_MEM_GIB:,}] GiB, "

@@ -25,7 +25,8 @@ import json
 from typing import Sequence
 
 from ..config import LlamaConfig
-from ..serving.cost_model import CostModel, get_card
+from ..gpus import get_card
+from ..serving.cost_model import CostModel
 
 __all__ = ["Factors", "calibration_data", "stored_factors", "clock_cost_model", "error_band",
            "clock_note", "CLOCKS", "ROOFLINE"]

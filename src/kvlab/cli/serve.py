@@ -206,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _simulate(args, requests, strategies):
     from ..config import load_config
     from ..calibration.clock import clock_cost_model, clock_note
-    from ..serving.cost_model import get_card
+    from ..gpus import get_card
     from ..lazy_decode import serve
     from ..serving.engine_core import SimulatedExecutor
     from ..serving.strategies import simulated_manager

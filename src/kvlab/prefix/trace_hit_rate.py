@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 
 from ..config import load_config
 from ..paged.budget import num_blocks_for_budget
-from ..sizing import GPU_MEMORY_GIB, kv_bytes_per_token, weights_bytes
+from ..sizing import gpu_memory, kv_bytes_per_token, weights_bytes
 from ..traces.mooncake import TRACE_BLOCK_SIZE, block_keys
 from ..workload import Request
 from .block_tokens import BlockTokens
@@ -162,11 +162,7 @@ def pool_blocks_for(model: str, gpu: str, num_gpus: int = 1, block_size: int = T
     for an unknown model, card or tensor parallelism; KVCacheOutOfMemory when the weights leave no
     room for one block.
     """
-    from ..sizing import SizingError
-
-    if gpu not in GPU_MEMORY_GIB:
-        raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_MEMORY_GIB)}")
     config = load_config(model)
-    budget = int(GPU_MEMORY_GIB[gpu] * 2**30 * gpu_memory_utilization)
+    budget = int(gpu_memory(gpu).total_bytes * gpu_memory_utilization)
     block_bytes = block_size * kv_bytes_per_token(config, dtype, num_gpus)
     return num_blocks_for_budget(budget, weights_bytes(config, dtype, num_gpus), block_bytes)

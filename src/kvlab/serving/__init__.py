@@ -19,10 +19,11 @@ Elsewhere: traces (`kvlab.traces.load_trace`), `kvlab report --measure` (`kvlab.
 the clock's fit (`kvlab.calibration`), the naive server's OOM on a GPU (`kvlab.tools.oom_story`).
 """
 
+from ..gpus import CARDS, Card, get_card
 from ..lazy_import import on_first_use
 from ..sampling import SamplingParams
 from ..workload import from_sizes, poisson_arrivals, shrink, speed_up, synthetic_prompt_ids
-from .cost_model import CARDS, Card, CostModel, get_card
+from .cost_model import CostModel
 from .engine_core import SimulatedExecutor, StepResult, engine_step, serve
 from .metrics import ROW_KEYS, ServeResult, StepSeries, format_rows, percentile, plot_memory
 from .reservation import (ContiguousManager, ExactBlocksManager, FirstFitSlabManager, GapRefusal,

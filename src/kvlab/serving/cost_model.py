@@ -36,45 +36,11 @@ attention and after the MLP) of tokens x hidden_size activations, each GPU sendi
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..config import LlamaConfig
-from ..sizing import GPU_MEMORY_GIB, SizingError, dtype_bytes, kv_bytes_per_token, weights_bytes
+from ..gpus import Card
+from ..sizing import dtype_bytes, kv_bytes_per_token, weights_bytes
 
-__all__ = ["Card", "CARDS", "get_card", "CostModel"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Card:
-    """A GPU's three roofline numbers."""
-
-    name: str                     # as in `kvlab.sizing.GPU_MEMORY_GIB`
-    memory_bytes: int             # HBM capacity
-    bandwidth_bytes_per_s: float  # peak HBM bandwidth
-    flops_per_s: float            # peak dense bf16/fp16 tensor-core FLOP/s (no sparsity)
-
-
-def _card(name: str, bandwidth_tb_s: float, dense_tflops: float) -> Card:
-    return Card(name, GPU_MEMORY_GIB[name] * 2**30, bandwidth_tb_s * 1e12, dense_tflops * 1e12)
-
-
-# Vendor datasheet figures (SXM / OAM parts): bandwidth in TB/s, dense bf16 TFLOP/s.
-CARDS: dict[str, Card] = {card.name: card for card in [
-    _card("A100-40GB", 1.555, 312),   # NVIDIA A100 datasheet
-    _card("A100-80GB", 2.039, 312),   # NVIDIA A100 datasheet (SXM)
-    _card("H100-80GB", 3.35, 989),    # NVIDIA H100 datasheet (SXM)
-    _card("H200", 4.8, 989),          # NVIDIA H200 datasheet (SXM)
-    _card("L4", 0.3, 121),            # NVIDIA L4 datasheet
-    _card("MI300X", 5.3, 1307),       # AMD Instinct MI300X datasheet
-]}
-
-
-def get_card(name: str) -> Card:
-    """The card preset of that name (case-insensitive); SizingError listing the known ones."""
-    for key, card in CARDS.items():
-        if key.lower() == name.lower():
-            return card
-    raise SizingError(f"no roofline figures for GPU {name!r}; known: {', '.join(CARDS)}")
+__all__ = ["CostModel"]
 
 
 class CostModel:
@@ -82,7 +48,7 @@ class CostModel:
 
     Args:
         config: the model's shape.
-        card: the `Card`.
+        card: a `kvlab.gpus.Card` with roofline figures (`get_card`).
         tp: tensor-parallel GPUs.
         dtype: weights and KV dtype name ('bf16', 'fp16', 'fp8', 'fp32').
         step_overhead_s: fixed time added to every step (scheduling, sampling, launch), seconds.
@@ -95,7 +61,8 @@ class CostModel:
 
     Raises:
         SizingError: an impossible tp or unknown dtype.
-        ValueError: an efficiency outside (0, 1] or a negative time.
+        ValueError: a card without roofline figures, an efficiency outside (0, 1] or a negative
+            time.
     """
 
     def __init__(self, config: LlamaConfig, card: Card, tp: int = 1, dtype: str = "bf16",
@@ -106,6 +73,8 @@ class CostModel:
                             ("bandwidth_efficiency", bandwidth_efficiency)):
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if not (card.bandwidth_bytes_per_s and card.flops_per_s):
+            raise ValueError(f"{card.name}: no bandwidth or FLOP/s in kvlab.gpus to time a step")
         if step_overhead_s < 0 or allreduce_latency_s < 0:
             raise ValueError(f"step_overhead_s ({step_overhead_s}) and allreduce_latency_s "
                              f"({allreduce_latency_s}) must be >= 0")

@@ -10,7 +10,9 @@ of it touches a tensor:
   admission (after those computed blocks) or later, taking a block only at a block boundary. It
   returns the new block ids, possibly none, or None when the pool has no room now, changing nothing;
 * `free(request)`: it finished, or is preempted: vLLM v1 preempts by `free` and the scheduler
-  sets its num_computed_tokens back to 0 (recompute, Kwon et al., SOSP 2023, section 4.5);
+  sets its num_computed_tokens back to 0 (recompute, Kwon et al., SOSP 2023, section 4.5). The
+  blocks go back last first, as in vLLM v1: the tail is the part least likely shared by a later
+  request, so it should be reused first (stage 6);
 * `fork(parent, child)`: a child (parallel sampling, n > 1) shares all its parent's blocks.
 
 Copy-on-write (section 4.4): after a fork, parent and child hold the same blocks with ref count
@@ -85,11 +87,10 @@ class KVCacheManager(ManagerViews):
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[int] = (),
                        full_sequence_must_fit: bool = False) -> list[int] | None:
-        """Room for `num_new_tokens` more tokens (see the module docstring); the new block ids,
-        a copy-on-write copy first. full_sequence_must_fit: at admission, refuse unless the free
-        blocks could hold all of the request's tokens now (`scheduler_reserve_full_isl`).
-        ValueError: a count not an integer >= 0, computed blocks that do not hold exactly
-        num_new_computed_tokens, or computed blocks for a request that already has a table.
+        """The new block ids, a copy-on-write copy first. full_sequence_must_fit: at admission,
+        refuse unless the free blocks could hold all of the request's tokens now
+        (`scheduler_reserve_full_isl`). ValueError: a count not an integer >= 0, computed blocks
+        that do not hold exactly num_new_computed_tokens, or given after admission.
         RequestTooLongError: the request would outgrow the whole pool."""
         table = self.tables.get(request.request_id)
         if table is not None and not new_computed_blocks:
@@ -143,15 +144,13 @@ class KVCacheManager(ManagerViews):
         return new_blocks
 
     def free(self, request) -> None:
-        """Release the request's blocks (KeyError if none), last first as vLLM v1 does: the tail is
-        the part least likely shared by a later request, so it should be reused first (stage 6)."""
+        """KeyError: the request holds no block table."""
         table = self._table(request.request_id)
         self.pool.release(reversed(table.block_ids))
         del self.tables[request.request_id]
 
     def fork(self, parent, child) -> None:
-        """`child` shares every block of `parent` (ref count + 1 each): no block taken, no data
-        copied (section 4.4). Raises KeyError (unknown parent), ValueError (child has a table)."""
+        """KeyError: unknown parent. ValueError: the child already has a block table."""
         table = self._table(parent.request_id)
         if child.request_id in self.tables:
             raise ValueError(f"request {child.request_id!r} already has a block table")

@@ -75,6 +75,34 @@ def test_decode_attention_matches_contiguous_and_float64_reference(seq_lens, blo
         torch.testing.assert_close(out[i:i + 1].double(), exact, rtol=1e-5, atol=1e-6)
 
 
+def test_one_decode_gather_serves_every_layer_of_a_pass():
+    # Its gather buffers are refilled by each layer: layer B's call must not see layer A's K/V,
+    # and a pool of another dtype (or one autograd tracks) gets a fresh copy instead.
+    from kvlab.paged.torch_attention import decode_attention, decode_gather
+
+    seq_lens, block_size = [5, 9, 1], 4
+    layers = [scatter_sequences(seq_lens, block_size, 8, seed)[:3] for seed in (5, 6)]
+    width = max(len(table) for table in layers[0][2])
+    query = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(7))
+    outputs = []
+    for k_cache, v_cache, tables in layers:
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        outputs.append(paged_decode_attention(query, k_cache, v_cache, block_tables,
+                                              torch.tensor(seq_lens)))
+    gather = decode_gather(torch.tensor([t + [0] * (width - len(t)) for t in layers[0][2]]),
+                           torch.tensor(seq_lens), layers[0][0])
+    assert not torch.equal(outputs[0], outputs[1])
+    for _ in range(2):  # A, A again after the buffers were filled
+        torch.testing.assert_close(decode_attention(query, *layers[0][:2], gather), outputs[0])
+    doubled = [cache.double() for cache in layers[0][:2]]
+    torch.testing.assert_close(decode_attention(query.double(), *doubled, gather),
+                               outputs[0].double(), rtol=1e-5, atol=1e-6)
+    tracked = [cache.clone().requires_grad_() for cache in layers[0][:2]]
+    out = decode_attention(query, *tracked, gather)
+    torch.testing.assert_close(out, outputs[0])
+    assert out.requires_grad
+
+
 def test_decode_padding_is_masked_by_seq_lens_not_by_block_id():
     # One sequence of 1 token in block 3, padded with block 0, which holds huge values.
     k_cache, v_cache = torch.zeros(4, 2, KV_HEADS, HEAD_DIM), torch.zeros(4, 2, KV_HEADS, HEAD_DIM)

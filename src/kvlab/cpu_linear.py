@@ -58,26 +58,34 @@ class _OneDNNLinears:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.packed_from = self._fingerprint()
 
-    def _fingerprint(self) -> tuple:
+    def _fingerprint(self) -> list:
         """Each weight's storage (new for a new dtype, device or shape) and in-place version."""
-        return tuple((linear.weight.data_ptr(), linear.weight._version)
-                     for linear in self.linears)
+        return [(linear.weight.data_ptr(), linear.weight._version) for linear in self.linears]
+
+    def _autograd(self, x: torch.Tensor) -> bool:
+        """Autograd needs this call's graph (oneDNN's op has no backward)."""
+        return torch.is_grad_enabled() and (
+            x.requires_grad or any(linear.weight.requires_grad for linear in self.linears))
 
     def __call__(self, x: torch.Tensor):
-        # Called for every linear layer of every step: the common case is tested first.
-        if (x.dtype is torch.float32 and x.device.type == "cpu" and self._eligible()
-                and not (torch.is_grad_enabled()
-                         and (x.requires_grad or any(l.weight.requires_grad
-                                                     for l in self.linears)))):
-            if self._fingerprint() != self.packed_from:  # replaced or changed: pack again
+        # Called for every linear layer of every step (~120 a step for SmolLM2), so the common
+        # case costs one comparison of fingerprints: every check runs again only on a change.
+        if x.dtype is torch.float32 and x.device.type == "cpu" and not self._autograd(x):
+            if self._fingerprint() != self.packed_from:  # replaced, moved or changed: repack
+                if not self._eligible():
+                    return self._plain(x)
                 self._pack()
-            biases = [linear.bias for linear in self.linears]
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            bias = None
+            if self.linears[0].bias is not None:
+                bias = torch.cat([linear.bias.detach() for linear in self.linears])
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        else:  # autograd, another dtype or device: PyTorch's own op, layer by layer
-            outputs = tuple(F.linear(x, l.weight, l.bias) for l in self.linears)
-            return outputs[0] if len(outputs) == 1 else outputs
-        return out if len(self.linears) == 1 else out.split(self.out_features, dim=-1)
+            return out if len(self.linears) == 1 else out.split(self.out_features, dim=-1)
+        return self._plain(x)
+
+    def _plain(self, x: torch.Tensor):
+        """Autograd, another dtype or device: PyTorch's own op, layer by layer."""
+        outputs = tuple(F.linear(x, linear.weight, linear.bias) for linear in self.linears)
+        return outputs[0] if len(outputs) == 1 else outputs
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -153,11 +153,15 @@ class DecodeGather:
     """The rows of a layer's pool (seen as [-1, head_dim]) a decode batch reads, same for every
     layer: rows [num_seqs * num_key_value_heads * num_slots] int64; score_bias [num_seqs, 1, 1,
     num_slots] float32, 0 where the sequence holds the position, -inf elsewhere (added to the
-    scores); shape (num_seqs, num_key_value_heads, num_slots, head_dim), as attention reads it."""
+    scores); shape (num_seqs, num_key_value_heads, num_slots, head_dim), as attention reads it.
+    keys, values: buffers of that shape in the pool's dtype that each layer's gather fills: one
+    allocation a forward pass instead of two a layer (a decode step's are megabytes)."""
 
     rows: torch.Tensor
     score_bias: torch.Tensor
     shape: tuple[int, int, int, int]
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor,
@@ -180,7 +184,18 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: t
     rows = _pool_rows(slots, num_kv_heads, block_size, layout).reshape(-1)
     score_bias = torch.zeros(num_seqs, 1, 1, num_slots, device=block_tables.device)
     score_bias.masked_fill_(~holds_token[:, None, None, :], float("-inf"))
-    return DecodeGather(rows, score_bias, (num_seqs, num_kv_heads, num_slots, head_dim))
+    shape = (num_seqs, num_kv_heads, num_slots, head_dim)
+    buffers = [torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in "kv"]
+    return DecodeGather(rows, score_bias, shape, *buffers)
+
+
+def _gather_rows(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Rows of `cache.reshape(-1, head_dim)` copied into `buffer`, or into a new tensor if their
+    dtypes differ or autograd tracks the cache (an out= copy has no backward)."""
+    flat = cache.reshape(-1, cache.shape[-1])
+    if buffer.dtype != cache.dtype or cache.requires_grad:
+        return flat.index_select(0, rows)
+    return torch.index_select(flat, 0, rows, out=buffer.view(-1, cache.shape[-1]))
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -191,8 +206,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = kv_group_size(num_heads, num_kv_heads)
     # Gather K and V straight into the layout attention reads, [num_seqs, H_kv, num_slots, D]:
     # one index_select of head_dim-long rows of the pool (one copy, no permute).
-    keys = k_cache.reshape(-1, head_dim).index_select(0, gather.rows).view(gather.shape)
-    values = v_cache.reshape(-1, head_dim).index_select(0, gather.rows).view(gather.shape)
+    keys = _gather_rows(k_cache, gather.rows, gather.keys).view(gather.shape)
+    values = _gather_rows(v_cache, gather.rows, gather.values).view(gather.shape)
     # One batched attention for all sequences, GQA by grouping as in `grouped_attention`: query
     # head h = kv * G + g reads KV head kv, so the G heads of a group are G query rows over the
     # same keys. A sequence's one query sits at its last position, so causality is just the

@@ -37,7 +37,7 @@ __all__ = ["card_name", "card_slug", "copy_bandwidth_gb_s", "read_bandwidth_gb_s
 # The copy a GPU's bandwidth is measured with: 2 GiB, so launch overhead is noise and no L2 cache
 # holds it (H100/H200: 50/60 MiB).
 GPU_COPY_BYTES = 1 << 31
-# The datasheet cards of `kvlab.serving.cost_model.CARDS` (the one home of those figures) by a
+# The datasheet cards of `kvlab.gpus.CARDS` (the one home of those figures) by a
 # pattern of `torch.cuda.get_device_name`. Other parts of the same chips (H100 PCIe or NVL, A100
 # 80GB PCIe) have other bandwidths, so they are not matched.
 _DATASHEET_CARDS = ((r"\bH200\b", "H200"), (r"H100 80GB HBM3|H100 SXM", "H100-80GB"),
@@ -109,8 +109,8 @@ def read_bandwidth_gb_s(device: torch.device | str, num_bytes: int, repeats: int
 
 def datasheet_bandwidth_gb_s(card: str) -> float | None:
     """The memory bandwidth on the datasheet of the card named `card` (as `card_name` gives it),
-    GB/s, from `kvlab.serving.cost_model.CARDS`; None for a card it does not list."""
-    from kvlab.serving.cost_model import CARDS
+    GB/s, from `kvlab.gpus.CARDS`; None for a card it does not list."""
+    from kvlab.gpus import CARDS
 
     preset = next((name for pattern, name in _DATASHEET_CARDS if re.search(pattern, card)), None)
     return None if preset is None else CARDS[preset].bandwidth_bytes_per_s / 1e9

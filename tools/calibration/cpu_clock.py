@@ -39,7 +39,8 @@ from typing import Sequence
 import numpy as np
 
 from kvlab.config import LlamaConfig
-from kvlab.serving.cost_model import Card, CostModel
+from kvlab.gpus import Card
+from kvlab.serving.cost_model import CostModel
 from kvlab.serving.engine_core import Executor, engine_step
 from kvlab.serving.request import Request
 from kvlab.serving.scheduler import Scheduler, SchedulerConfig
@@ -98,8 +99,8 @@ class CpuClock:
 
     def cost_model(self, config: LlamaConfig) -> CostModel:
         """The simulator's clock for `config` on this CPU (one 'GPU', tp 1)."""
-        card = Card(CARD_NAME, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                    self.bandwidth_bytes_per_s, self.flops_per_s)
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
+        card = Card(CARD_NAME, memory_gib, self.bandwidth_bytes_per_s, self.flops_per_s)
         return CostModel(config, card, 1, self.dtype, step_overhead_s=self.step_overhead_s,
                          clock="cpu")
 

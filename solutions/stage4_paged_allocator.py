@@ -15,8 +15,8 @@ You write, with no tensors (the scheduler's side: it only decides which block id
 
 `kvlab check 4` compares yours with the course's allocator, `kvlab.paged.KVCacheManager`, on the
 same operations. Read `src/kvlab/paged/` afterwards and compare (`block_table.py`,
-`block_pool.py`, `kv_cache_manager.py`; `free_queue.py` shows why vLLM v1 keeps its free list as a
-doubly linked list rather than the deque used here).
+`block_pool.py`, `kv_cache_manager.py`; the pool keeps its free blocks in a deque too, and stage
+6's `free_queue.py` shows why vLLM v1 keeps them in a doubly linked list instead).
 
 Units: `block_size` and token counts are numbers of tokens; block ids are ints 0 .. num_blocks-1;
 a slot is a row of the flattened pool [num_blocks * block_size, num_key_value_heads, head_dim].

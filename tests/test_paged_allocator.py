@@ -116,7 +116,8 @@ def check_invariants(manager: KVCacheManager) -> None:
     pool, size = manager.pool, manager.block_size
     held = Counter(b for table in manager.tables.values() for b in table.block_ids)
     free = [b.block_id for b in pool.free_queue]
-    assert free == walk_backwards(pool.free_queue)  # the links agree both ways
+    if isinstance(pool.free_queue, FreeBlockQueue):  # stage 6's linked list: links agree both ways
+        assert free == walk_backwards(pool.free_queue)
     assert len(free) == len(set(free)) == pool.num_free_blocks
     assert not set(free) & set(held), "a block is free and in a block table at once"
     assert len(free) + len(held) == pool.num_blocks, "free + in use != total"

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from kvlab.paged.free_queue import Block, FreeBlockQueue
+from kvlab.paged.block_pool import Block
+from kvlab.paged.free_queue import FreeBlockQueue
 from kvlab.prefix.prefix_cache import PrefixCache
 from kvlab.serving import (SchedulerConfig, SimulatedExecutor, from_sizes, serve, shrink,
                            simulated_manager, speed_up)

@@ -7,8 +7,7 @@ sequence is preempted and recomputed later.
 
 One module per idea, in reading order:
 
-* `free_queue`: `Block`, `FreeBlockQueue` (doubly linked, O(1) pop / append / remove).
-* `block_pool`: `BlockPool` (free queue + ref counts; no tensors).
+* `block_pool`: `Block`, `BlockPool` (a free block queue + ref counts; no tensors).
 * `block_table`: `BlockTable` (logical -> physical blocks, slot = block_id * block_size + offset).
 * `kv_cache_manager`: `KVCacheManager`, keyed by the request (vLLM v1's verbs, copy-on-write).
 * `torch_attention`: write K/V by slot mapping; gather + attend (the plain-PyTorch teaching path).
@@ -16,6 +15,8 @@ One module per idea, in reading order:
 * `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
 * `fragmentation`: external fragmentation, drawn as a string (`gaps_of`, `first_fit`, `place`).
+* `free_queue`: `FreeBlockQueue` (doubly linked, O(1) pop / append / remove), which stage 6's
+  prefix cache needs: a hit takes a freed block out of the middle of the queue.
 
 What runs requests over the pool (admission, preemption, forks, sampling) is the one scheduler of
 `kvlab.serving`: `LLMEngine` for a batch, `serve` for traffic arriving over time.
@@ -23,10 +24,10 @@ What runs requests over the pool (admission, preemption, forks, sampling) is the
 
 from ..errors import KVCacheOutOfMemory, NoFreeBlocksError, RequestTooLongError
 from ..lazy_import import on_first_use
-from .block_pool import BlockPool
+from .block_pool import Block, BlockPool
 from .block_table import BlockTable, cdiv
 from .budget import check_pool_fits, kv_block_bytes, num_blocks_for_budget
-from .free_queue import Block, FreeBlockQueue
+from .free_queue import FreeBlockQueue
 from .kv_cache_manager import KVCacheManager
 
 # The tensors' modules load when first used: the block bookkeeping above needs no torch.

@@ -5,6 +5,12 @@ et al., SOSP 2023, section 4.2: "the KV block manager ... physical KV blocks on 
 either in the free block queue (ref count 0) or held by one or more sequences (ref count >= 1; more
 than one after a fork shares it, section 4.4).
 
+The free block queue hands out the block at its head and takes a freed block at its tail, so the
+block freed longest ago is reused first (least recently used). Those two ends are all stage 4
+needs, and a `collections.deque` gives both in O(1). Stage 6's prefix cache also takes a freed
+block back out of the *middle* (a hit on its cached K/V), O(n) in a deque: its `CachingBlockPool`
+swaps in `FreeBlockQueue`, vLLM v1's doubly linked list, O(1) there too (`free_queue`).
+
 No tensors here: the K/V lives in `PagedKVCache`, indexed by the same block_id. vLLM splits it the
 same way: the scheduler's KV cache manager picks block ids, the workers' tensors hold the bytes.
 """
@@ -16,9 +22,24 @@ from typing import Iterable
 
 from ..errors import NoFreeBlocksError
 from ..checks import check_index, check_int
-from .free_queue import Block, FreeBlockQueue
 
-__all__ = ["BlockPool"]
+__all__ = ["Block", "BlockPool"]
+
+
+class Block:
+    """One block (page) of the pool: `block_size` token slots in every layer."""
+
+    __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id  # index into the pool tensors, 0 .. num_blocks - 1
+        self.ref_count = 0        # block tables holding it: 0 = free, > 1 = shared after a fork
+        # stage 6's linked free queue keeps its links on the block; None while it is held
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:  # never follow the links: printing would walk the whole queue
+        return f"Block(block_id={self.block_id}, ref_count={self.ref_count})"
 
 
 class BlockPool:
@@ -26,10 +47,12 @@ class BlockPool:
     positive integer), a free block queue, and a ref count per block. A block id out of range is
     refused: a negative one would index the list from its end and touch the wrong block."""
 
+    free_queue_type = collections.deque  # stage 6: `FreeBlockQueue`
+
     def __init__(self, num_blocks: int):
         self.num_blocks = check_int("num_blocks", num_blocks, 1)
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = self.free_queue_type(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,11 +76,16 @@ class BlockPool:
         if count > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {count} blocks, only {self.num_free_blocks} of "
                                     f"{self.num_blocks} are free")
-        taken = self.free_queue.popleft_many(count)
+        taken = self._take_free(count)
         self._before_reuse(taken)
         for block in taken:
             block.ref_count = 1
         return [block.block_id for block in taken]
+
+    def _take_free(self, count: int) -> list[Block]:
+        """The `count` blocks at the head of the free block queue, taken out of it."""
+        popleft = self.free_queue.popleft
+        return [popleft() for _ in range(count)]
 
     def _before_reuse(self, blocks: list[Block]) -> None:
         """Called with the free blocks `allocate` hands out, before anyone can write to them. The
@@ -73,7 +101,7 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A request takes these blocks as computed ones (stage 6's cache hits): ref count + 1; a
-        free one leaves the free block queue (from wherever it sits, O(1))."""
+        free one leaves the free block queue, from wherever it sits."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:

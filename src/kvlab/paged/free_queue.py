@@ -1,10 +1,11 @@
-"""The free block queue: every block no sequence holds, in a doubly linked list.
+"""Stage 6's free block queue: every block no sequence holds, in a doubly linked list.
 
 Allocation takes the block at the head; a freed block goes to the tail. So the block that was freed
-longest ago is reused first (least recently used). `popleft` (allocate), `append` (free) and
-`remove` must cost O(1), whatever the pool size (vLLM v1 keeps ~10^5 blocks). `remove` takes a
-block out of the *middle*, for stage 6 (prefix caching): a freed block still holds the K/V of its
-tokens, and a new request with that same prefix takes it back from wherever it sits.
+longest ago is reused first (least recently used). Stage 4's pool needs only those two ends (a
+`collections.deque`, `block_pool`). With prefix caching a freed block still holds the K/V of its
+tokens, and a new request with that same prefix takes it back out of the *middle*, from wherever it
+sits: `popleft` (allocate), `append` (free) and `remove` must all cost O(1), whatever the pool size
+(vLLM v1 keeps ~10^5 blocks).
 
 A Python `list` pops from the front in O(n); `collections.deque` removes from the middle in O(n).
 Storing the two links on the block itself makes all three O(1): that is the design of vLLM v1's
@@ -16,23 +17,9 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-__all__ = ["Block", "FreeBlockQueue"]
+from .block_pool import Block
 
-
-class Block:
-    """One block (page) of the pool: `block_size` token slots in every layer."""
-
-    __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id  # index into the pool tensors, 0 .. num_blocks - 1
-        self.ref_count = 0        # block tables holding it: 0 = free, > 1 = shared after a fork
-        # the free block queue's links; both None while the block is held
-        self.prev_free: Block | None = None
-        self.next_free: Block | None = None
-
-    def __repr__(self) -> str:  # never follow the links: printing would walk the whole queue
-        return f"Block(block_id={self.block_id}, ref_count={self.ref_count})"
+__all__ = ["FreeBlockQueue"]
 
 
 class FreeBlockQueue:

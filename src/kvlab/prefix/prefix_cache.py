@@ -32,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Iterable, Sequence
 
-from ..paged.block_pool import BlockPool
-from ..paged.free_queue import Block
+from ..paged.block_pool import Block, BlockPool
+from ..paged.free_queue import FreeBlockQueue
 
 __all__ = ["CachedBlock", "PrefixCache", "CachingBlockPool"]
 
@@ -149,10 +149,15 @@ class CachingBlockPool(BlockPool):
     """A `BlockPool` whose free block queue doubles as the LRU list of `cache`'s blocks;
     num_evictions counts cached blocks whose entry was dropped because allocation reused them."""
 
+    free_queue_type = FreeBlockQueue  # a hit takes a block out of the middle in O(1)
+
     def __init__(self, num_blocks: int, cache: PrefixCache):
         super().__init__(num_blocks)
         self.cache = cache
         self.num_evictions = 0
+
+    def _take_free(self, count: int) -> list[Block]:
+        return self.free_queue.popleft_many(count)  # one walk along the links, not count unlinks
 
     def _before_reuse(self, blocks: list[Block]) -> None:
         """`allocate` (least recently used first) reuses free blocks: a block still cached loses

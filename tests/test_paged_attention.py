@@ -101,6 +101,19 @@ def test_one_decode_gather_serves_every_layer_of_a_pass():
     out = decode_attention(query, *tracked, gather)
     torch.testing.assert_close(out, outputs[0])
     assert out.requires_grad
+    # Autograd keeps each layer's K/V for the backward pass: a later layer must not overwrite them.
+    tracked_query = query.clone().requires_grad_()
+    total = sum(decode_attention(tracked_query, *layer[:2], gather).sum() for layer in layers)
+    total.backward()
+    assert torch.isfinite(tracked_query.grad).all()
+    # A gather made in inference mode (as `generate` runs) serves a later pass outside it.
+    with torch.inference_mode():
+        inference_gather = decode_gather(gather.rows.new_tensor(
+            [t + [0] * (width - len(t)) for t in layers[0][2]]), torch.tensor(seq_lens),
+            layers[0][0])
+    with torch.no_grad():
+        torch.testing.assert_close(decode_attention(query, *layers[0][:2], inference_gather),
+                                   outputs[0])
 
 
 def test_decode_padding_is_masked_by_seq_lens_not_by_block_id():

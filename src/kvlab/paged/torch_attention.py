@@ -185,15 +185,17 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: t
     score_bias = torch.zeros(num_seqs, 1, 1, num_slots, device=block_tables.device)
     score_bias.masked_fill_(~holds_token[:, None, None, :], float("-inf"))
     shape = (num_seqs, num_kv_heads, num_slots, head_dim)
-    buffers = [torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in "kv"]
-    return DecodeGather(rows, score_bias, shape, *buffers)
+    keys = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    return DecodeGather(rows, score_bias, shape, keys, torch.empty_like(keys))
 
 
 def _gather_rows(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """Rows of `cache.reshape(-1, head_dim)` copied into `buffer`, or into a new tensor if their
-    dtypes differ or autograd tracks the cache (an out= copy has no backward)."""
+    """Rows of `cache.reshape(-1, head_dim)` copied into `buffer`, or into a new tensor where the
+    buffer cannot serve: another dtype; autograd on (the backward pass keeps each layer's K/V,
+    which the next layer would overwrite); a buffer made in inference mode, used outside it."""
     flat = cache.reshape(-1, cache.shape[-1])
-    if buffer.dtype != cache.dtype or cache.requires_grad:
+    if (buffer.dtype != cache.dtype or torch.is_grad_enabled()
+            or (buffer.is_inference() and not torch.is_inference_mode_enabled())):
         return flat.index_select(0, rows)
     return torch.index_select(flat, 0, rows, out=buffer.view(-1, cache.shape[-1]))
 

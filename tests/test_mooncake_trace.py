@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvlab.errors import SizingError
 from kvlab.prefix.trace_hit_rate import (hit_rate_curve, lru_hit_rate, pool_blocks_for,
                                          unbounded_hit_rate)
 from kvlab.traces.mooncake import (DATA_DIR, TraceFormatError, block_keys, expand_hash_ids,
@@ -121,3 +122,6 @@ def test_pool_capacity_of_a_named_card():
     assert pool_blocks_for("llama-3.1-8b", "H100-80GB", block_size=16) == left // (16 * 131072)
     # 70B on 8 cards: each holds 1/8 of the weights and 40 KiB of every token's K/V.
     assert pool_blocks_for("llama-3.1-70b", "H100-80GB", num_gpus=8) == 2845
+    # A card by name only: "local" (this machine's GPU, which `kvlab size` accepts) is refused.
+    with pytest.raises(SizingError, match="unknown GPU 'local'; known: T4, L4"):
+        pool_blocks_for("llama-3.1-8b", "local")

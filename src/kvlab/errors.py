@@ -6,6 +6,8 @@
   (Kwon et al., SOSP 2023, section 4.5) or waits, then retries. Nothing changed.
 * `RequestTooLongError` (a `ValueError`): can *never* fit (past max_model_len or the whole pool);
   waiting would block the queue forever, so it is rejected at once.
+* `SizingError` (a `ValueError`): stage 0's arithmetic was asked for a size that makes no sense
+  (an unknown GPU or dtype, an impossible tensor parallelism, a length past any deployment).
 
 Bad arguments raise the built-in `ValueError` / `KeyError` with the value; a failed call changes no
 state. No kvlab imports here, so every stage imports this module without a cycle.
@@ -13,7 +15,7 @@ state. No kvlab imports here, so every stage imports this module without a cycle
 
 from __future__ import annotations
 
-__all__ = ["KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError"]
+__all__ = ["KVCacheOutOfMemory", "NoFreeBlocksError", "RequestTooLongError", "SizingError"]
 
 
 class KVCacheOutOfMemory(MemoryError):
@@ -26,3 +28,7 @@ class NoFreeBlocksError(KVCacheOutOfMemory):
 
 class RequestTooLongError(ValueError):
     """A request that can never fit (max_model_len or the whole pool); the message gives the numbers."""
+
+
+class SizingError(ValueError):
+    """A request for a size that makes no sense (the message names the value)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import SizingError
+
 __all__ = ["Card", "CARDS", "find_card", "get_card", "GPU_MEMORY_SOURCE"]
 
 GPU_MEMORY_SOURCE = "nominal, vendor datasheet"
@@ -30,21 +32,26 @@ class Card:
     def memory_bytes(self) -> int:
         return self.memory_gib * 2**30
 
+    @property
+    def has_roofline(self) -> bool:
+        """Both figures a simulated step's time needs are known."""
+        return self.bandwidth_bytes_per_s is not None and self.flops_per_s is not None
+
 
 def _card(name: str, memory_gib: int, bandwidth_tb_s: float | None = None,
           dense_tflops: float | None = None) -> Card:
-    return Card(name, memory_gib, bandwidth_tb_s and bandwidth_tb_s * 1e12,
-                dense_tflops and dense_tflops * 1e12)
+    return Card(name, memory_gib, None if bandwidth_tb_s is None else bandwidth_tb_s * 1e12,
+                None if dense_tflops is None else dense_tflops * 1e12)
 
 
+# Each card's vendor datasheet (NVIDIA's, AMD's): memory in GiB; bandwidth in TB/s and dense
+# bf16 TFLOP/s where kvlab times steps on the card.
 CARDS: dict[str, Card] = {card.name: card for card in [
     _card("T4", 16), _card("L4", 24, 0.3, 121), _card("A10G", 24), _card("RTX-4090", 24),
     _card("L40S", 48),
-    _card("A100-40GB", 40, 1.555, 312), _card("A100-80GB", 80, 2.039, 312),  # NVIDIA A100
-    _card("H100-80GB", 80, 3.35, 989),   # NVIDIA H100 (SXM)
-    _card("H200", 141, 4.8, 989),        # NVIDIA H200 (SXM)
-    _card("B200", 180),
-    _card("MI300X", 192, 5.3, 1307),     # AMD Instinct MI300X
+    _card("A100-40GB", 40, 1.555, 312), _card("A100-80GB", 80, 2.039, 312),  # SXM
+    _card("H100-80GB", 80, 3.35, 989), _card("H200", 141, 4.8, 989),          # SXM
+    _card("B200", 180), _card("MI300X", 192, 5.3, 1307),
 ]}
 
 
@@ -56,11 +63,9 @@ def find_card(name: str) -> Card | None:
 def get_card(name: str) -> Card:
     """The card of that name with roofline figures (what the simulated clock needs); SizingError
     naming the cards that have them."""
-    from .sizing import SizingError  # sizing imports this module
-
     card = find_card(name)
-    if card is None or card.bandwidth_bytes_per_s is None or card.flops_per_s is None:
-        with_figures = [card.name for card in CARDS.values() if card.flops_per_s]
+    if card is None or not card.has_roofline:
+        with_figures = [card.name for card in CARDS.values() if card.has_roofline]
         raise SizingError(f"no roofline figures for GPU {name!r}; known: "
                           f"{', '.join(with_figures)}")
     return card

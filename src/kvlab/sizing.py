@@ -20,6 +20,7 @@ import math
 from . import dtypes
 from .config import LlamaConfig
 from .dtypes import DTypeLike
+from .errors import SizingError
 from .gpus import CARDS, GPU_MEMORY_SOURCE, find_card
 
 __all__ = ["GPU_MEMORY_GIB", "GPU_MEMORY_SOURCE", "GpuMemory", "gpu_memory",
@@ -37,10 +38,6 @@ GPU_MEMORY_GIB = {name: card.memory_gib for name, card in CARDS.items()}
 MAX_SEQ_LEN = 2**24   # 16,777,216 tokens
 MAX_BATCH = 2**20     # 1,048,576 requests
 MAX_GPU_MEM_GIB = 2**14  # 16 TiB per GPU
-
-
-class SizingError(ValueError):
-    """A request for a size that makes no sense (the message names the value)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,9 @@ from typing import Iterable, Sequence
 
 from ..config import load_config
 from ..paged.budget import num_blocks_for_budget
-from ..sizing import gpu_memory, kv_bytes_per_token, weights_bytes
+from ..errors import SizingError
+from ..gpus import CARDS, find_card
+from ..sizing import kv_bytes_per_token, weights_bytes
 from ..traces.mooncake import TRACE_BLOCK_SIZE, block_keys
 from ..workload import Request
 from .block_tokens import BlockTokens
@@ -162,7 +164,10 @@ def pool_blocks_for(model: str, gpu: str, num_gpus: int = 1, block_size: int = T
     for an unknown model, card or tensor parallelism; KVCacheOutOfMemory when the weights leave no
     room for one block.
     """
+    card = find_card(gpu)
+    if card is None:
+        raise SizingError(f"unknown GPU {gpu!r}; known: {', '.join(CARDS)}")
     config = load_config(model)
-    budget = int(gpu_memory(gpu).total_bytes * gpu_memory_utilization)
+    budget = int(card.memory_bytes * gpu_memory_utilization)
     block_bytes = block_size * kv_bytes_per_token(config, dtype, num_gpus)
     return num_blocks_for_budget(budget, weights_bytes(config, dtype, num_gpus), block_bytes)

@@ -73,7 +73,7 @@ class CostModel:
                             ("bandwidth_efficiency", bandwidth_efficiency)):
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
-        if not (card.bandwidth_bytes_per_s and card.flops_per_s):
+        if not card.has_roofline:
             raise ValueError(f"{card.name}: no bandwidth or FLOP/s in kvlab.gpus to time a step")
         if step_overhead_s < 0 or allreduce_latency_s < 0:
             raise ValueError(f"step_overhead_s ({step_overhead_s}) and allreduce_latency_s "

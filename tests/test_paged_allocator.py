@@ -90,6 +90,14 @@ def test_pool_allocates_from_the_head_and_frees_to_the_tail():
         pool.share(2)
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
+    # A cache hit's blocks are checked before any ref count moves: -1 would be the last block.
+    before = [(b.block_id, b.ref_count) for b in pool.blocks], list(pool.free_queue)
+    for bad in ([2, -1], [3, 4]):
+        with pytest.raises(ValueError, match=r"block_id must be an integer in \[0, 3\]"):
+            pool.touch(bad)
+        with pytest.raises(ValueError, match=r"block_id must be an integer in \[0, 3\]"):
+            pool.num_free_to_touch(bad)
+    assert ([(b.block_id, b.ref_count) for b in pool.blocks], list(pool.free_queue)) == before
 
 
 # ---- the KV cache manager, driven by random operation sequences -------------------------------

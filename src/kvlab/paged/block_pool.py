@@ -34,7 +34,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id  # index into the pool tensors, 0 .. num_blocks - 1
         self.ref_count = 0        # block tables holding it: 0 = free, > 1 = shared after a fork
-        # stage 6's linked free queue keeps its links on the block; None while it is held
+        # links used only by stage 6's linked `FreeBlockQueue` (None in a deque, or while held)
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -102,7 +102,7 @@ class BlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """A request takes these blocks as computed ones (stage 6's cache hits): ref count + 1; a
         free one leaves the free block queue, from wherever it sits."""
-        for block_id in block_ids:
+        for block_id in self._checked(block_ids):  # all checked before any ref count moves
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self.free_queue.remove(block)
@@ -110,7 +110,12 @@ class BlockPool:
 
     def num_free_to_touch(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks are free now, i.e. leave the free queue when touched."""
-        return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
+        return sum(1 for block_id in self._checked(block_ids)
+                   if self.blocks[block_id].ref_count == 0)
+
+    def _checked(self, block_ids: Iterable[int]) -> list[int]:
+        """ValueError for an id out of range (a negative one would index from the end)."""
+        return [check_index("block_id", block_id, self.num_blocks) for block_id in block_ids]
 
     def release(self, block_ids: Iterable[int]) -> None:
         """One block table lets go of each block: ref count - 1; at 0 it joins the free queue (a

@@ -4,8 +4,8 @@ Allocation takes the block at the head; a freed block goes to the tail. So the b
 longest ago is reused first (least recently used). Stage 4's pool needs only those two ends (a
 `collections.deque`, `block_pool`). With prefix caching a freed block still holds the K/V of its
 tokens, and a new request with that same prefix takes it back out of the *middle*, from wherever it
-sits: `popleft` (allocate), `append` (free) and `remove` must all cost O(1), whatever the pool size
-(vLLM v1 keeps ~10^5 blocks).
+sits: taking from the head (`popleft`, `popleft_many` for an allocation of several), `append`
+(free) and `remove` must all cost O(1), whatever the pool size (vLLM v1 keeps ~10^5 blocks).
 
 A Python `list` pops from the front in O(n); `collections.deque` removes from the middle in O(n).
 Storing the two links on the block itself makes all three O(1): that is the design of vLLM v1's

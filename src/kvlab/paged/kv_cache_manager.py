@@ -144,13 +144,14 @@ class KVCacheManager(ManagerViews):
         return new_blocks
 
     def free(self, request) -> None:
-        """KeyError: the request holds no block table."""
+        """Release the request's blocks, tail first. KeyError: it holds no block table."""
         table = self._table(request.request_id)
         self.pool.release(reversed(table.block_ids))
         del self.tables[request.request_id]
 
     def fork(self, parent, child) -> None:
-        """KeyError: unknown parent. ValueError: the child already has a block table."""
+        """The child shares every block of the parent (ref count + 1 each, no copy). KeyError:
+        unknown parent. ValueError: the child already has a block table."""
         table = self._table(parent.request_id)
         if child.request_id in self.tables:
             raise ValueError(f"request {child.request_id!r} already has a block table")

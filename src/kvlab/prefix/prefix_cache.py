@@ -157,7 +157,8 @@ class CachingBlockPool(BlockPool):
         self.num_evictions = 0
 
     def _take_free(self, count: int) -> list[Block]:
-        return self.free_queue.popleft_many(count)  # one walk along the links, not count unlinks
+        """`BlockPool._take_free` in one walk along the links, not `count` unlinks."""
+        return self.free_queue.popleft_many(count)
 
     def _before_reuse(self, blocks: list[Block]) -> None:
         """`allocate` (least recently used first) reuses free blocks: a block still cached loses

@@ -78,3 +78,21 @@ def test_projections_that_read_one_input_run_as_one_matmul(small_llama):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         attention.k_proj.weight.mul_(-1.0)
         torch.testing.assert_close(attention.qkv(x)[1], -expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_projections_with_and_without_a_bias_are_not_fused(small_config):
+    """One matmul has one bias or none: q with a bias and k, v without stay separate layers."""
+    from kvlab.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM(small_config).eval()  # its own: the fixture's model is shared
+    attention = model.model.layers[0].self_attn
+    q = attention.q_proj
+    attention.q_proj = nn.Linear(q.in_features, q.out_features)
+    x = torch.randn(3, q.in_features)
+    with torch.no_grad():
+        expected = [F.linear(x, attention.q_proj.weight, attention.q_proj.bias),
+                    F.linear(x, attention.k_proj.weight), F.linear(x, attention.v_proj.weight)]
+        pack_linear_weights(model)
+        assert "qkv" not in attention.__dict__
+        for got, want in zip(attention.qkv(x), expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

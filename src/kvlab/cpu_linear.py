@@ -102,6 +102,7 @@ def pack_linear_weights(model: nn.Module) -> int:
             linears = [getattr(module, name, None) for name in names]
             if callable(getattr(module, method, None)) and all(
                     isinstance(linear, nn.Linear) and linear.in_features == linears[0].in_features
+                    and (linear.bias is None) == (linears[0].bias is None)  # one bias or none
                     for linear in linears):
                 if not isinstance(module.__dict__.get(method), _OneDNNLinears):
                     setattr(module, method, _OneDNNLinears(linears))

@@ -114,18 +114,19 @@ class BlockPool:
                    if self.blocks[block_id].ref_count == 0)
 
     def _checked(self, block_ids: Iterable[int]) -> list[int]:
-        """ValueError for an id out of range (a negative one would index from the end)."""
-        return [check_index("block_id", block_id, self.num_blocks) for block_id in block_ids]
-
-    def release(self, block_ids: Iterable[int]) -> None:
-        """One block table lets go of each block: ref count - 1; at 0 it joins the free queue (a
-        shared block keeps its data until its last holder releases it). ValueError: an id out of
-        range, or a double free; every id is checked before any is released."""
+        """The ids as a list; ValueError for one out of range (negative ids index from the end)."""
         block_ids = list(block_ids)
         if block_ids and (set(map(type, block_ids)) != {int} or min(block_ids) < 0
                           or max(block_ids) >= self.num_blocks):  # C-speed test of the usual call
             block_ids = [check_index("block_id", block_id, self.num_blocks)
                          for block_id in block_ids]
+        return block_ids
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """One block table lets go of each block: ref count - 1; at 0 it joins the free queue (a
+        shared block keeps its data until its last holder releases it). ValueError: an id out of
+        range, or a double free; every id is checked before any is released."""
+        block_ids = self._checked(block_ids)
         held = [self.blocks[block_id] for block_id in block_ids]
         if len(set(block_ids)) < len(block_ids):  # one block released several times at once
             for block_id, times in collections.Counter(block_ids).items():

@@ -41,9 +41,9 @@ def test_calibrated_step_time_by_hand():
     allreduce = 160 * (1e-5 + 100 * 8192 * 2 * 1.5 / 450e9)
     assert cost.step_time(100, 100_000, 100 * 1001, 100) == pytest.approx(
         moved / (0.8 * 3.35e12) + 0.002 + allreduce)
-    assert cost.describe_clock() == ("clock: calibrated: 50.0 % of peak FLOP/s, 80.0 % of peak "
-                                     "bandwidth, +2.00 ms a step, +10.0 \N{MICRO SIGN}s for each "
-                                     "of 160 all-reduces a step")
+    assert cal.describe_clock(cost) == (
+        "clock: calibrated: 50.0 % of peak FLOP/s, 80.0 % of peak bandwidth, +2.00 ms a step, "
+        "+10.0 \N{MICRO SIGN}s for each of 160 all-reduces a step")
     single = CostModel(config, get_card("H100-80GB"), tp=1, allreduce_latency_s=1.0)
     alone = CostModel(config, get_card("H100-80GB"))
     assert single.step_time(1, 0, 1, 1) == alone.step_time(1, 0, 1, 1)

@@ -14,6 +14,7 @@ import pytest
 
 from kvlab.tools.calibration import against_vllm as av
 from kvlab.tools.calibration import cpu_clock as cc
+from kvlab.calibration.clock import describe_clock
 from kvlab.config import load_config
 from kvlab.serving import SchedulerConfig, SimulatedExecutor, serve
 from kvlab.serving.strategies import paged_manager
@@ -146,7 +147,7 @@ def test_a_clock_round_trips_through_its_file(tmp_path):
     assert cc.CpuClock.load(path) == CLOCK
     with pytest.raises(FileNotFoundError, match="python -m kvlab.tools.calibration.cpu_clock"):
         cc.CpuClock.load(tmp_path / "none.json")
-    assert "+4.00 ms a step" in CLOCK.cost_model(SMOLLM).describe_clock()
+    assert "+4.00 ms a step" in describe_clock(CLOCK.cost_model(SMOLLM))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "results/cpu-vllm").glob("cpu_clock*.json")),

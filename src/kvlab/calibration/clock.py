@@ -14,6 +14,7 @@ published figure and units, and the workload kvlab replays for it; so are the fa
 them and each measurement's error at that fit, which every simulated table quotes as its error
 band (`clock_note`). Fitting them is measurement tooling beside the course
 (`kvlab.tools.calibration.fit_clock`, `python -m kvlab.tools.calibration.fit_clock --write`).
+`describe_card` and `describe_clock` print a cost model's card and clock, a line each.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..gpus import get_card
 from ..serving.cost_model import CostModel
 
 __all__ = ["Factors", "calibration_data", "stored_factors", "clock_cost_model", "error_band",
-           "clock_note", "CLOCKS", "ROOFLINE"]
+           "clock_note", "describe_card", "describe_clock", "CLOCKS", "ROOFLINE"]
 
 CLOCKS = ("roofline", "calibrated")
 DATA_FILE = "calibration.json"
@@ -111,3 +112,25 @@ def clock_note(clock: str) -> str:
         return (f"clock: roofline, a lower bound (errors "
                 f"{error_band(list(fitted['roofline_errors'].values()))})")
     return f"clock: calibrated (fit residuals {error_band(list(fitted['errors'].values()))})"
+
+
+def describe_card(cost: CostModel) -> str:
+    """One line naming the card, tp and what a step costs at minimum (on the roofline)."""
+    card = cost.card
+    return (f"{cost.tp} x {card.name} ({card.bandwidth_bytes_per_s / 1e12:g} TB/s, "
+            f"{card.flops_per_s / 1e12:g} dense TFLOP/s each), {cost.config.name} {cost.dtype}: "
+            f"weights {cost.weights_bytes / 1e9:.1f} GB per GPU, so a step takes >= "
+            f"{cost.weights_bytes / card.bandwidth_bytes_per_s * 1e3:.2f} ms")
+
+
+def describe_clock(cost: CostModel) -> str:
+    """One line: the clock's name and, off the roofline, its derating factors."""
+    if cost.clock == "roofline":
+        return "clock: roofline (100 % of peak bandwidth and FLOP/s, no overheads)"
+    line = (f"clock: {cost.clock}: {100 * cost.flops / cost.card.flops_per_s:.1f} % of peak "
+            f"FLOP/s, {100 * cost.bandwidth / cost.card.bandwidth_bytes_per_s:.1f} % of peak "
+            f"bandwidth, +{cost.step_overhead_s * 1e3:.2f} ms a step")
+    if cost.tp > 1:
+        line += (f", +{cost.allreduce_latency_s * 1e6:.1f} \N{MICRO SIGN}s for each of "
+                 f"{2 * cost.config.num_hidden_layers} all-reduces a step")
+    return line

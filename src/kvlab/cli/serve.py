@@ -205,7 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _simulate(args, requests, strategies):
     from ..config import load_config
-    from ..calibration.clock import clock_cost_model, clock_note
+    from ..calibration.clock import clock_cost_model, clock_note, describe_card, describe_clock
     from ..gpus import get_card
     from ..lazy_decode import serve
     from ..serving.engine_core import SimulatedExecutor
@@ -238,7 +238,7 @@ def _simulate(args, requests, strategies):
                          SimulatedExecutor(cost), scheduler, per_token) for name in strategies]
     finally:
         gc.enable()
-    description = (f"simulated: {cost.describe()}\n{cost.describe_clock()}\n"
+    description = (f"simulated: {describe_card(cost)}\n{describe_clock(cost)}\n"
                    + (f"{tp_chosen}\n" if tp_chosen else "")
                    + f"KV budget {format_bytes(budget)} per GPU = "
                    f"{budget // per_token:,} tokens of {format_bytes(per_token)}")

@@ -1,37 +1,28 @@
 """Simulation mode's clock: how long one step takes on a named card, from a roofline.
 
-A forward pass must at least (a) read every weight once and every cached K/V its requests attend
-over, at the card's memory bandwidth, and (b) do its arithmetic at the card's peak FLOP rate. The
-step takes the longer of the two (the roofline model, Williams et al., CACM 2009):
+A forward pass must at least read every weight once and every cached K/V its requests attend
+over, at the card's memory bandwidth, and do its arithmetic at the card's peak FLOP rate; it takes
+the longer of the two (the roofline model, Williams et al., CACM 2009). Per GPU, under tensor
+parallelism each of `tp` GPUs holding 1/tp of the weights and KV heads:
 
-    bytes = weights per GPU + KV bytes per token per GPU x (tokens attended over + tokens written)
-    flops = 2 x decoder-layer parameters per GPU x tokens computed
-            + 2 x LM-head parameters per GPU x rows sampled
-            + 4 x layers x query heads per GPU x head_dim x (query, key) pairs attended
-    step  = max(bytes / bandwidth, flops / peak FLOP/s) + step_overhead_s
+    bytes = weights + KV bytes per token x (tokens attended over + tokens written)
+    flops = 2 x decoder-layer parameters x tokens computed + 2 x LM-head parameters x rows sampled
+            + 4 x layers x query heads x head_dim x (query, key) pairs attended
+    step  = max(bytes / (bandwidth_efficiency x bandwidth), flops / (compute_efficiency x FLOP/s))
+            + step_overhead_s + 2 x layers x (allreduce_latency_s + ring bytes / link bandwidth)
 
-The embedding is a lookup (no FLOPs), and the LM head (vocab_size x hidden_size) runs only on the
-row of each request that samples this step (vLLM's `logits_indices`): a prefill chunk that does not
-finish its prompt samples nothing, and a finished prompt of 2,000 tokens samples one row. For a
-small model that changes a prefill's FLOPs by a fifth (SmolLM2-135M: the tied embedding is 21 %
-of its parameters); Llama-3.1-8B's untied pair is 13 %, Llama-3.1-70B's 3 %.
+The embedding is a lookup, and the LM head runs only on the row of each request that samples this
+step (vLLM's `logits_indices`): a prefill chunk that does not finish its prompt samples nothing.
+That matters for small models: SmolLM2-135M's tied embedding is 21 % of its parameters
+(Llama-3.1-8B's untied pair 13 %, 70B's 3 %). Decode steps are memory-bound; long prefills are
+compute-bound. The last term is paid only for tp > 1: two all-reduces per layer (after attention
+and after the MLP) of tokens x hidden_size activations, each GPU sending 2 (tp - 1) / tp of them
+in a ring (Shoeybi et al., Megatron-LM, 2019).
 
-Decode steps are memory-bound (a few hundred tokens cannot use the FLOPs that reading 70 GB of
-weights pays for); long prefills are compute-bound. Under tensor parallelism each of `tp` GPUs holds
-1/tp of the weights and KV heads and does 1/tp of the work in lockstep.
-
-What the roofline leaves out (so real steps are slower): kernels reach 60-90 % of peak bandwidth
-and FLOPs, not 100 %; tensor-parallel all-reduces; sampling, scheduling and Python overheads;
-activations traffic. With its defaults the model is that lower bound (the `roofline` clock). Its
-derating arguments make the `calibrated` clock (`kvlab.calibration.clock` fits them to published
-measurements of real engines):
-
-    step = max(bytes / (bandwidth_efficiency x bandwidth), flops / (compute_efficiency x FLOP/s))
-           + step_overhead_s + 2 x layers x (allreduce_latency_s + ring bytes / link bandwidth)
-
-where the last term is paid only under tensor parallelism: two all-reduces per layer (after
-attention and after the MLP) of tokens x hidden_size activations, each GPU sending
-2 (tp - 1) / tp of them in a ring (Shoeybi et al., Megatron-LM, 2019).
+With the defaults (efficiencies 1, no overheads) this is the `roofline` clock, a lower bound: real
+kernels reach 60-90 % of peak, and sampling, scheduling and Python cost time. The `calibrated`
+clock's derating factors are fitted to published measurements of real engines
+(`kvlab.calibration.clock`).
 """
 
 from __future__ import annotations
@@ -44,26 +35,12 @@ __all__ = ["CostModel"]
 
 
 class CostModel:
-    """Step time of one model on `tp` cards of one kind.
-
-    Args:
-        config: the model's shape.
-        card: a `kvlab.gpus.Card` with roofline figures (`get_card`).
-        tp: tensor-parallel GPUs.
-        dtype: weights and KV dtype name ('bf16', 'fp16', 'fp8', 'fp32').
-        step_overhead_s: fixed time added to every step (scheduling, sampling, launch), seconds.
-        compute_efficiency, bandwidth_efficiency: shares of peak FLOP/s and bandwidth reached,
-            in (0, 1] (1: the roofline).
-        allreduce_latency_s: fixed time of one tensor-parallel all-reduce, seconds (tp > 1 only).
-        link_bytes_per_s: one-way GPU-to-GPU bandwidth for the all-reduce's bytes (None: none
-            counted).
-        clock: the clock's name in tables ('roofline', 'calibrated').
-
-    Raises:
-        SizingError: an impossible tp or unknown dtype.
-        ValueError: a card without roofline figures, an efficiency outside (0, 1] or a negative
-            time.
-    """
+    """Step time of one model on `tp` cards of one kind (a `kvlab.gpus.Card` with roofline
+    figures); dtype names the weights' and KV's ('bf16', 'fp16', 'fp8', 'fp32'). Efficiencies are
+    shares of peak in (0, 1]; times are seconds; link_bytes_per_s is one-way GPU-to-GPU bandwidth
+    (None: the all-reduce's bytes are not counted); clock names the clock in tables.
+    SizingError: an impossible tp or unknown dtype. ValueError: a card without roofline figures,
+    an efficiency outside (0, 1] or a negative time."""
 
     def __init__(self, config: LlamaConfig, card: Card, tp: int = 1, dtype: str = "bf16",
                  step_overhead_s: float = 0.0, compute_efficiency: float = 1.0,
@@ -82,8 +59,6 @@ class CostModel:
         self.step_overhead_s, self.clock = step_overhead_s, clock
         self.bandwidth = card.bandwidth_bytes_per_s * bandwidth_efficiency
         self.flops = card.flops_per_s * compute_efficiency
-        # 2 all-reduces a layer: a fixed latency each per step, and per token computed each GPU
-        # sends 2 (tp - 1) / tp of its activations (hidden_size values) in a ring.
         self.allreduce_latency_s = allreduce_latency_s
         self.allreduce_s = 0.0 if tp == 1 else 2 * config.num_hidden_layers * allreduce_latency_s
         self.allreduce_s_per_token = 0.0 if tp == 1 or not link_bytes_per_s else (
@@ -91,8 +66,7 @@ class CostModel:
             * dtype_bytes(dtype) / link_bytes_per_s)
         self.weights_bytes = weights_bytes(config, dtype, tp)
         params_per_gpu = self.weights_bytes // dtype_bytes(dtype)
-        # The LM head's vocab_size x hidden_size (split over tp) multiplies sampled rows only; the
-        # embedding, the same matrix when tied, is a lookup. The rest multiplies every token.
+        # The embedding (the LM head's matrix when tied) is a lookup: no FLOPs.
         self.lm_head_params = config.vocab_size * config.hidden_size // tp
         embeddings = self.lm_head_params * (1 if config.tie_word_embeddings else 2)
         self.layer_params = params_per_gpu - embeddings
@@ -100,26 +74,6 @@ class CostModel:
         # FLOPs per (query token, key token) pair: QK^T and PV, 2 each per multiply-add.
         self.flops_per_pair = (4 * config.num_hidden_layers * (config.num_attention_heads // tp)
                                * config.head_dim)
-
-    def describe(self) -> str:
-        """One line naming the card, tp and what a step costs at minimum (on the roofline)."""
-        card = self.card
-        return (f"{self.tp} x {card.name} ({card.bandwidth_bytes_per_s / 1e12:g} TB/s, "
-                f"{card.flops_per_s / 1e12:g} dense TFLOP/s each), {self.config.name} {self.dtype}: "
-                f"weights {self.weights_bytes / 1e9:.1f} GB per GPU, so a step takes >= "
-                f"{self.weights_bytes / card.bandwidth_bytes_per_s * 1e3:.2f} ms")
-
-    def describe_clock(self) -> str:
-        """One line: the clock's name and, off the roofline, its derating factors."""
-        if self.clock == "roofline":
-            return "clock: roofline (100 % of peak bandwidth and FLOP/s, no overheads)"
-        line = (f"clock: {self.clock}: {100 * self.flops / self.card.flops_per_s:.1f} % of peak "
-                f"FLOP/s, {100 * self.bandwidth / self.card.bandwidth_bytes_per_s:.1f} % of peak "
-                f"bandwidth, +{self.step_overhead_s * 1e3:.2f} ms a step")
-        if self.tp > 1:
-            line += (f", +{self.allreduce_latency_s * 1e6:.1f} \N{MICRO SIGN}s for each of "
-                     f"{2 * self.config.num_hidden_layers} all-reduces a step")
-        return line
 
     def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int,
                   num_sampled: int) -> float:

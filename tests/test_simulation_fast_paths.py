@@ -44,7 +44,7 @@ def test_popleft_many_takes_the_blocks_popleft_would_and_leaves_the_same_queue()
         queue_with_holes(random.Random(1))[0].popleft_many(26)
 
 
-def test_drop_all_drops_each_block_as_drop_does():
+def test_drop_all_of_a_list_drops_as_one_block_at_a_time_does():
     def filled() -> PrefixCache:
         cache = PrefixCache()
         for block_id in range(12):  # hashes shared by pairs: buckets of two entries
@@ -53,7 +53,7 @@ def test_drop_all_drops_each_block_as_drop_does():
 
     one, many = filled(), filled()
     asked = [3, 7, 2, 99, 3, 10]  # 99 is not cached; 3 is asked twice
-    assert many.drop_all(asked) == sum(one.drop(block_id) for block_id in asked) == 4
+    assert many.drop_all(asked) == sum(one.drop_all([block_id]) for block_id in asked) == 4
     assert [e.block_id for e in many.entries()] == [e.block_id for e in one.entries()]
     for block_hash in range(6):
         assert many.knows_hash(block_hash) == one.knows_hash(block_hash)

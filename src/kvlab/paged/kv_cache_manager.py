@@ -1,30 +1,27 @@
 """The KV cache manager: the block tables of all requests over one block pool.
 
 vLLM v1 splits a server into a scheduler that decides, this manager that allocates, and a model
-runner that executes. The scheduler calls the manager directly, with the request itself, and none
-of it touches a tensor:
+runner that executes. The scheduler calls the manager directly, with the request itself; nothing
+here touches a tensor. Its verbs:
 
-* `get_computed_blocks(request)`: blocks that already hold the request's leading tokens (none
-  here; stage 6's prefix cache finds some) and how many tokens they cover;
+* `get_computed_blocks(request)`: blocks already holding the request's leading tokens, and how
+  many tokens they cover (none here; stage 6's prefix cache finds some);
 * `allocate_slots(request, num_new_tokens, ...)`: room for the tokens a step computes, at
-  admission (after those computed blocks) or later, taking a block only at a block boundary. It
-  returns the new block ids, possibly none, or None when the pool has no room now, changing nothing;
-* `free(request)`: it finished, or is preempted: vLLM v1 preempts by `free` and the scheduler
-  sets its num_computed_tokens back to 0 (recompute, Kwon et al., SOSP 2023, section 4.5). The
-  blocks go back last first, as in vLLM v1: the tail is the part least likely shared by a later
-  request, so it should be reused first (stage 6);
+  admission (after those computed blocks) or later, a new block only at a block boundary; the new
+  block ids (possibly none), or None when the pool has no room now, changing nothing;
+* `free(request)`: it finished, or is preempted (recompute: the scheduler sets its
+  num_computed_tokens back to 0; Kwon et al., SOSP 2023, section 4.5). Blocks go back tail first,
+  as in vLLM v1: the tail is the part least likely shared by a later request (stage 6);
 * `fork(parent, child)`: a child (parallel sampling, n > 1) shares all its parent's blocks.
 
-Copy-on-write (section 4.4): after a fork, parent and child hold the same blocks with ref count
-2. Full blocks are never written again, so sharing them is safe forever. A partly filled shared
-last block is not: the next token of either would land in the other's block. So before that write
-`allocate_slots` gives the writer a fresh block and records (src, dst); `take_copies()` hands the
-pairs to the model runner, which copies the K/V bytes in every layer before the forward pass
-(vLLM v0's `blocks_to_copy`).
+Copy-on-write (section 4.4): after a fork, parent and child hold the same blocks, ref count 2.
+Full blocks are never written again, but a partly filled shared last block would be: so before
+that write `allocate_slots` gives the writer a fresh block and records (src, dst), and
+`take_copies()` hands the pairs to the model runner, which copies the K/V in every layer before
+the forward pass (vLLM v0's `blocks_to_copy`).
 
-Slots are not built here: the forward pass computes its slot mapping once, from the block tables
-(`PagedKVCache.batch_store`). A request is a `kvlab.serving.Request` (or anything with a hashable
-`request_id` and sizes). What a learner prints of the tables is in `manager_views`.
+The forward pass computes its slot mapping once, from the block tables
+(`PagedKVCache.batch_store`). What a learner prints of the tables is in `manager_views`.
 """
 
 from __future__ import annotations

@@ -3,31 +3,24 @@
 `PrefixCachingKVCacheManager` is `kvlab.paged.KVCacheManager` with two changes:
 
 * `get_computed_blocks(request)` looks the request's tokens up block by block: the longest run of
-  cached full blocks that starts them. The scheduler passes them to `allocate_slots`, which puts
-  them at the front of the block table (shared, ref count + 1; a free one leaves the free block
-  queue) and allocates blocks for the rest. The hit is capped so that at least one token is
-  computed: its logits give the next token. vLLM v1 caps at n - 1 tokens the same way; with
-  whole-block hits that is at most (n - 1) // block_size blocks.
-* `allocate_slots` caches every block it fills (at admission, or later in decode): the block is
-  hashed and entered, so a later request can hit it. Blocks are cached when their slots are
-  reserved, as vLLM v1 does, so a request admitted later in the same step may hit a block whose
-  K/V that step's forward pass has not written yet. The rule that makes this correct: a block is
-  readable from the pass that writes it on; the model runner keeps it by writing the K/V of every
-  token of a step, in each layer, before any token attends (`kvlab.serving.model_runner`).
+  cached full blocks that starts them, capped so that at least one token is computed (its logits
+  give the next token; vLLM v1's n - 1 cap). `allocate_slots` puts them at the front of the block
+  table (ref count + 1; a free one leaves the free block queue) and allocates the rest.
+* `allocate_slots` caches every block it fills, at admission or later in decode, when its slots
+  are reserved, as vLLM v1 does: a request admitted later in the same step may hit a block whose
+  K/V that step's forward pass has not written yet. That is correct because a block is readable
+  from the pass that writes it on: the model runner writes the K/V of every token of a step, in
+  each layer, before any token attends (`kvlab.serving.model_runner`).
 
-`free` (finish or preempt) is stage 4's, tail first, but the blocks keep their cache entries until
-allocation reuses them (LRU eviction, `prefix_cache`): a preempted request may hit its own blocks
-when it is admitted again, which makes recompute much cheaper.
-
-Each full block of a request is hashed once: the chain lives on the request
-(`request.kv_block_hashes`, vLLM v1's `request.block_hashes`) from its first lookup until it
-finishes, preemptions included. A scheduler retries the head of its queue every step; the retry
-hashes nothing and only checks that the hits of the refused attempt are still cached.
-
-The manager reads a request's tokens through `BlockTokens` (`trace_blocks.block_tokens`): real
-ids in model mode, or simulation's stand-ins (`trace_blocks.TraceBlocks`). Forks (n > 1) share all
-blocks as in stage 4, the child inheriting the parent's record and chain; copy-on-write only ever
-copies a partly filled block, which is never cached.
+`free` is stage 4's, tail first, but the blocks keep their cache entries until allocation reuses
+them (LRU eviction, `prefix_cache`): a preempted request may hit its own blocks when admitted
+again, which makes recompute much cheaper. Each full block is hashed once: the chain lives on the
+request (`request.kv_block_hashes`, vLLM v1's `request.block_hashes`) from its first lookup until
+it finishes; a refused admission's retry hashes nothing and only checks its hits are still cached.
+Tokens are read through `BlockTokens` (`trace_blocks.block_tokens`): real ids in model mode,
+simulation's stand-ins otherwise. Forks (n > 1) share all blocks as in stage 4, the child
+inheriting the parent's record and chain; copy-on-write only copies a partly filled block, which
+is never cached.
 
 Sources: vLLM v1 KV cache manager (automatic prefix caching: full-block hashes chained through the
 parent, an LRU free block queue, the n - 1 cap); SGLang RadixAttention (Zheng et al., "SGLang:
@@ -93,12 +86,6 @@ class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
     def read_tokens(self, request) -> BlockTokens:
         """The request's tokens as the cache reads them (`trace_blocks.block_tokens`)."""
         return as_block_tokens(trace_blocks.block_tokens(request))
-
-    def lookup(self, token_ids: Sequence[int] | BlockTokens,
-               cache_salt: str | None = None) -> list[CachedBlock]:
-        """The entries `get_computed_blocks` would find for these tokens; changes nothing (no ref
-        counts, no LRU order, no statistics)."""
-        return self._lookup(as_block_tokens(token_ids), extra_keys_for(cache_salt), False, [])
 
     @staticmethod
     def _hashes(request) -> list[BlockHash]:

@@ -5,17 +5,15 @@ Two pieces, both without tensors:
 * `PrefixCache`, the map from block hash to the blocks that hold that prefix. A block is *cached*
   while it has an entry here: its K/V is final, and a later request with that prefix may use it.
 * `CachingBlockPool`, the stage-4 `BlockPool` taught to keep cached blocks. A freed block goes to
-  the free block queue as before, but keeps its entry: it is free (any allocation may take it) and
-  cached (a hit may take it back) at once. Allocation takes the head of the queue; if that block is
-  cached, its entry is dropped at that moment (an *eviction*), so a block recycled for other tokens
-  can never be found under its old hash.
+  the free block queue as before but keeps its entry: free (any allocation may take it) and cached
+  (a hit may take it back) at once. Allocation takes the head of the queue and drops a cached
+  block's entry at that moment (an *eviction*), so a recycled block is never found under its old
+  hash.
 
-The free block queue is therefore the LRU list, and nothing else is needed (vLLM v1's
-`BlockPool` + `FreeKVCacheBlockQueue` work the same way): blocks are appended when their last
-holder lets go, a hit takes a block out of the middle (O(1), see `FreeBlockQueue.remove`), and the
-head is the least recently used. A finished sequence releases its blocks tail first
-(`KVCacheManager.free`), so its tail, the part least likely shared, is evicted before its prefix,
-and a cached block's parent is never evicted before the block itself.
+So the free block queue is the LRU list, as in vLLM v1's `BlockPool` + `FreeKVCacheBlockQueue`:
+blocks join its tail when their last holder lets go, a hit takes one out of the middle (O(1),
+`FreeBlockQueue.remove`), and the head is the least recently used. Sequences release their blocks
+tail first, so a cached block's parent is never evicted before the block itself.
 
 One step beyond vLLM, which trusts the hash: a hit is *confirmed*. A candidate counts only if its
 token ids and extra keys equal the request's and its parent entry is the very entry the lookup
@@ -123,12 +121,8 @@ class PrefixCache:
             parent = entry
         return chain
 
-    def drop(self, block_id: int) -> bool:
-        """Forget a block's entry (it is about to hold other tokens). Returns whether it had one."""
-        return self.drop_all([block_id]) == 1
-
     def drop_all(self, block_ids: Iterable[int]) -> int:
-        """`drop` each block (one call for a whole allocation); returns how many had an entry."""
+        """Forget these blocks' entries (they are about to hold other tokens); how many had one."""
         by_block, by_hash, dropped = self._by_block, self._by_hash, 0
         for block_id in block_ids:
             entry = by_block.pop(block_id, None)

@@ -10,10 +10,13 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from ..paged.manager_views import ManagerViews
-from .block_hash import short
+from .block_hash import extra_keys_for, short
+from .block_tokens import BlockTokens, as_block_tokens
 
 if TYPE_CHECKING:
-    from .prefix_cache import CachingBlockPool, PrefixCache
+    from typing import Sequence
+
+    from .prefix_cache import CachedBlock, CachingBlockPool, PrefixCache
 
 __all__ = ["PrefixCacheStats", "PrefixManagerViews"]
 
@@ -54,6 +57,12 @@ class PrefixManagerViews(ManagerViews):
         """A snapshot of the hit, saving and eviction counts since start-up."""
         self._stats.num_evictions = self.pool.num_evictions
         return dataclasses.replace(self._stats)
+
+    def lookup(self, token_ids: Sequence[int] | BlockTokens,
+               cache_salt: str | None = None) -> list[CachedBlock]:
+        """The entries `get_computed_blocks` would find for these tokens; changes nothing (no ref
+        counts, no LRU order, no statistics)."""
+        return self._lookup(as_block_tokens(token_ids), extra_keys_for(cache_salt), False, [])
 
     def block_counts(self) -> dict[str, int]:
         """{'free': free and not cached, 'cached': free and cached (evictable, and hittable),

@@ -31,20 +31,12 @@ class RequestState(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One request: sizes in tokens, arrival in seconds from the replay's start, its progress.
-
-    Args:
-        request_id: unique id (the key of its block table).
-        prompt_len, max_output_tokens: >= 1 each; the server stops after max_output_tokens, as
-            a benchmark that ignores end-of-sequence does.
-        prompt_token_ids: the prompt's ids (model mode), or None (simulation).
-        trace_block_ids, trace_block_size: a trace's ids of the prompt's blocks of that many
-            tokens (equal ids at equal positions = a shared prefix); (), 0 without.
-        cache_salt: only prefix-cache blocks hashed with the same salt are shared (vLLM's).
-
-    Raises:
-        ValueError: a length < 1, a negative arrival time, or prompt ids of the wrong length.
-    """
+    """One request: sizes in tokens (>= 1 each; the server stops after max_output_tokens, as a
+    benchmark that ignores end-of-sequence does), arrival in seconds from the replay's start, and
+    its progress. prompt_token_ids: None in simulation. trace_block_ids: a trace's ids of the
+    prompt's blocks of trace_block_size tokens (equal ids at equal positions = a shared prefix).
+    cache_salt: only prefix-cache blocks hashed with the same salt are shared (vLLM's).
+    ValueError: a length < 1, a negative arrival time, or prompt ids of the wrong length."""
 
     request_id: int
     arrival_s: float

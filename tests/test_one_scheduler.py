@@ -15,8 +15,9 @@ from kvlab.config import LlamaConfig
 from kvlab.generate import generate
 from kvlab.model import LlamaForCausalLM
 from kvlab.sampling import stream_seed
-from kvlab.serving import (STRATEGIES, LLMEngine, Request, RequestState, SamplingParams,
-                           SchedulerConfig, generate_batch, model_strategy, serve)
+from kvlab.serving import (STRATEGIES, LLMEngine, ModelRunner, Request, RequestState,
+                           SamplingParams, SchedulerConfig, generate_batch, model_strategy,
+                           serve)
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -103,10 +104,19 @@ def test_contiguous_fork_takes_a_slab_of_its_own_and_copies_the_prompt(model):
     [parent] = families(prompts(1), 4, 0.0)
     result = serve([parent], kv, executor)
     assert result.peak_running == N and result.finished == N
-    assert kv.num_held == 0 and not any(executor.cache.in_use)
+    # one owner of the slabs: the manager claimed, forked and freed them through the cache
+    assert kv.num_held == 0 and kv.slab_of == {} and not any(executor.cache.in_use)
+    assert executor.slabs is kv and kv.cache is executor.cache
     # A family needs n slabs at once: with 2 slabs it waits forever, so it is refused up front.
     kv, executor = model_strategy("contiguous", model, 2 * 32 * BYTES_PER_TOKEN, 32)
     assert kv.allocate_slots(families(prompts(1), 4, 0.0)[0], 100) is None
+
+
+def test_a_contiguous_cache_without_its_manager_is_refused_at_the_first_pass(model):
+    kv, executor = model_strategy("contiguous", model, 3 * 32 * BYTES_PER_TOKEN, 32)
+    alone = ModelRunner(model, executor.cache)  # slabs= missing: nobody says whose slab is whose
+    with pytest.raises(ValueError, match="ContiguousManager that hands out its slabs"):
+        serve(families(prompts(1), 1, 0.0), kv, alone)
 
 
 def test_a_rejected_request_takes_its_forks_with_it_and_the_others_run(model):

@@ -82,7 +82,7 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
     if on_scheduled is not None:
         on_scheduled(output)
     for request in output.preempted:
-        executor.release(request)  # preempted: its slab (contiguous) is free again
+        executor.release(request)  # preempted: its memory is free again
     if not output.scheduled:
         return StepResult(output, [])
     sampled, seconds = executor.execute(output)

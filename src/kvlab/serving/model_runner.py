@@ -28,22 +28,26 @@ from ..paged.paged_cache import PagedKVCache
 from ..sampling import next_token
 from .cost_model import CostModel
 from .request import Request, RequestState
+from .reservation import ContiguousManager
 from .scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner"]
 
 
 class ModelRunner:
-    """The real model over stage 2's `ContiguousKVCache` (slabs handed out here; a fork copies
-    one) or stage 4's `PagedKVCache`, whose `manager` the scheduler drives and whose attention
-    backend (torch or the stage-5 Triton kernel) reads. The clock: `cost_model`'s step time if
-    given (repeatable), else the wall clock. `num_decode_tokens`, `num_prefill_tokens`: `_count`."""
+    """The real model over stage 4's `PagedKVCache`, whose `manager` the scheduler drives and
+    whose attention backend (torch or the stage-5 Triton kernel) reads, or stage 2's
+    `ContiguousKVCache`, whose slabs `slabs` (the scheduler's `ContiguousManager`) hands out. The
+    clock: `cost_model`'s step time if given (repeatable), else the wall clock.
+    `num_decode_tokens`, `num_prefill_tokens`: `_count`. ValueError (at the first pass): a
+    contiguous cache without the manager built over it."""
 
-    def __init__(self, model, cache, cost_model: CostModel | None = None):
+    def __init__(self, model, cache, cost_model: CostModel | None = None,
+                 slabs: ContiguousManager | None = None):
         self.model, self.cache, self.cost_model = model, cache, cost_model
         pack_linear_weights(model)  # oneDNN on a CPU, as vLLM's CPU backend (kvlab.cpu_linear)
         self.paged = isinstance(cache, PagedKVCache)
-        self.slab_of: dict[int, int] = {}  # contiguous only: request_id -> slab
+        self.slabs = slabs
         self.generators: dict[int, torch.Generator] = {}  # request_id -> its random stream
         self.num_prefill_tokens = self.num_decode_tokens = 0
 
@@ -79,10 +83,7 @@ class ModelRunner:
             self.num_prefill_tokens += num_new
 
     def release(self, request: Request) -> None:
-        """The request's memory was freed: finished (forget it) or preempted (keep its stream)."""
-        slab = self.slab_of.pop(request.request_id, None)
-        if slab is not None:
-            self.cache.free_sequence(slab)
+        """The request's memory was freed: finished (forget its stream) or preempted (keep it)."""
         if request.state is RequestState.FINISHED:
             self.generators.pop(request.request_id, None)
 
@@ -90,9 +91,6 @@ class ModelRunner:
         """The next token of `request` (and the first of each of its forks) from one logits row."""
         sampled[request.request_id] = self._next_token(request, logits)
         for child in request.forks:  # the scheduler forks them from `request` in `update`
-            if not self.paged:
-                self.slab_of[child.request_id] = self.cache.fork_sequence(
-                    self.slab_of[request.request_id])
             sampled[child.request_id] = self._next_token(child, logits)
 
     def _next_token(self, request: Request, logits: torch.Tensor) -> int:
@@ -134,8 +132,8 @@ class ModelRunner:
             # The scheduler's manager reserved exactly these slots this step; the cache computes
             # the slot mapping from its tables, once for the pass.
             return self.cache.batch_store([request.request_id for request in batch], query_lens)
-        for request in batch:
-            if request.request_id not in self.slab_of:
-                self.slab_of[request.request_id] = self.cache.add_sequence()
-        return self.cache.batch_store([self.slab_of[r.request_id] for r in batch], query_lens,
-                                      seq_lens)
+        if self.slabs is None or self.slabs.cache is not self.cache:
+            raise ValueError("a contiguous cache runs with the ContiguousManager that hands out "
+                             "its slabs (ModelRunner(..., slabs=ContiguousManager(..., cache)))")
+        slab_of = self.slabs.slab_of  # claimed at admission, a fork's at its fork
+        return self.cache.batch_store([slab_of[r.request_id] for r in batch], query_lens, seq_lens)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import abc
 import bisect
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..errors import KVCacheOutOfMemory
 from ..paged.block_table import cdiv
 from ..paged.fragmentation import first_fit
 from ..paged.kv_cache_manager import KVCacheManager, too_long_reason
 from .request import Request
+
+if TYPE_CHECKING:  # simulation runs without torch
+    from ..contiguous import ContiguousKVCache
 
 __all__ = ["KVManager", "ContiguousManager", "FirstFitSlabManager", "ExactBlocksManager",
            "GapRefusal", "exact_size", "power_of_two"]
@@ -131,13 +134,15 @@ class KVManager(abc.ABC):
 
 class ContiguousManager(KVManager):
     """Stage 2: every admitted request holds one slab of max_model_len token slots until it ends;
-    `num_slabs` = budget bytes // (max_model_len x KV bytes per token). KVCacheOutOfMemory:
-    num_slabs < 1; ValueError: max_model_len < 1."""
+    `num_slabs` = budget bytes // (max_model_len x KV bytes per token). In model mode `cache` is
+    the slabs' tensors (stage 2's `ContiguousKVCache`, of num_slabs slabs): this manager claims,
+    forks and frees them, and `slab_of` says which slab each request holds; in simulation it only
+    counts. KVCacheOutOfMemory: num_slabs < 1; ValueError: max_model_len < 1."""
 
     name = "contiguous"
     supports_forks = True  # a fork takes a slab of its own, a copy of the prompt
 
-    def __init__(self, num_slabs: int, max_model_len: int):
+    def __init__(self, num_slabs: int, max_model_len: int, cache: ContiguousKVCache | None = None):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if num_slabs < 1:
@@ -145,10 +150,11 @@ class ContiguousManager(KVManager):
                                      f"{max_model_len} tokens; lower max_model_len or give the "
                                      f"cache more memory")
         super().__init__(num_slabs * max_model_len, max_model_len, self._slab)
-        self.num_slabs = num_slabs
+        self.num_slabs, self.cache = num_slabs, cache
         # request id -> slabs held: 1, plus one per fork not yet made (the fork then takes it)
         self.holders: dict[int, int] = {}
         self.num_held = 0
+        self.slab_of: dict[int, int] = {}  # model mode: request id -> its slab in `cache`
 
     def _slab(self, request: Request) -> int:
         return self.max_model_len
@@ -161,10 +167,14 @@ class ContiguousManager(KVManager):
             return False
         self.holders[request.request_id] = request.num_seqs
         self.num_held += request.num_seqs
+        if self.cache is not None:
+            self.slab_of[request.request_id] = self.cache.add_sequence()
         return True
 
     def free(self, request: Request) -> None:
         self.num_held -= self.holders.pop(request.request_id)
+        if self.cache is not None:
+            self.cache.free_sequence(self.slab_of.pop(request.request_id))
 
     def fork(self, parent: Request, child: Request) -> None:
         if self.holders.get(parent.request_id, 0) < 2:
@@ -172,6 +182,9 @@ class ContiguousManager(KVManager):
                                f"{child.request_id}")
         self.holders[parent.request_id] -= 1
         self.holders[child.request_id] = 1
+        if self.cache is not None:  # a slab of its own, holding a copy of the parent's tokens
+            self.slab_of[child.request_id] = self.cache.fork_sequence(
+                self.slab_of[parent.request_id])
 
     @property
     def num_reserved_tokens(self) -> int:

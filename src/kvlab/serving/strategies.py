@@ -69,9 +69,12 @@ def model_strategy(strategy: str, model, kv_budget_bytes: int, max_model_len: in
     if strategy == "contiguous":
         cache = ContiguousKVCache(config, manager.num_slabs, max_model_len, dtype=model.dtype,
                                   device=model.device)
+        # the same manager, now handing out the slabs of these tensors
+        manager = ContiguousManager(manager.num_slabs, max_model_len, cache)
+        executor = ModelRunner(model, cache, cost_model, slabs=manager)
     else:
         cache = PagedKVCache(config, manager.pool.num_blocks, block_size, dtype=model.dtype,
                              device=model.device, manager=manager)
-    executor = ModelRunner(model, cache, cost_model)
+        executor = ModelRunner(model, cache, cost_model)
     executor.bytes_per_token = bytes_per_token
     return manager, executor

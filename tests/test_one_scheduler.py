@@ -112,11 +112,13 @@ def test_contiguous_fork_takes_a_slab_of_its_own_and_copies_the_prompt(model):
     assert kv.allocate_slots(families(prompts(1), 4, 0.0)[0], 100) is None
 
 
-def test_a_contiguous_cache_without_its_manager_is_refused_at_the_first_pass(model):
-    kv, executor = model_strategy("contiguous", model, 3 * 32 * BYTES_PER_TOKEN, 32)
-    alone = ModelRunner(model, executor.cache)  # slabs= missing: nobody says whose slab is whose
+def test_a_contiguous_cache_without_its_manager_is_refused(model):
+    _, executor = model_strategy("contiguous", model, 3 * 32 * BYTES_PER_TOKEN, 32)
     with pytest.raises(ValueError, match="ContiguousManager that hands out its slabs"):
-        serve(families(prompts(1), 1, 0.0), kv, alone)
+        ModelRunner(model, executor.cache)  # slabs= missing: nobody says whose slab is whose
+    other, _ = model_strategy("contiguous", model, 3 * 32 * BYTES_PER_TOKEN, 32)
+    with pytest.raises(ValueError, match="ContiguousManager that hands out its slabs"):
+        ModelRunner(model, executor.cache, slabs=other)  # a manager over another cache
 
 
 def test_a_rejected_request_takes_its_forks_with_it_and_the_others_run(model):

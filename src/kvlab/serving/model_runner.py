@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..contiguous import ContiguousKVCache
 from ..cpu_linear import pack_linear_weights
 from ..paged.paged_cache import PagedKVCache
 from ..sampling import next_token
@@ -39,14 +40,17 @@ class ModelRunner:
     whose attention backend (torch or the stage-5 Triton kernel) reads, or stage 2's
     `ContiguousKVCache`, whose slabs `slabs` (the scheduler's `ContiguousManager`) hands out. The
     clock: `cost_model`'s step time if given (repeatable), else the wall clock.
-    `num_decode_tokens`, `num_prefill_tokens`: `_count`. ValueError (at the first pass): a
-    contiguous cache without the manager built over it."""
+    `num_decode_tokens`, `num_prefill_tokens`: `_count`. ValueError: a contiguous cache without
+    the manager built over it."""
 
     def __init__(self, model, cache, cost_model: CostModel | None = None,
                  slabs: ContiguousManager | None = None):
         self.model, self.cache, self.cost_model = model, cache, cost_model
         pack_linear_weights(model)  # oneDNN on a CPU, as vLLM's CPU backend (kvlab.cpu_linear)
         self.paged = isinstance(cache, PagedKVCache)
+        if isinstance(cache, ContiguousKVCache) and (slabs is None or slabs.cache is not cache):
+            raise ValueError("a contiguous cache runs with the ContiguousManager that hands out "
+                             "its slabs (ModelRunner(..., slabs=ContiguousManager(..., cache)))")
         self.slabs = slabs
         self.generators: dict[int, torch.Generator] = {}  # request_id -> its random stream
         self.num_prefill_tokens = self.num_decode_tokens = 0
@@ -132,8 +136,5 @@ class ModelRunner:
             # The scheduler's manager reserved exactly these slots this step; the cache computes
             # the slot mapping from its tables, once for the pass.
             return self.cache.batch_store([request.request_id for request in batch], query_lens)
-        if self.slabs is None or self.slabs.cache is not self.cache:
-            raise ValueError("a contiguous cache runs with the ContiguousManager that hands out "
-                             "its slabs (ModelRunner(..., slabs=ContiguousManager(..., cache)))")
         slab_of = self.slabs.slab_of  # claimed at admission, a fork's at its fork
         return self.cache.batch_store([slab_of[r.request_id] for r in batch], query_lens, seq_lens)

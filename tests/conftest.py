@@ -27,8 +27,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
-import torch
+# First, before torch: a folder of the repository that shadows an installed package (a `numpy/`
+# at the root, say) stops the suite here with its name, not with a traceback from inside torch.
+from import_shadowing import check_start_folders
+
+check_start_folders()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Every tensor in these tests is tiny: an intra-op thread pool only adds synchronisation, and on a
 # busy 2-core CI machine it made the suite several times slower. An explicit OMP_NUM_THREADS wins.

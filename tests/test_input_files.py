@@ -70,6 +70,8 @@ def test_bad_trace_files(capsys, tmp_path, case):
     err = fails_cleanly(capsys, ["report", "--trace", str(path)], path, problem)
     if case == "short row":
         assert f"{path}:3:" in err  # the line of the bad row
+    elif case == "directory":  # what any --trace should be (kvlab.traces.shipped.trace_file)
+        assert "expected a shipped trace (azure-conv" in err and ".jsonl (Mooncake" in err
     elif case != "wrong header":
         assert "expected a CSV trace with header TIMESTAMP,ContextTokens,GeneratedTokens" in err
 
@@ -200,9 +202,11 @@ def test_python_dash_m_kvlab_runs_the_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvlab", "report", "--trace", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == (f"kvlab report: error: {tmp_path}: is a folder, not a file; "
-                                  f"expected a CSV trace with header TIMESTAMP,ContextTokens,"
-                                  f"GeneratedTokens and one request per row")
+    assert bad.stderr.strip() == (
+        f"kvlab report: error: {tmp_path}: is a folder, not a trace file; expected a shipped trace "
+        f"(azure-conv, azure-code, mooncake-conversation, mooncake-synthetic) or a trace file: "
+        f".csv (Azure: TIMESTAMP,ContextTokens,GeneratedTokens) or .jsonl (Mooncake: one JSON "
+        f"request per line)")
 
 
 def test_huge_file_is_refused_before_reading(tmp_path, monkeypatch):

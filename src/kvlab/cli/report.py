@@ -28,8 +28,8 @@ def register(commands) -> None:
     workload.add_argument("--trace", default="azure-conv",
                           help="azure-conv (default: the shipped Azure LLM conversation trace "
                                "2023), azure-code, mooncake-conversation / mooncake-synthetic "
-                               "(prefix hashes: adds a paged+prefix row), or a CSV file "
-                               "TIMESTAMP,ContextTokens,GeneratedTokens")
+                               "(prefix hashes: adds a paged+prefix row), or a trace file: .csv "
+                               "(TIMESTAMP,ContextTokens,GeneratedTokens) or .jsonl (Mooncake)")
     workload.add_argument("--synthetic", action="store_true",
                           help="draw from the log-normal fit to the conversation trace instead "
                                "(matches mean and median; its tail is far thinner)")
@@ -67,8 +67,7 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..report import ContiguousStrategy, PagedStrategy, format_report, measure_held, replay
     from ..sizing import default_kv_budget, gpu_memory, kv_bytes_per_token
-    from ..traces import AZURE_TRACES, azure_trace, load_azure_trace
-    from ..traces.shipped import trace_file
+    from ..traces import AZURE_TRACES, MOONCAKE_TRACES, azure_trace, load_trace
     from ..workload import synthetic_requests
 
     refuse_together(args, "--kv-budget", "--gpu-memory-utilization",
@@ -100,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.synthetic:
         requests = synthetic_requests(args.num_requests or 10_000, seed=args.seed or 0)
         workload = "synthetic log-normal fit to the Azure conversation trace (thinner tail)"
-    elif args.trace.startswith("mooncake-"):  # carries prefix hashes: adds paged+prefix
+    elif args.trace in (f"mooncake-{name}" for name in MOONCAKE_TRACES):  # adds paged+prefix
         from ..prefix import report_row as prefix_row
 
         requests, workload, prefix_hits = prefix_row.mooncake_report_workload(
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         requests = azure_trace(service, limit=args.num_requests)
         workload = f"Azure LLM inference trace 2023, {service} (shipped)"
     else:
-        requests = load_azure_trace(trace_file(args.trace), limit=args.num_requests)
+        requests = load_trace(args.trace, limit=args.num_requests)
         workload = f"trace {args.trace}"
     strategies = []
     if config.num_key_value_heads < config.num_attention_heads:

@@ -235,7 +235,8 @@ def _simulate(args, requests, strategies):
     try:
         results = [serve(requests, simulated_manager(name, budget, per_token, max_model_len,
                                                      args.block_size),
-                         SimulatedExecutor(cost), scheduler, per_token) for name in strategies]
+                         SimulatedExecutor(cost), scheduler, per_token, progress=not args.json)
+                   for name in strategies]
     finally:
         gc.enable()
     description = (f"simulated: {describe_card(cost)}\n{describe_clock(cost)}\n"
@@ -280,7 +281,8 @@ def _run_model(args, requests, strategies):
     results = []
     for name in strategies:
         kv, executor = model_strategy(name, model, budget, max_model_len, args.block_size)
-        results.append(serve(requests, kv, executor, scheduler, executor.bytes_per_token))
+        results.append(serve(requests, kv, executor, scheduler, executor.bytes_per_token,
+                             progress=not args.json))
     description = (f"model mode: {model.config.name} ({str(dtype).removeprefix('torch.')}) on "
                    f"{device}, KV budget {format_bytes(budget)}")
     setup = {"mode": "model", "model": model.config.name, "dtype": str(dtype), "gpu": None,

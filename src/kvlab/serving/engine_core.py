@@ -21,6 +21,8 @@ import collections
 import dataclasses
 import functools
 import operator
+import os
+import sys
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -110,6 +112,15 @@ def serve(requests: Sequence[Request], kv: KVCacheManager | KVManager, executor:
                   bytes_per_token, progress)
 
 
+def _bar_columns() -> int | None:
+    """tqdm's width: its own choice, except on a terminal that reports 0 columns (a pseudo-terminal
+    nobody sized, as an IDE's or a test harness's), where it would draw nothing at all."""
+    try:
+        return None if os.get_terminal_size(sys.stderr.fileno()).columns else 80
+    except (OSError, ValueError, AttributeError):  # not a terminal (a notebook, a pipe, a file)
+        return None
+
+
 def replay(pending: collections.deque, served: list[Request], scheduler: Scheduler,
            step_at: Callable[[float], StepResult], bytes_per_token: int = 0,
            progress: bool | None = None) -> ServeResult:
@@ -123,14 +134,15 @@ def replay(pending: collections.deque, served: list[Request], scheduler: Schedul
     events, idle_steps, started = 0, 0, time.perf_counter()
     wanted = progress if progress is not None else len(served) > 2000
     bar = tqdm(total=len(served), desc=kv.name, unit="req", leave=False,
-               disable=None if wanted else True)
+               disable=None if wanted else True, ncols=_bar_columns())
     while pending or scheduler.has_unfinished():
         while pending and pending[0].arrival_s <= now:
             request = pending.popleft()
             if not scheduler.add_request(request):
                 bar.update(request.num_seqs)
         if not scheduler.has_unfinished():
-            now = pending[0].arrival_s  # idle: jump to the next arrival
+            if pending:  # idle: jump to the next arrival (none left: every one was rejected)
+                now = pending[0].arrival_s
             continue
         step = step_at(now)
         if not step.output.scheduled and not step.num_lazy:

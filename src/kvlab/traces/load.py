@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .azure import TraceFormatError, load_azure_trace
+from .azure import load_azure_trace
 from .mooncake import load_mooncake_trace
 from .shipped import SHIPPED_TRACES, trace_file
 from ..workload import Request
@@ -18,11 +18,9 @@ __all__ = ["load_trace", "SHIPPED_TRACES"]
 
 def load_trace(trace: str | Path, limit: int | None = None) -> list[Request]:
     """Requests of a shipped trace or a `.csv` (Azure) or `.jsonl` (Mooncake) file, at most `limit`.
-    TraceFormatError for an unknown extension or a malformed line (file:line: what)."""
+    InputFileError from `trace_file` (no such file, a folder, an unknown extension);
+    TraceFormatError for a malformed line (file:line: what)."""
     path = trace_file(trace)
     if path.suffix == ".csv":
         return load_azure_trace(path, limit)
-    if path.suffix == ".jsonl":
-        return load_mooncake_trace(path, limit=limit).requests
-    raise TraceFormatError(f"{path}: unknown trace format {path.suffix!r}; expected .csv (Azure "
-                           f"LLM inference trace) or .jsonl (Mooncake)")
+    return load_mooncake_trace(path, limit=limit).requests

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from .config import COURSE_MODELS, PRESETS, ConfigError, LlamaConfig, load_config
+from .device import default_dtype, resolve_device
 from .fetch import PRETRAINED, model_path
 from .input_files import MissingInputFileError, input_file_error, read_text
 from .model import LlamaForCausalLM
@@ -72,11 +73,13 @@ def gguf_file(model: str | Path) -> Path | None:
     return None
 
 
-def load_model(model: str | Path = "tiny", dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """'tiny', 'tiny-mha', a checkpoint folder, a fetched model or a `*.gguf` file, loaded.
-    FileNotFoundError: no config.json or *.safetensors, or not fetched; InputFileError: an
+def load_model(model: str | Path = "tiny", dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None) -> LlamaForCausalLM:
+    """'tiny', 'tiny-mha', a checkpoint folder, a fetched model or a `*.gguf` file, loaded on
+    `device` in `dtype` (defaults: the course's, `kvlab.device`). FileNotFoundError: no config.json or *.safetensors, or not fetched; InputFileError: an
     unreadable file; ConfigError: unsupported; KeyError: weights missing or unexpected (listed)."""
+    device = resolve_device(device)
+    dtype = dtype if dtype is not None else default_dtype(device)
     gguf_path = gguf_file(model)
     if gguf_path is not None:
         from .gguf_loader import load_gguf_model

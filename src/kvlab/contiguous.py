@@ -20,6 +20,7 @@ import torch
 
 from .attention import grouped_attention
 from .config import LlamaConfig
+from .device import default_dtype, resolve_device
 from .dtypes import DTypeLike, torch_dtype
 from .errors import KVCacheOutOfMemory
 from .checks import check_index, check_int
@@ -41,12 +42,13 @@ class ContiguousKVCache:
     budget") past `budget_bytes` (on CPU, a stand-in for free GPU memory) or CUDA's free memory."""
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int,
-                 dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
+                 dtype: DTypeLike | None = None, device: str | torch.device | None = None,
                  budget_bytes: int | None = None):
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         max_model_len = check_int("max_model_len", max_model_len, 1)
         self.config, self.max_num_seqs, self.max_model_len = config, max_num_seqs, max_model_len
-        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
+        self.device = resolve_device(device)  # defaults: the course's (kvlab.device)
+        self.dtype = torch_dtype(dtype if dtype is not None else default_dtype(self.device))
         self.bytes_per_token = kv_bytes_per_token(config, self.dtype)
         wanted = reservation_bytes(config, max_num_seqs, max_model_len, self.dtype)
         formula = (f"{max_num_seqs} seqs x {max_model_len} tokens x "

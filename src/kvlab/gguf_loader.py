@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, LlamaConfig
+from .device import default_dtype, resolve_device
 from .model import LlamaForCausalLM
 
 __all__ = ["open_gguf", "read_gguf_config", "gguf_metadata", "gguf_tensor_name_to_hf",
@@ -184,11 +185,13 @@ def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32
     return config, tensors
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def load_gguf_model(path: str | Path, dtype: torch.dtype | None = None,
+                    device: str | torch.device | None = None) -> LlamaForCausalLM:
     """The decoder with the file's dequantized weights (float32 keeps them exactly). Raises as
     `load_gguf_state_dict`; KeyError: a parameter missing from the file (names listed)."""
-    config, tensors = load_gguf_state_dict(path, dtype)
+    device = resolve_device(device)
+    config, tensors = load_gguf_state_dict(path, dtype if dtype is not None
+                                           else default_dtype(device))
     with torch.device("meta"):  # no random init: every parameter is assigned from the file below
         model = LlamaForCausalLM(config)
     expected = set(model.state_dict())

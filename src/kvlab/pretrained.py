@@ -44,8 +44,9 @@ class LoadedModel:
         return frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
 
 
-def load_course_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu", fallback: str = "tiny") -> LoadedModel:
+def load_course_model(name: str = "smollm2-135m", dtype: torch.dtype | None = None,
+                      device: str | torch.device | None = None, fallback: str = "tiny"
+                      ) -> LoadedModel:
     """`name` if `kvlab fetch name` was run, else `fallback`; ValueError: not in `PRETRAINED`."""
     if name not in PRETRAINED:
         raise ValueError(f"unknown pretrained model {name!r}; choose from {', '.join(PRETRAINED)}")

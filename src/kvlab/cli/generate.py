@@ -53,7 +53,9 @@ def register(commands) -> None:
                      help="the request's sampling seed: same prompt + seed, same samples")
     gen.add_argument("--max-model-len", type=positive_int, default=None,
                      help="tokens per request (prompt + output); default: the model's limit")
-    gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gen.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                     help="default: the GPU when there is one, else the CPU ($KVLAB_DEVICE "
+                          "overrides; kvlab.device)")
     gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="default: fp32 on cpu; bf16 on cuda (fp16 where bf16 is missing, e.g. T4)")
     gen.add_argument("--threads", type=positive_int, default=None,
@@ -65,14 +67,19 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.attention == "triton" and args.device == "cpu":
-        # No GPU: Triton's CPU interpreter. It must be chosen before Triton is first imported, and
-        # torch imports Triton itself (loading a model does), so it is chosen first of all.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
+    from ..device import default_dtype, resolve_device
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
+    device = resolve_device(args.device)  # no --device: the GPU if there is one ($KVLAB_DEVICE)
+    if args.attention == "triton" and device.type == "cpu":
+        # No GPU: Triton's CPU interpreter. Triton reads it when a kernel is defined, and the
+        # kernels are imported only when the backend is chosen, below.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
     from ..checkpoint import load_model, load_tokenizer
-    from ..device import default_dtype
     from ..dtypes import torch_dtype
     from ..generate import chat, default_cache, generate
 
@@ -91,13 +98,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{num_prompts} prompts given: several prompts are one batch, which "
                          f"needs --cache paged or --cache prefix (--cache {args.cache} holds one "
                          f"sequence)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
-    dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(args.device)
-    model = load_model(args.model, dtype=dtype, device=args.device)
+    dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(device)
+    model = load_model(args.model, dtype=dtype, device=device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    elif args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+    elif device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(default_threads(model, torch.get_num_threads()))
     tokenizer = None
     try:

@@ -110,7 +110,8 @@ def register(commands) -> None:
     p.add_argument("--shrink", type=positive_int, default=1,
                    help="divide prompt and output lengths by N (the tiny model on a CPU)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="model mode only: where the model runs (default cpu)")
+                   help="model mode only: where the model runs (default: the GPU when there is "
+                        "one, else the CPU; $KVLAB_DEVICE overrides)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of --rate's arrivals and model mode's prompt tokens (default 0)")
     p.add_argument("--json", action="store_true")
@@ -256,6 +257,7 @@ def _run_model(args, requests, strategies):
     import torch
 
     from ..checkpoint import load_model
+    from ..device import default_dtype, resolve_device
     from ..dtypes import torch_dtype
     from ..workload import synthetic_prompt_ids
     from ..serving.engine_core import serve
@@ -263,12 +265,12 @@ def _run_model(args, requests, strategies):
     from ..sizing import format_bytes, local_gpu_memory
     from .generate import default_threads
 
-    device = args.device or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
-    dtype = torch_dtype(args.dtype) if args.dtype else torch.float32
+    device = resolve_device(args.device)  # no --device: the GPU if there is one ($KVLAB_DEVICE)
+    dtype = torch_dtype(args.dtype) if args.dtype else default_dtype(device)
     model = load_model(args.model or "tiny", dtype=dtype, device=device)
-    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         torch.set_num_threads(default_threads(model, torch.get_num_threads()))
     max_model_len, max_model_len_note = _max_model_len(args, model.config,
                                                        model.config.max_position_embeddings)
@@ -276,7 +278,7 @@ def _run_model(args, requests, strategies):
         request.prompt_token_ids = synthetic_prompt_ids(request, model.config.vocab_size,
                                                         args.seed or 0)
     budget = int(args.kv_budget * 2**30)
-    gpu = local_gpu_memory() if device == "cuda" else None  # the card the model runs on
+    gpu = local_gpu_memory() if device.type == "cuda" else None  # the card the model runs on
     scheduler = _scheduler_config(args, gpu and gpu.name, gpu and gpu.total_bytes)
     results = []
     for name in strategies:
@@ -286,7 +288,7 @@ def _run_model(args, requests, strategies):
     description = (f"model mode: {model.config.name} ({str(dtype).removeprefix('torch.')}) on "
                    f"{device}, KV budget {format_bytes(budget)}")
     setup = {"mode": "model", "model": model.config.name, "dtype": str(dtype), "gpu": None,
-             "device": device, "kv_budget_bytes": budget, "max_model_len": max_model_len,
+             "device": str(device), "kv_budget_bytes": budget, "max_model_len": max_model_len,
              "max_model_len_note": max_model_len_note, "description": description,
              "clock": f"measured wall-clock time on {device}"}
     return setup, results

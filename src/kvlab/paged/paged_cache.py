@@ -27,6 +27,7 @@ from typing import Hashable, Sequence
 import torch
 
 from ..config import LlamaConfig
+from ..device import default_dtype, resolve_device
 from ..dtypes import DTypeLike, torch_dtype
 from ..sizing import format_bytes
 from .budget import check_pool_fits, kv_block_bytes
@@ -62,7 +63,7 @@ class PagedKVCache:
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int = 16,
-                 dtype: DTypeLike = torch.float32, device: str | torch.device = "cpu",
+                 dtype: DTypeLike | None = None, device: str | torch.device | None = None,
                  max_model_len: int | None = None, attention_backend: BackendLike = None,
                  layout: str | None = None, manager: KVCacheManager | None = None):
         check_int("num_blocks", num_blocks, 1)
@@ -78,8 +79,8 @@ class PagedKVCache:
         self.layout = getattr(self.backend, "layout", TOKEN_MAJOR)
         self.scale = config.head_dim ** -0.5
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
-        dtype = self.dtype
+        self.device = resolve_device(device)  # defaults: the course's (kvlab.device)
+        self.dtype = dtype = torch_dtype(dtype if dtype is not None else default_dtype(self.device))
         self.block_bytes = kv_block_bytes(config, block_size, dtype)
         self.bytes_per_token = self.block_bytes // block_size
         if max_model_len is not None:

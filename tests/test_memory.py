@@ -107,3 +107,44 @@ def test_tensor_bytes_and_device_name():
                                                                                   dtype=torch.int8)]
     assert tensor_bytes(tensors) == 60 + 14 + 4
     assert device_name("cpu") == "cpu"
+
+
+# ---- the device's own figures, and the allocator cross-check --------------------------------------
+
+def test_cpu_report_reads_the_process_resident_memory():
+    report = measure(cache=FakeCache(reserved_bytes=1000, used_bytes=250))
+    assert report.resident_bytes is not None and report.resident_bytes > 10 * 2**20  # torch alone
+    assert report.allocated_bytes is None and report.free_bytes is None  # no CUDA figures
+    rows = dict(report.rows())
+    assert rows["process resident memory (CPU)"].endswith(")")
+
+
+def test_a_disagreeing_allocator_figure_is_refused_on_the_cpu_too():
+    """The cross-check needs no GPU: a cache whose recorded allocator growth disagrees with its
+    tensor bytes is refused, with both figures; one that agrees (allowing rounding) is reported."""
+    agrees = FakeCache(reserved_bytes=4096, used_bytes=0, allocated_bytes=4096, num_tensors=2,
+                       allocator_delta_bytes=4096 + 512)  # rounded up to the allocator's blocks
+    assert measure(cache=agrees).allocator_kv_bytes == 4096 + 512
+    for delta in (4096 - 1, 4096 + 2 * (2**20 + 512) + 1):  # below the bytes; past the slack
+        with pytest.raises(RuntimeError, match=rf"saw {delta:,} B .* 2 tensors hold 4,096 B"):
+            measure(cache=FakeCache(reserved_bytes=4096, used_bytes=0, allocated_bytes=4096,
+                                    num_tensors=2, allocator_delta_bytes=delta))
+
+
+def test_cuda_report_reads_the_allocator(monkeypatch):
+    """On CUDA the same report carries torch.cuda's figures (faked here: no GPU on CI)."""
+    figures = {"memory_allocated": 3 * 2**30, "memory_reserved": 4 * 2**30,
+               "max_memory_allocated": 5 * 2**30}
+    for name, value in figures.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, value=value: value)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    report = measure(cache=FakeCache(reserved_bytes=2**30, used_bytes=2**29), device="cuda:0")
+    assert (report.allocated_bytes, report.allocator_reserved_bytes, report.peak_allocated_bytes,
+            report.free_bytes, report.total_bytes) == (3 * 2**30, 4 * 2**30, 5 * 2**30,
+                                                       70 * 2**30, 80 * 2**30)
+    assert report.resident_bytes is None
+    rows = dict(report.rows())
+    assert rows["device"] == "NVIDIA H100 80GB HBM3"
+    assert rows["reserved by the allocator (CUDA)"] == "4,294,967,296 B (4 GiB)"
+    assert rows["device total (CUDA)"] == "85,899,345,920 B (80 GiB)"

@@ -4,8 +4,6 @@
 tests/test_browser.py checks the same in a real JupyterLab (the tab must not turn "modified").
 """
 
-import ast
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from kvlab.device import default_device
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -66,67 +66,18 @@ def test_first_code_cell_is_the_one_colab_md_gives(path):
     assert "".join(first["source"]) == colab_first_cell()
 
 
-REAL_FIND_SPEC = importlib.util.find_spec  # before any test replaces it
-
-
-def run_first_cell(monkeypatch, capsys, cwd, kvlab_installed):
-    """Execute the Colab cell in `cwd` with pip stubbed out; return (pip commands, printed text)."""
-    import subprocess
-
+def test_first_cell_is_one_line_that_sets_up_the_course(monkeypatch, capsys):
+    """One line, the same everywhere; installing the course is docs/colab.md's step 1."""
     import torch
 
-    commands = []
-    real_find_spec = REAL_FIND_SPEC
+    assert len(colab_first_cell().splitlines()) == 1
     # setup() sets TRITON_INTERPRET and torch's thread count: both are put back after the test.
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
     monkeypatch.setattr(torch, "set_num_threads", lambda n, _real=torch.set_num_threads: None)
-    monkeypatch.chdir(cwd)
-    monkeypatch.delenv("KVLAB_SOURCE", raising=False)
-    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
-        None if name == "kvlab" and not kvlab_installed else real_find_spec(name, *args)))
     namespace = {}
     exec(compile(colab_first_cell(), "first cell", "exec"), namespace)
-    return commands, capsys.readouterr().out, namespace
-
-
-def test_first_cell_installs_the_course_only_when_kvlab_is_missing(monkeypatch, capsys):
-    import sys
-
-    commands, out, namespace = run_first_cell(monkeypatch, capsys, ROOT / "notebooks", False)
-    assert commands == [[sys.executable, "-m", "pip", "install", "-q", str(ROOT)]]
-    assert out.startswith(f"kvlab is not installed here: pip install {ROOT} (the torch already")
-    assert "kvlab setup: " in out and namespace["env"].seed == 0
-
-    commands, out, _ = run_first_cell(monkeypatch, capsys, ROOT / "notebooks", True)
-    assert commands == [] and out.startswith("kvlab setup: ")
-
-
-def test_first_cell_outside_a_clone_stops_with_what_to_do_or_installs_kvlab_source(
-        monkeypatch, capsys, tmp_path):
-    import subprocess
-    import sys
-
-    (tmp_path / "content").mkdir()  # Colab: the notebook alone, in /content; no public URL yet
-    with pytest.raises(RuntimeError, match=r"not in a copy of the course: .* set KVLAB_SOURCE"):
-        run_first_cell(monkeypatch, capsys, tmp_path / "content", False)
-    commands = []  # the stubs run_first_cell put in place are still there; record pip anew
-    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command))
-    monkeypatch.setenv("KVLAB_SOURCE", "kvlab-0.1.0-py3-none-any.whl")
-    exec(compile(colab_first_cell(), "first cell", "exec"), {})
-    assert commands == [[sys.executable, "-m", "pip", "install", "-q",
-                         "kvlab-0.1.0-py3-none-any.whl"]]
-
-
-def test_first_cells_course_url_is_the_projects_repository_url():
-    """The cell's fallback outside a clone is pyproject's [project.urls] Repository, or None."""
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
-    found = re.search(r"^ *COURSE_URL = (.+?)  #", colab_first_cell(), re.M)
-    assert found, "the first cell no longer names COURSE_URL"
-    expected = f"git+{urls['Repository']}" if "Repository" in urls else None
-    assert ast.literal_eval(found.group(1)) == expected, (
-        f"COURSE_URL in the first cell and pyproject's [project.urls] Repository differ")
+    assert capsys.readouterr().out.startswith("kvlab setup: ")
+    assert namespace["env"].seed == 0 and namespace["env"].device == str(default_device())
 
 
 def test_readme_stage_table_points_at_files_that_exist():

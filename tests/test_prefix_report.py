@@ -52,4 +52,6 @@ def test_report_adds_the_row_only_for_prefix_traces(capsys):
     code, out, err = run(capsys, "report", "--num-requests", "200", "--json")
     assert "paged+prefix" not in out
     code, out, err = run(capsys, "report", "--trace", "mooncake-chat")
-    assert code == 2 and "unknown trace 'mooncake-chat'" in err
+    # Not a shipped name: the one message every command gives for a --trace that is no trace.
+    assert code == 2 and "mooncake-chat: no such file, and not a shipped trace; expected a " \
+        "shipped trace (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic)" in err

@@ -80,6 +80,35 @@ def test_a_closed_batch_retimed_at_another_clock_equals_its_replay_there():
             fit.predict(m, factors), rel=1e-9)
 
 
+def test_a_bandwidth_at_the_fits_bound_is_said_where_the_clock_is_printed():
+    # The stored fit runs the bandwidth efficiency to its bound (docs/simulation_clock.md): the
+    # clock's line and the note under every table say so; a share below it is printed plainly.
+    assert cal.stored_factors().shared_bandwidth_efficiency == pytest.approx(1.0, abs=5e-4)
+    assert cal.BOUND_NOTE in cal.clock_note("calibrated")
+    assert cal.BOUND_NOTE not in cal.clock_note("roofline")
+    config = load_config("llama-3.1-70b")
+    line = cal.describe_clock(cal.clock_cost_model(config, "H100-80GB", 2))
+    assert "100.0 % of peak bandwidth (the fit's bound), +4.34 ms a step" in line
+    below = CostModel(config, get_card("H100-80GB"), bandwidth_efficiency=0.999,
+                      clock="calibrated")
+    assert "99.9 % of peak bandwidth, " in cal.describe_clock(below)
+    assert "fit's bound" not in cal.describe_clock(CostModel(config, get_card("H100-80GB")))
+
+
+def test_fit_with_the_bandwidth_held_recovers_the_other_factors():
+    # `fit_clock --hold-bandwidth`: what the fit puts elsewhere when the read is held slower.
+    truth = cal.Factors({}, {}, 0.6, 0.7, 0.003, 4e-5)
+    made = [dataclasses.replace(m, published=fit.predict(m, truth) / fit.UNITS[m.units])
+            for m in CLOSED]
+    fitted = fit.fit(made, rounds=1, held_bandwidth=0.7)
+    assert set(fitted.bandwidth_efficiency.values()) == {0.7}
+    assert fitted.shared_bandwidth_efficiency == 0.7
+    assert fitted.shared_compute_efficiency == pytest.approx(0.6, rel=1e-3)
+    assert fitted.step_overhead_s == pytest.approx(0.003, rel=1e-3)
+    with pytest.raises(ValueError, match="held_bandwidth must be a share of peak"):
+        fit.fit(made, held_bandwidth=1.2)
+
+
 def test_fit_recovers_known_factors_from_figures_it_made():
     truth = cal.Factors({}, {}, 0.6, 0.7, 0.003, 4e-5)
     cards = sorted({m.card for m in CLOSED})
@@ -114,8 +143,10 @@ def test_error_band_reads_as_percent_with_true_minus_signs():
     assert cal.error_band([-0.181, 0.05, 0.224]) == \
         "\N{MINUS SIGN}18 % \N{HORIZONTAL ELLIPSIS} +22 % over 3 published measurements"
     stored = list(cal.calibration_data()["fitted"]["errors"].values())
+    bound = f"; {cal.BOUND_NOTE}" if cal.stored_factors().shared_bandwidth_efficiency >= 0.9995 \
+        else ""
     assert cal.clock_note("calibrated") == f"clock: calibrated (fit residuals " \
-                                           f"{cal.error_band(stored)})"
+                                           f"{cal.error_band(stored)}{bound})"
     with pytest.raises(ValueError, match="unknown clock 'wall'"):
         cal.clock_cost_model(load_config("llama-3.1-8b"), "H100-80GB", clock="wall")
 

@@ -52,3 +52,21 @@ def test_several_prompts_are_refused_by_a_one_sequence_cache(capsys, hf_checkpoi
     assert code == 2 and out == ""
     assert err.startswith("kvlab generate: error: 2 prompts given") and err.count("\n") == 1
     assert "needs --cache paged or --cache prefix (--cache contiguous holds one sequence)" in err
+
+
+def test_the_prefix_line_counts_readmission_hits_apart():
+    """A request back after a preemption hits its own blocks; the hit rate is first admissions'
+    (vLLM's counter), the re-admissions' hits follow it, apart."""
+    from types import SimpleNamespace
+
+    from kvlab.cli.generate_output import format_prefix_line
+    from kvlab.prefix import PrefixCacheStats
+
+    stats = PrefixCacheStats()
+    stats.num_lookups, stats.num_query_tokens, stats.num_hit_tokens = 3, 90, 30
+    result = SimpleNamespace(prefix_stats=stats, cache=SimpleNamespace(block_size=16),
+                             stats=SimpleNamespace(num_prefill_tokens=60, num_preemptions=0))
+    assert "hit rate 33.3% (30 of 90 prompt tokens), " in format_prefix_line(result)
+    stats.num_readmitted_lookups, stats.num_readmitted_hit_tokens = 2, 48
+    line = format_prefix_line(result)
+    assert "hit rate 33.3% (30 of 90 prompt tokens and 48 at 2 re-admissions), " in line

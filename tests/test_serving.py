@@ -340,12 +340,15 @@ def test_cli_serve_simulate_json(tmp_path, capsys):
         assert row["finished"] == 200 and row["rejected"] == 0
         for key in ("peak_running", "mean_running", "preemptions", "kv_usage_mean",
                     "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-                    "tpot_p99_s", "prefix_hit_rate"):
+                    "tpot_p99_s", "prefix_hit_rate", "readmitted_hit_rate",
+                    "readmitted_hit_tokens"):
             assert key in row
     contiguous, paged, prefix = out["rows"]
-    # The Azure format carries no prefix information: hits only re-find a preempted request's own
-    # blocks.
-    assert prefix["prefix_hit_rate"] == 0.0 or prefix["preemptions"] > 0
+    # The Azure format carries no prefix information: no hit at a first admission (vLLM's hit
+    # rate); a request back after a preemption may re-find its own blocks, counted apart.
+    assert prefix["prefix_hit_rate"] == 0.0 and prefix["prefix_hit_tokens"] == 0
+    assert prefix["readmitted_hit_tokens"] == 0 or prefix["preemptions"] > 0
+    assert paged["readmitted_hit_rate"] is paged["readmitted_hit_tokens"] is None
     assert contiguous["peak_running"] == (2**30 // (2048 * 131072))  # 4 slabs of 2,048 tokens
     assert paged["peak_running"] > contiguous["peak_running"]
 
@@ -385,6 +388,22 @@ def test_cli_serve_strategy_accepts_the_table_name(tmp_path, capsys):
     for name in ("prefix", "paged+prefix"):
         out = _serve_json(tmp_path, capsys, "--strategy", name)
         assert [row["strategy"] for row in out["rows"]] == ["paged+prefix"]
+
+
+def test_cli_serve_says_under_the_table_what_the_hit_columns_count(tmp_path, capsys):
+    from kvlab.serving.metrics import HIT_NOTE
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:15:10.{i}000000,{100 + i},5\n" for i in range(10)))
+    for strategy, noted in (("paged+prefix", True), ("paged", False)):
+        assert main(["serve", "--trace", str(trace), "--simulate", "--model", "llama-3.1-8b",
+                     "--kv-budget", "1", "--strategy", strategy]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+        assert lines[header].endswith("prefix hit  re-admit hit")
+        assert (lines[header + 3] == HIT_NOTE) is noted  # header, rule, the row, then the note
+        assert lines[header + 3 + noted].startswith("clock: calibrated")
 
 
 def test_cli_serve_bad_trace_is_one_line_and_exit_2(tmp_path, capsys):

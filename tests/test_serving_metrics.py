@@ -1,14 +1,15 @@
 """Stage 7's figures pinned where a change went unnoticed before: TTFT from arrival, times at the
 end of the step that produced them, p99 and p50 as percentiles (not the max or the mean), causal
-attention pairs in a chunked prefill, KV usage from what is reserved."""
+attention pairs in a chunked prefill, KV usage from what is reserved, token states with a shared
+slot counted once, prefix hits at first admissions apart from re-admissions (as vLLM counts)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvlab.config import load_config
-from kvlab.serving import (CostModel, Request, SchedulerConfig, StepSeries, get_card, percentile,
-                           serve, simulated_manager)
+from kvlab.serving import (CostModel, Request, SchedulerConfig, StepSeries, format_rows, get_card,
+                           percentile, serve, simulated_manager)
 from kvlab.serving.metrics import summarize
 
 
@@ -158,3 +159,116 @@ def test_figure_2_reservations_order_as_in_the_paper():
     shares = [results[name].kv_states_share for name in RESERVATIONS]
     assert list(results) == list(RESERVATIONS) and all(r.finished == 60 for r in results.values())
     assert shares == sorted(shares) and shares[0] < 0.5 < shares[-1] <= 1.0
+
+
+# ---- prefix cache hits, counted as vLLM counts them; a shared slot counted once ----------------
+
+def sharing_requests():
+    """24 requests sharing a 32-token prefix (trace blocks 1, 2 of 16 tokens), every sixth with a
+    fork (n = 2): in a pool of 40 blocks of 16 they share blocks, fork, preempt and finish."""
+    requests = []
+    for i in range(24):
+        request = Request(i, 0.01 * i, 20 + 37 * (i % 5), 10 + 23 * (i % 3),
+                          trace_block_ids=(1, 2, 100 + i), trace_block_size=16)
+        if i % 6 == 0:
+            request.forks = [Request(1000 + i, 0.01 * i, request.prompt_len, 12)]
+        requests.append(request)
+    return requests
+
+
+@pytest.mark.parametrize("strategy", ["paged", "prefix"])
+def test_token_states_count_a_shared_slot_once(strategy):
+    # Each step's token states against the manager's own count of distinct slots holding data
+    # (`num_stored_tokens`, block by block), read at the same moment (after the decision): a
+    # prefix block or a fork's block held by several requests is one slot each, as in what is
+    # reserved, so states never exceed what is reserved. The plain paged pool shares blocks too,
+    # between a request and its forks (n = 2).
+    import collections
+
+    from kvlab.serving import Scheduler, SimulatedExecutor, engine_step
+    from kvlab.serving.engine_core import replay
+
+    requests = sharing_requests()
+    kv = simulated_manager(strategy, 40 * 16 * 100, 100, max_model_len=512, block_size=16)
+    scheduler = Scheduler(kv, SchedulerConfig(8, 128))
+    executor = SimulatedExecutor(CostModel(load_config("llama-3.1-8b"), get_card("H100-80GB")))
+    stored = []
+
+    def record(output):
+        if output.scheduled:  # the steps the series records
+            stored.append(kv.num_stored_tokens)
+
+    pending = collections.deque(sorted(requests, key=lambda r: r.arrival_s))
+    served = [member for request in pending for member in (request, *request.forks)]
+    result = replay(pending, served, scheduler,
+                    lambda now: engine_step(scheduler, executor, now, on_scheduled=record))
+    assert result.preemptions > 0 and result.finished == 28
+    assert (result.prefix_hit_tokens or 0) > 0 or strategy == "paged"
+    assert kv.num_cow_copies > 0  # forks shared a partly filled block, then copied it
+    assert result.series.used_tokens == stored
+    assert all(used <= reserved for used, reserved in zip(result.series.used_tokens,
+                                                          result.series.reserved_tokens))
+    assert kv.num_shared_tokens == 0  # every request freed: nothing shared is left
+
+
+def test_token_states_stay_within_what_is_reserved_on_mooncake():
+    # Notebook 07's Mooncake replay (the first 750 requests of the conversation trace, arrivals
+    # 2x faster, Llama-3.1-70B on 4 x H100-80GB at vLLM's budgets) read 105.6 % when a shared
+    # prefix block counted once for each request holding it.
+    from kvlab.lazy_decode import serve as lazy_serve
+    from kvlab.serving import SimulatedExecutor, from_sizes, speed_up
+    from kvlab.sizing import kv_bytes_per_token, weights_bytes
+    from kvlab.traces import load_trace
+
+    config, card = load_config("llama-3.1-70b"), get_card("H100-80GB")
+    per_token = kv_bytes_per_token(config, "bf16", 4)
+    budget = int(0.9 * card.memory_bytes) - weights_bytes(config, "bf16", 4)
+    requests = speed_up(from_sizes(load_trace("mooncake-conversation", limit=750)), 2)
+    result = lazy_serve(requests, simulated_manager("prefix", budget, per_token, 32768),
+                        SimulatedExecutor(CostModel(config, card, tp=4)),
+                        SchedulerConfig(1024, 8192), per_token, progress=False)
+    assert result.prefix_hit_rate > 0.05 and result.preemptions > 0
+    assert 0.99 < result.kv_states_share <= 1.0
+    assert all(used <= reserved for used, reserved in zip(result.series.used_tokens,
+                                                          result.series.reserved_tokens))
+
+
+def test_without_shared_prefixes_only_readmissions_hit():
+    # Azure-like requests carry no prefix ids: no two share a block. In a pool of 24 blocks of 16
+    # they preempt one another, and a request back after a preemption finds its own blocks, still
+    # cached since they were freed. vLLM leaves those hits out of its hit rate, and so does kvlab:
+    # 0 at first admissions, the re-admissions' apart.
+    requests = [Request(i, 0.02 * i, 60 + 29 * (i % 4), 40 + 17 * (i % 3)) for i in range(16)]
+    kv = simulated_manager("prefix", 24 * 16 * 100, 100, max_model_len=384, block_size=16)
+    result = serve(requests, kv, UnitClock(), SchedulerConfig(8, 256))
+    assert result.finished == 16 and result.preemptions > 0
+    assert (result.prefix_hit_rate, result.prefix_hit_tokens) == (0.0, 0)
+    assert result.prefix_queried_tokens == sum(r.prompt_len for r in requests)  # once each
+    assert 0 < result.readmitted_hit_tokens <= result.readmitted_queried_tokens
+    assert result.readmitted_hit_rate == pytest.approx(
+        result.readmitted_hit_tokens / result.readmitted_queried_tokens)
+    stats = kv.prefix_stats  # the manager counts as the scheduler does
+    assert (stats.num_lookups, stats.num_hit_tokens, stats.hit_rate) == (16, 0, 0.0)
+    assert stats.num_readmitted_lookups == sum(r.num_preemptions for r in result.served_requests)
+    assert (stats.num_readmitted_query_tokens, stats.num_readmitted_hit_tokens) == (
+        result.readmitted_queried_tokens, result.readmitted_hit_tokens)
+    assert stats.prefill_tokens_skipped == result.readmitted_hit_tokens
+    row = result.row()
+    assert (row["prefix_hit_rate"], row["readmitted_hit_tokens"]) == (0.0,
+                                                                      result.readmitted_hit_tokens)
+    header, _, line = format_rows([result]).splitlines()
+    assert header.split()[-4:] == ["prefix", "hit", "re-admit", "hit"]
+    assert line.split()[-2:] == ["0.0%", f"{result.readmitted_hit_rate:.1%}"]
+
+
+def test_shared_prefix_hits_at_first_admission():
+    # 4 requests of 80 tokens whose first 64 are the same two trace blocks: each after the first
+    # finds those 4 blocks of 16 cached, in a pool that holds them all (nothing is preempted).
+    requests = [Request(i, 0.1 * i, 80, 4, trace_block_ids=(7, 8, 100 + i), trace_block_size=32)
+                for i in range(4)]
+    kv = simulated_manager("prefix", 64 * 16 * 100, 100, max_model_len=128, block_size=16)
+    result = serve(requests, kv, UnitClock(), SchedulerConfig(8, 256))
+    assert result.preemptions == 0
+    assert (result.prefix_hit_tokens, result.prefix_queried_tokens) == (3 * 64, 4 * 80)
+    assert result.prefix_hit_rate == pytest.approx(0.6)
+    assert (result.readmitted_hit_tokens, result.readmitted_hit_rate) == (0, None)

@@ -209,7 +209,8 @@ class _LazyReplay:
         seconds = self.step_time(tokens, computed, pairs, sampled)
         # held during the step: every running request's computed tokens and the step's own
         still_running = [r for r in active if r.state is RequestState.RUNNING] + admitted
-        used = self.lazy_computed + tokens + sum(r.num_computed_tokens for r in still_running)
+        used = (self.lazy_computed + tokens + sum(r.num_computed_tokens for r in still_running)
+                - engine_core.shared_tokens(kv))
         reserved, num_running = kv.num_reserved_tokens, len(running)
         output = SchedulerOutput(scheduled, admitted, preempted, tokens)
         finished = scheduler.update(output, None, now + seconds)

@@ -5,7 +5,9 @@ The driver in vLLM's venv records its scheduler through a subclass (`scheduler_c
 same two points are hooked on kvlab's `Scheduler` (`schedule` and `update`), so the two engines
 are read at the same moments and their figures mean the same thing (see `settings`).
 
-`_run_engine` is the one function that calls into kvlab's serving engine.
+`_run_engine` is the one function that calls into kvlab's serving engine. The prefix-cache
+queries and hits are the engine's own counters (`LLMEngine.prefix_stats`), which count first
+admissions only, as vLLM's `prefix_cache_queries` and `prefix_cache_hits` do.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from .workloads import Workload
 __all__ = ["run_kvlab"]
 
 
-def _run_engine(model, workload: Workload, settings: EngineSettings,
-                on_schedule: Callable, on_update: Callable) -> tuple[list[list[int]], int, int]:
+def _run_engine(model, workload: Workload, settings: EngineSettings, on_schedule: Callable,
+                on_update: Callable) -> tuple[list[list[int]], int, int, tuple[int, int]]:
     """Run the workload through kvlab's engine, calling on_schedule(scheduler, output) after each
     decision and on_update(output) after each step's tokens are recorded.
 
-    Returns (generated ids per request, preemptions, free blocks before the first step).
+    Returns (generated ids per request, preemptions, free blocks before the first step, prefix
+    cache (queries, hits) in tokens: the engine's own counters, first admissions only as vLLM's,
+    (0, 0) without prefix caching).
     """
     import torch
 
@@ -55,7 +59,9 @@ def _run_engine(model, workload: Workload, settings: EngineSettings,
     scheduler.schedule, scheduler.update = recorded_schedule, recorded_update
     free_blocks = engine.cache.manager.num_free_blocks
     engine.run()
-    return [engine.outputs(i)[0] for i in ids], scheduler.num_preemptions, free_blocks
+    stats = engine.prefix_stats
+    counts = (0, 0) if stats is None else (stats.num_query_tokens, stats.num_hit_tokens)
+    return [engine.outputs(i)[0] for i in ids], scheduler.num_preemptions, free_blocks, counts
 
 
 def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
@@ -69,7 +75,6 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
     waiting: list[int] = []
     batched: list[int] = []
     cached = [0] * len(workload.prompts)
-    counts = {"queries": 0, "hits": 0}
     times: list[list[float]] = [[] for _ in workload.prompts]
     start: list[float] = []
     cpu_start: list[float] = []
@@ -83,11 +88,8 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
         waiting.append(len(scheduler.waiting))
         batched.append(output.num_batched_tokens)
         for request in output.admitted:
-            if request.num_preemptions == 0:  # first admission only, as vLLM counts
+            if request.num_preemptions == 0:  # first admission, as vLLM reports it
                 cached[request.request_id] = request.num_cached_tokens
-                if settings.enable_prefix_caching:
-                    counts["queries"] += request.num_tokens
-                    counts["hits"] += request.num_cached_tokens
         before.clear()
         before.update((r.request_id, r.num_output_tokens) for r, _ in output.scheduled)
 
@@ -97,12 +99,12 @@ def run_kvlab(model, workload: Workload, settings: EngineSettings) -> dict:
             new = request.num_output_tokens - before[request.request_id]
             times[request.request_id] += [now] * new
 
-    outputs, preemptions, free_blocks = _run_engine(model, workload, settings, on_schedule,
-                                                    on_update)
+    outputs, preemptions, free_blocks, (queries, hits) = _run_engine(
+        model, workload, settings, on_schedule, on_update)
     cpu_s = time.process_time() - cpu_start[0] if cpu_start else None
     return {"engine": "kvlab", "version": __version__, "kv_capacity_blocks": free_blocks,
             "kv_capacity_tokens": free_blocks * settings.block_size, "outputs": outputs,
-            "num_cached_tokens": cached, "prefix_cache_queries": counts["queries"],
-            "prefix_cache_hits": counts["hits"], "num_preemptions": preemptions,
+            "num_cached_tokens": cached, "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits, "num_preemptions": preemptions,
             "steps": {"running": running, "waiting": waiting, "batched_tokens": batched}, "token_times_s": times,
             "torch_threads": torch.get_num_threads(), "cpu_s": cpu_s}

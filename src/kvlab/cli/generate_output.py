@@ -115,9 +115,14 @@ def format_prefix_line(result, attention: str | None = None) -> str:
     `attention` (e.g. 'triton (token-major)') if given."""
     prefix, paged = result.prefix_stats, result.stats
     named = f", attention {attention}" if attention else ""
+    # A request back after a preemption hits its own blocks: counted apart, as vLLM does.
+    readmitted = (f" and {prefix.num_readmitted_hit_tokens} at "
+                  f"{plural(prefix.num_readmitted_lookups, 're-admission')}"
+                  if prefix.num_readmitted_lookups else "")
     return (f"-- prefix cache: block_size {result.cache.block_size}, hit rate "
             f"{prefix.hit_rate:.1%} ({prefix.num_hit_tokens} of {prefix.num_query_tokens} prompt "
-            f"tokens), {plural(prefix.num_hit_blocks, 'block')} not computed, prefill ran "
+            f"tokens{readmitted}), {plural(prefix.num_hit_blocks, 'block')} not computed, "
+            f"prefill ran "
             f"{plural(paged.num_prefill_tokens, 'token')}, "
             f"{plural(prefix.num_evictions, 'eviction')}, "
             f"{plural(paged.num_preemptions, 'preemption')}{named}")

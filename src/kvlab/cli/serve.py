@@ -158,7 +158,7 @@ def check_flags(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from ..report import SERVING_STRATEGY
     from .. import serving as req
-    from ..serving.metrics import format_rows
+    from ..serving.metrics import HIT_NOTE, format_rows
     from ..serving.strategies import STRATEGIES
     from ..traces import load_trace
 
@@ -193,6 +193,8 @@ def run_serve(args: argparse.Namespace) -> int:
           f"{setup['max_model_len_note']}, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens:,}, block_size {args.block_size}\n")
     print(format_rows(results))
+    if any(r.prefix_hit_rate is not None for r in results):
+        print(HIT_NOTE)
     if setup.get("clock_note"):
         print(setup["clock_note"])
     wall = sum(r.wall_s for r in results)

@@ -22,6 +22,10 @@ the forward pass (vLLM v0's `blocks_to_copy`).
 
 The forward pass computes its slot mapping once, from the block tables
 (`PagedKVCache.batch_store`). What a learner prints of the tables is in `manager_views`.
+
+`num_shared_tokens` counts the token slots more than one table holds, once per holder after the
+first (a fork shares its parent's slots; stage 6's cache hits share full blocks), so that a count
+of tokens request by request, less it, counts each slot once (the engine's "used" figure).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class KVCacheManager(ManagerViews):
         check_pool_fits(num_blocks, block_size, max_model_len)
         self.tables: dict[Hashable, BlockTable] = {}  # request_id -> its block table
         self.num_cow_copies = 0  # blocks copied by copy-on-write since start-up
+        self.num_shared_tokens = 0  # slots held by several tables, once per extra holder
         self._copies: list[tuple[int, int]] = []  # since the last take_copies
 
     # ---- the scheduler's verbs ---------------------------------------------------------------
@@ -124,9 +129,13 @@ class KVCacheManager(ManagerViews):
                 cdiv(request.num_tokens, self.block_size) - len(new_computed_blocks) + touched
                 > pool.num_free_blocks):
             return None
+        # Computed blocks another request holds now have one more holder (all full blocks).
+        self.num_shared_tokens += self.block_size * sum(
+            1 for block_id in new_computed_blocks if pool.blocks[block_id].ref_count)
         pool.touch(new_computed_blocks)  # first: allocation below must not reuse them
         new_blocks = []
         if copy:
+            self.num_shared_tokens -= table.num_tokens % self.block_size  # its own block now
             [new_block] = pool.allocate(1)
             old_block, table.block_ids[-1] = table.block_ids[-1], new_block
             pool.release([old_block])  # the siblings keep it; this request now has its own
@@ -143,6 +152,11 @@ class KVCacheManager(ManagerViews):
     def free(self, request) -> None:
         """Release the request's blocks, tail first. KeyError: it holds no block table."""
         table = self._table(request.request_id)
+        if self.num_shared_tokens:  # its slots in blocks others hold too are theirs alone now
+            blocks = self.pool.blocks
+            self.num_shared_tokens -= sum(table.tokens_in_block(index)
+                                          for index, block_id in enumerate(table.block_ids)
+                                          if blocks[block_id].ref_count > 1)
         self.pool.release(reversed(table.block_ids))
         del self.tables[request.request_id]
 
@@ -154,6 +168,7 @@ class KVCacheManager(ManagerViews):
             raise ValueError(f"request {child.request_id!r} already has a block table")
         for block_id in table.block_ids:
             self.pool.share(block_id)
+        self.num_shared_tokens += table.num_tokens  # every slot gains a holder
         self.tables[child.request_id] = BlockTable(self.block_size, list(table.block_ids),
                                                    table.num_tokens)
 

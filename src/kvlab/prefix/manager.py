@@ -14,13 +14,14 @@
 
 `free` is stage 4's, tail first, but the blocks keep their cache entries until allocation reuses
 them (LRU eviction, `prefix_cache`): a preempted request may hit its own blocks when admitted
-again, which makes recompute much cheaper. Each full block is hashed once: the chain lives on the
-request (`request.kv_block_hashes`, vLLM v1's `request.block_hashes`) from its first lookup until
-it finishes; a refused admission's retry hashes nothing and only checks its hits are still cached.
-Tokens are read through `BlockTokens` (`trace_blocks.block_tokens`): real ids in model mode,
-simulation's stand-ins otherwise. Forks (n > 1) share all blocks as in stage 4, the child
-inheriting the parent's record and chain; copy-on-write only copies a partly filled block, which
-is never cached.
+again, which makes recompute much cheaper. Those hits are counted apart from first admissions', as
+vLLM counts them (`PrefixCacheStats`): they are not prefixes shared with other requests. Each full
+block is hashed once: the chain lives on the request (`request.kv_block_hashes`, vLLM v1's
+`request.block_hashes`) from its first lookup until it finishes; a refused admission's retry hashes
+nothing and only checks its hits are still cached. Tokens are read through `BlockTokens`
+(`trace_blocks.block_tokens`): real ids in model mode, simulation's stand-ins otherwise. Forks (n >
+1) share all blocks as in stage 4, the child inheriting the parent's record and chain;
+copy-on-write only copies a partly filled block, which is never cached.
 
 Sources: vLLM v1 KV cache manager (automatic prefix caching: full-block hashes chained through the
 parent, an LRU free block queue, the n - 1 cap); SGLang RadixAttention (Zheng et al., "SGLang:
@@ -163,10 +164,15 @@ class PrefixCachingKVCacheManager(PrefixManagerViews, KVCacheManager):
         self._tokens[rid], self._extra_keys[rid], self._chains[rid] = tokens, extra_keys, chain
         self.cache_blocks(request)
         stats = self._stats
-        stats.num_lookups += 1
-        stats.num_query_tokens += len(tokens)
-        stats.num_hit_tokens += num_new_computed_tokens
-        stats.num_hit_blocks += len(new_computed_blocks)
+        if getattr(request, "num_preemptions", 0):  # back after a preemption: counted apart
+            stats.num_readmitted_lookups += 1
+            stats.num_readmitted_query_tokens += len(tokens)
+            stats.num_readmitted_hit_tokens += num_new_computed_tokens
+        else:
+            stats.num_lookups += 1
+            stats.num_query_tokens += len(tokens)
+            stats.num_hit_tokens += num_new_computed_tokens
+            stats.num_hit_blocks += len(new_computed_blocks)
         return new_blocks
 
     def cache_blocks(self, request) -> None:

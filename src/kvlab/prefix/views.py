@@ -23,10 +23,15 @@ __all__ = ["PrefixCacheStats", "PrefixManagerViews"]
 
 @dataclasses.dataclass
 class PrefixCacheStats:
-    """What the prefix cache saved, in tokens and blocks (x bytes_per_token / block_bytes = bytes).
-    num_lookups counts admissions (re-admissions after preemption too); hit tokens are prefill
-    tokens skipped, hit blocks neither allocated nor computed; num_collisions counts lookups whose
-    hash matched an entry that the exact check refused."""
+    """What the prefix cache saved, in tokens and blocks (x bytes_per_token / block_bytes = bytes),
+    counted at each admission as vLLM v1 counts (`vllm/v1/metrics/stats.py`, `PrefixCacheStats`):
+    num_lookups, num_query_tokens, num_hit_tokens and num_hit_blocks are first admissions, whose
+    hits over queries is the prefix cache hit rate (vLLM's `prefix_cache_hits` /
+    `prefix_cache_queries`); the num_readmitted_* are re-admissions after a preemption (vLLM's
+    `preempted_requests`, `preempted_queries`, `preempted_hits`, left out of its hit rate), which
+    mostly find the request's own blocks, cached since the preemption freed them. Hit tokens are
+    prefill tokens skipped, hit blocks neither allocated nor computed; num_collisions counts
+    lookups whose hash matched an entry that the exact check refused."""
 
     num_lookups: int = 0
     num_query_tokens: int = 0
@@ -34,15 +39,26 @@ class PrefixCacheStats:
     num_hit_blocks: int = 0
     num_evictions: int = 0
     num_collisions: int = 0
+    num_readmitted_lookups: int = 0
+    num_readmitted_query_tokens: int = 0
+    num_readmitted_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
-        """Prefix cache hit rate: tokens hit / tokens queried (0 before any lookup)."""
+        """Prefix cache hit rate: tokens hit / tokens queried at first admissions (0 before any)."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
     @property
+    def readmitted_hit_rate(self) -> float | None:
+        """Tokens hit / tokens queried at re-admissions after a preemption (None: none yet)."""
+        if not self.num_readmitted_query_tokens:
+            return None
+        return self.num_readmitted_hit_tokens / self.num_readmitted_query_tokens
+
+    @property
     def prefill_tokens_skipped(self) -> int:
-        return self.num_hit_tokens
+        """Tokens not computed thanks to the cache, at first admissions and re-admissions."""
+        return self.num_hit_tokens + self.num_readmitted_hit_tokens
 
 
 class PrefixManagerViews(ManagerViews):

@@ -33,7 +33,8 @@ from .request import Request
 from .reservation import KVManager
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve", "replay"]
+__all__ = ["Executor", "SimulatedExecutor", "StepResult", "engine_step", "serve", "replay",
+           "shared_tokens"]
 
 _computed = operator.attrgetter("num_computed_tokens")  # summed over the running, every step
 
@@ -64,7 +65,8 @@ class SimulatedExecutor:
 class StepResult:
     """One engine step: the decision (`output.scheduled` empty: nothing ran), the requests it
     finished, its seconds, and during it the requests running, the KV token slots held (before
-    finished requests freed theirs) and, of those, the slots holding a token's K/V."""
+    finished requests freed theirs) and, of those, the slots holding a token's K/V (a slot that
+    several requests share, a prefix block, counted once)."""
 
     output: SchedulerOutput
     finished: list[Request]
@@ -74,6 +76,13 @@ class StepResult:
     used_tokens: int = 0
     # requests the step advanced besides output.scheduled (kvlab.lazy_decode's decodes)
     num_lazy: int = 0
+
+
+def shared_tokens(kv: KVCacheManager | KVManager) -> int:
+    """Token slots that requests' own counts hold twice or more (blocks shared by a fork or a
+    prefix-cache hit, once per extra holder: `KVCacheManager.num_shared_tokens`); 0 for a manager
+    of slabs, which shares nothing between requests."""
+    return getattr(kv, "num_shared_tokens", 0)
 
 
 def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
@@ -90,7 +99,8 @@ def engine_step(scheduler: Scheduler, executor: Executor, now_s: float,
     sampled, seconds = executor.execute(output)
     # Memory during the step, before finished requests free theirs.
     reserved = scheduler.kv.num_reserved_tokens
-    used = sum(map(_computed, scheduler.running)) + output.num_batched_tokens
+    used = (sum(map(_computed, scheduler.running)) + output.num_batched_tokens
+            - shared_tokens(scheduler.kv))
     running = len(scheduler.running)
     finished = scheduler.update(output, sampled, now_s + seconds)
     for request in finished:
@@ -159,7 +169,10 @@ def replay(pending: collections.deque, served: list[Request], scheduler: Schedul
         if step.finished:
             bar.update(len(step.finished))
     bar.close()
-    hits = scheduler.num_hit_tokens if kv.has_prefix_cache else None
+    cached = kv.has_prefix_cache
     return summarize(kv.name, served, series, scheduler.num_preemptions,
-                     scheduler.num_recomputed_tokens, hits, scheduler.num_queried_tokens,
-                     kv.capacity_tokens, bytes_per_token, time.perf_counter() - started, events)
+                     scheduler.num_recomputed_tokens,
+                     scheduler.num_hit_tokens if cached else None, scheduler.num_queried_tokens,
+                     kv.capacity_tokens, bytes_per_token, time.perf_counter() - started, events,
+                     scheduler.num_readmitted_hit_tokens if cached else None,
+                     scheduler.num_readmitted_queried_tokens)

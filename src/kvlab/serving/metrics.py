@@ -9,14 +9,20 @@ wall clock in model mode unless a cost model is given):
   (a contiguous slab of max_model_len slots counts whole from admission on).
 * kv_states_share ("states / reserved"): slot-seconds holding a computed K/V (the step's own
   included) over slot-seconds reserved: the measure of the vLLM paper's figure 2 (Kwon et al.,
-  SOSP 2023: 20.4-38.2 % for Orca's reservations, 96.3 % for vLLM). A prefix block shared by
-  several requests counts once for each, so with a prefix cache the share can pass 100 %.
+  SOSP 2023: 20.4-38.2 % for Orca's reservations, 96.3 % for vLLM). A slot several requests
+  share (a prefix block) holds one K/V and counts once, as it does in what is reserved, so the
+  share is at most 100 % (`engine_core.shared_tokens`).
 * TTFT (time to first token) = first token time - arrival time; TPOT (time per output token) =
   (finish - first token) / (output tokens - 1), for requests with more than one output token.
   Percentiles are `kvlab.workload.percentile`'s: linear between order statistics (numpy's default).
 * output_tokens_per_s = output tokens of finished requests / (last finish - first arrival).
-* prefix_hit_rate = prompt tokens found in the prefix cache / prompt tokens looked up, over every
-  admission (None for a strategy without a prefix cache).
+* prefix_hit_rate ("prefix hit") = tokens found in the prefix cache / tokens looked up, at first
+  admissions: the prefix cache hit rate as vLLM v1 counts it (`prefix_cache_hits` /
+  `prefix_cache_queries`); readmitted_hit_rate ("re-admit hit"), the same at re-admissions after
+  a preemption (vLLM's `preempted_hits` / `preempted_queries`, which its rate leaves out: a
+  re-admitted request mostly finds its own blocks, cached since its preemption freed them). None
+  for a strategy without a prefix cache, and readmitted_hit_rate None when nothing was re-admitted
+  (`kvlab.serving.scheduler`).
 * events_per_s = (request, step) pairs processed per second of replay wall time: the simulator's speed.
 """
 
@@ -30,7 +36,7 @@ from ..workload import percentile
 from .request import Request
 
 __all__ = ["percentile", "StepSeries", "ServeResult", "summarize", "ROW_KEYS", "format_rows",
-           "plot_memory"]
+           "HIT_NOTE", "plot_memory"]
 
 
 @dataclasses.dataclass
@@ -64,7 +70,7 @@ class StepSeries:
 ROW_KEYS = ("strategy", "requests", "finished", "rejected", "peak_running", "mean_running",
             "preemptions", "kv_usage_mean", "kv_usage_peak", "kv_states_share",
             "output_tokens_per_s", "ttft_p50_s",
-            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "prefix_hit_rate")
+            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "prefix_hit_rate", "readmitted_hit_rate")
 
 
 @dataclasses.dataclass
@@ -89,6 +95,12 @@ class ServeResult:
     tpot_p50_s: float
     tpot_p99_s: float
     prefix_hit_rate: float | None
+    readmitted_hit_rate: float | None
+    # tokens hit and looked up, at first admissions and re-admissions (hits None: no prefix cache)
+    prefix_hit_tokens: int | None
+    prefix_queried_tokens: int
+    readmitted_hit_tokens: int | None
+    readmitted_queried_tokens: int
     duration_s: float
     num_steps: int
     capacity_tokens: int
@@ -103,6 +115,10 @@ class ServeResult:
         """The `kvlab serve` row: ROW_KEYS plus the replay's size and speed."""
         out = {key: getattr(self, key) for key in ROW_KEYS}
         out.update(recomputed_tokens=self.recomputed_tokens, output_tokens=self.output_tokens,
+                   prefix_hit_tokens=self.prefix_hit_tokens,
+                   prefix_queried_tokens=self.prefix_queried_tokens,
+                   readmitted_hit_tokens=self.readmitted_hit_tokens,
+                   readmitted_queried_tokens=self.readmitted_queried_tokens,
                    duration_s=self.duration_s, num_steps=self.num_steps,
                    capacity_tokens=self.capacity_tokens, bytes_per_token=self.bytes_per_token,
                    wall_s=self.wall_s, events_per_s=self.events_per_s,
@@ -113,8 +129,11 @@ class ServeResult:
 def summarize(strategy: str, requests: Sequence[Request], series: StepSeries, preemptions: int,
               recomputed_tokens: int, hit_tokens: int | None, queried_tokens: int,
               capacity_tokens: int, bytes_per_token: int, wall_s: float,
-              events: int) -> ServeResult:
-    """Turn a finished replay (its requests, after serving, and its step series) into figures."""
+              events: int, readmitted_hit_tokens: int | None = None,
+              readmitted_queried_tokens: int = 0) -> ServeResult:
+    """Turn a finished replay (its requests, after serving, and its step series) into figures.
+    hit_tokens, queried_tokens: at first admissions; readmitted_*: at re-admissions after a
+    preemption (hit tokens None: the strategy has no prefix cache)."""
     finished = [r for r in requests if r.finish_s is not None]
     rejected = [r for r in requests if r.reject_reason is not None]
     ttft = [r.first_token_s - r.arrival_s for r in finished]
@@ -128,6 +147,8 @@ def summarize(strategy: str, requests: Sequence[Request], series: StepSeries, pr
     states_s = sum(u * d for u, d in zip(series.used_tokens, series.duration_s))
     hit_rate = None if hit_tokens is None else (hit_tokens / queried_tokens
                                                 if queried_tokens else 0.0)
+    readmitted_rate = (None if readmitted_hit_tokens is None or not readmitted_queried_tokens
+                       else readmitted_hit_tokens / readmitted_queried_tokens)
     return ServeResult(
         strategy=strategy, requests=len(requests), finished=len(finished), rejected=len(rejected),
         peak_running=max(series.running, default=0),
@@ -138,11 +159,21 @@ def summarize(strategy: str, requests: Sequence[Request], series: StepSeries, pr
         output_tokens_per_s=output_tokens / (end - start) if end > start else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
-        prefix_hit_rate=hit_rate, duration_s=end - start, num_steps=len(series.time_s),
+        prefix_hit_rate=hit_rate, readmitted_hit_rate=readmitted_rate,
+        prefix_hit_tokens=hit_tokens, prefix_queried_tokens=queried_tokens,
+        readmitted_hit_tokens=readmitted_hit_tokens,
+        readmitted_queried_tokens=readmitted_queried_tokens,
+        duration_s=end - start, num_steps=len(series.time_s),
         capacity_tokens=capacity_tokens, bytes_per_token=bytes_per_token, wall_s=wall_s,
         events_per_s=events / wall_s if wall_s > 0 else 0.0,
         reject_examples=[f"request {r.request_id}: {r.reject_reason}" for r in rejected[:3]],
         series=series, served_requests=list(requests))
+
+
+# The footnote of a table with a prefix cache row (`kvlab serve` prints it under the table).
+HIT_NOTE = ("prefix hit: tokens found cached at first admissions (vLLM's prefix cache hit rate); "
+            "re-admit hit: the same for requests back after a preemption, which mostly find "
+            "their own blocks (vLLM counts them apart)")
 
 
 def _cell(value) -> str:
@@ -161,17 +192,18 @@ def format_rows(results: Sequence[ServeResult]) -> str:
     """A plain-text table, a row per strategy, ratios in % (column names: the module docstring)."""
     headers = ("strategy", "finished", "rejected", "peak run", "mean run", "preempt",
                "reserved/pool mean", "reserved/pool peak", "states/reserved", "out tok/s",
-               "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "prefix hit")
+               "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "prefix hit", "re-admit hit")
     lines = []
     for r in results:
         percent = [None if v is None else f"{v:.1%}" for v in
-                   (r.kv_usage_mean, r.kv_usage_peak, r.kv_states_share, r.prefix_hit_rate)]
+                   (r.kv_usage_mean, r.kv_usage_peak, r.kv_states_share, r.prefix_hit_rate,
+                    r.readmitted_hit_rate)]
         lines.append([r.strategy, _cell(r.finished), _cell(r.rejected), _cell(r.peak_running),
                       _cell(r.mean_running), _cell(r.preemptions), *map(_cell, percent[:3]),
                       _cell(r.output_tokens_per_s),
                       *(_cell(v) + ("" if v is None or math.isnan(v) else " s") for v in
                         (r.ttft_p50_s, r.ttft_p99_s, r.tpot_p50_s, r.tpot_p99_s)),
-                      _cell(percent[3])])
+                      _cell(percent[3]), _cell(percent[4])])
     widths = [max(len(str(row[i])) for row in [headers, *lines]) for i in range(len(headers))]
     table = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                        for i, (c, w) in enumerate(zip(row, widths))) for row in [headers, *lines]]

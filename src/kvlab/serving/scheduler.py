@@ -15,7 +15,12 @@ OSDI 2024) and `max_num_seqs` requests running at once. `schedule()`, after vLLM
    has room for the whole prompt (not just this step's chunk: `scheduler_reserve_full_isl`, vLLM
    0.32's default), max_num_seqs allows and token budget is left. A head that does not fit waits
    and nothing overtakes it, so it cannot starve. A step that preempted admits nobody, as in vLLM
-   v1: the first in line, just preempted, would only be preempted again (thrashing).
+   v1: the first in line, just preempted, would only be preempted again (thrashing). Prefix
+   cache hits are counted at admission as vLLM v1 counts them (its `PrefixCacheStats.record`, via
+   `KVCacheManager.record_prefix_cache_stats` after the allocation): first admissions make the
+   prefix cache hit rate, and re-admissions after a preemption are counted apart (vLLM's
+   `preempted_queries` / `preempted_hits`, which its hit rate leaves out), since they mostly find
+   their own blocks again, still cached since the preemption freed them.
 
 `update()` records the step: a request whose tokens are all computed has produced its next token;
 one at max_output_tokens, or that sampled a stop token, finishes and frees its memory. A request
@@ -81,8 +86,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_unforked = 0  # forks admitted inside a running request, not yet made
         self.num_recomputed_tokens = 0
-        self.num_queried_tokens = 0   # tokens looked up in the prefix cache at admissions
+        # Prefix cache lookups at admission (module docstring, step 2)
+        self.num_queried_tokens = 0   # tokens looked up at first admissions
         self.num_hit_tokens = 0       # of those, tokens found cached
+        self.num_readmitted_queried_tokens = 0  # tokens looked up at re-admissions
+        self.num_readmitted_hit_tokens = 0      # of those, tokens found cached
 
     def add_request(self, request: Request) -> bool:
         """Queue an arrived request; False if it can never fit (it and its forks REJECTED)."""
@@ -151,8 +159,12 @@ class Scheduler:
                                       self.config.scheduler_reserve_full_isl) is None:
                 break  # the head waits for memory; no overtaking
             self.waiting.popleft()
-            self.num_queried_tokens += request.num_tokens
-            self.num_hit_tokens += cached
+            if request.num_preemptions:
+                self.num_readmitted_queried_tokens += request.num_tokens
+                self.num_readmitted_hit_tokens += cached
+            else:
+                self.num_queried_tokens += request.num_tokens
+                self.num_hit_tokens += cached
             request.state = RequestState.RUNNING
             request.num_computed_tokens = request.num_cached_tokens = cached
             self.num_unforked += len(request.forks)

@@ -1,6 +1,6 @@
 """Run everything in the course that needs a GPU, and pack the results into one archive.
 
-    python scripts/gpu_tour.py --pack DIR     # on a CUDA machine (a 440 s budget, a watchdog)
+    python scripts/gpu_tour.py --pack DIR     # on a CUDA machine (a 540 s budget, a watchdog)
     python scripts/gpu_tour.py --dry-run      # anywhere: CPU, toy sizes, Triton's interpreter
 
 See tools/tour/ (and docs/gpu_tour.md: the one command for a lent machine) for the stages and what

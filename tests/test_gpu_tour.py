@@ -1,8 +1,9 @@
 """The GPU tour harness: notebook cells run without Jupyter, and the whole dry run end to end.
 
-The dry run is the same harness as the GPU tour (every stage, the notebooks with GPU cells, one
-archive plus SUMMARY.md) on the CPU with toy sizes and Triton's interpreter, without Jupyter as on
-the GPU machine, so it cannot rot between GPU runs.
+The dry run is the same harness as the GPU tour (every stage, every notebook whole, one archive
+plus SUMMARY.md) on the CPU with toy sizes and Triton's interpreter, without Jupyter as on the GPU
+machine, so it cannot rot between GPU runs. CI runs it with one notebook; the plan's test holds
+every notebook in it, within the budget.
 """
 
 from __future__ import annotations
@@ -119,11 +120,11 @@ def test_missing_interactive_package_skips_the_cell_only(tmp_path):
     assert run.cells[1].text == "next\n" and run.status == "ok"
 
 
-def test_dry_run_selects_setup_and_gpu_cells(tmp_path):
-    path = write_notebook(tmp_path / "nb.ipynb", "import torch", "y = 1",
+def test_every_cell_runs_and_the_summary_repeats_the_gpu_cells(tmp_path):
+    path = write_notebook(tmp_path / "nb.ipynb", "import torch", "y = 1\nprint(y)",
                           "if torch.cuda.is_available():\n    pass\nelse:\n    print('no GPU')")
-    run = run_notebook(path, dry_run=True)
-    assert [cell.status for cell in run.cells] == ["ok", "not run", "ok"]
+    run = run_notebook(path)
+    assert [cell.status for cell in run.cells] == ["ok", "ok", "ok"]
     summary = format_notebook_summary(run)
     assert "## GPU cells: what they printed" in summary and "no GPU" in summary
 
@@ -153,31 +154,35 @@ def test_benchmark_results_are_reused_not_rerun(tmp_path, monkeypatch):
 def test_stages_are_found_from_the_repository(tmp_path):
     assert ROOT / "tests" / "test_triton_paged_attention.py" in cuda_test_files(ROOT)
     assert "kvlab.tools.bench_paged_attention" in benchmark_modules(ROOT)
-    every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    # Only the notebooks with a GPU cell (a cell past the setup that names CUDA): read from them.
-    with_gpu = [path.name for path in every if any(
-        "cuda" in source for source in code_cells(json.loads(path.read_text()))[2:])]
-    assert [path.name[:2] for path in notebook_files(ROOT)] == ["02", "04", "05"]
-    assert [path.name for path in notebook_files(ROOT)] == with_gpu
-    assert [p.name[:2] for p in notebook_files(ROOT, ["00", "04"])] == ["00", "04"]  # by choice
+    every = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+    assert [path.name for path in notebook_files(ROOT)] == [path.name for path in every]
+    assert [p.name[:2] for p in notebook_files(ROOT, ["00", "04"])][:2] == ["00", "04"]  # by choice
     stages = plan_stages(ROOT, tmp_path, dry_run=True)
     assert [stage.kind for stage in stages[:2]] == ["environment", "tests"]
     kinds = [stage.kind for stage in stages]
-    assert kinds.index("story") > kinds.index("benchmark") and kinds[-2] == "notebook"
-    assert [s.name for s in stages if s.kind == "story"] == ["oom_story", "oom_story_expandable"]
-    assert "--expandable-segments" in stages[-1].command
+    assert kinds.index("story") > kinds.index("benchmark") and kinds[-1] == "notebook"
+    assert [s.name for s in stages if s.kind == "story"] == ["oom_story"]
     assert all("--dry-run" in s.command or "--toy" in s.command for s in stages
-               if s.kind != "tests")
+               if s.kind not in ("tests", "notebook"))
     assert all(s.command[1:3] == ["-m", "kvlab.tools.tour.triton_compat"] for s in stages)
-    assert {stage.name for stage in stages if stage.kind == "notebook"} == \
-        {Path(n).stem for n in with_gpu}
-    # Every name travels back from the device (no spaces), and the limits fit the budget.
+    # Every name travels back from the device (no spaces).
     assert all(re.fullmatch(r"[A-Za-z0-9_]+", stage.name) for stage in stages)
-    for dry_run, budget in ((False, BUDGET_S), (True, BUDGET_S * DRY_RUN_SCALE)):
-        planned = plan_stages(ROOT, tmp_path, dry_run)
-        assert sum(stage.timeout_s for stage in planned) <= budget, dry_run
-    # The command (install ~15 s, the tour, the watchdog's grace) ends within 8 minutes.
-    assert BUDGET_S + WATCHDOG_GRACE_S <= 8 * 60 - 30
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry_run"])
+def test_the_plan_runs_every_notebook_within_the_budget(tmp_path, dry_run):
+    """The GPU edition is every notebook of the course, each in its own process, and every stage
+    run to its limit still ends inside the budget, which with the install and the watchdog's grace
+    fits one 10-minute command of the lent machine (docs/gpu_tour.md)."""
+    planned = plan_stages(ROOT, tmp_path, dry_run)
+    notebooks = [stage for stage in planned if stage.kind == "notebook"]
+    assert [stage.name for stage in notebooks] == [
+        path.stem for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))]
+    assert all(len([part for part in stage.command if part.endswith(".ipynb")]) == 1
+               for stage in notebooks)  # one process each
+    budget = BUDGET_S * (DRY_RUN_SCALE if dry_run else 1)
+    assert sum(stage.timeout_s for stage in planned) <= budget
+    assert BUDGET_S + WATCHDOG_GRACE_S + 30 <= 10 * 60  # 30 s: the offline install, the margin
 
 
 def test_tour_and_benchmark_share_one_environment_record():
@@ -219,9 +224,11 @@ def test_dry_run_end_to_end(tmp_path):
     """The prepared command, as CI runs it, without Jupyter as on the GPU machine: every stage ok,
     every summary written, and in the pack folder only what the device hands back."""
     out, pack = tmp_path / "tour", tmp_path / "OUT"
+    # One notebook, whole (the plan runs them all; each takes up to 2 minutes on a CPU).
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tour.py"), "--dry-run",
-                           "--out", str(out), "--pack", str(pack)], capture_output=True,
-                          text=True, timeout=1500, env=without_jupyter(tmp_path / "site"))
+                           "--out", str(out), "--pack", str(pack), "--notebooks", "01"],
+                          capture_output=True, text=True, timeout=1500,
+                          env=without_jupyter(tmp_path / "site"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = (out / "SUMMARY.md").read_text()
     assert "not measured on a GPU" in summary
@@ -237,16 +244,13 @@ def test_dry_run_end_to_end(tmp_path):
     assert story["runs"][0]["out_of_memory_errors"] >= 1
     assert story["runs"][1]["blocks_in_use_at_end"] == 0
     assert "not measured on a GPU" in (out / "oom_story" / "oom_story.md").read_text()
-    expandable = json.loads((out / "oom_story_expandable" / "oom_story_expandable.json").read_text())
-    assert [run["strategy"] for run in expandable["runs"]] == ["naive"]
-    assert expandable["allocator_conf"] == "expandable_segments:True"
-    assert "| oom_story_expandable | ok |" in summary
-    for path in notebook_files(ROOT):
+    for path in notebook_files(ROOT, ["01"]):
         assert f"| {path.stem} | ok |" in summary, path.name
         executed = json.loads((out / "notebooks" / path.name).read_text())
-        assert len(code_cells(executed)) == len(code_cells(json.loads(path.read_text())))
+        cells = [cell for cell in executed["cells"] if cell["cell_type"] == "code"]
+        assert len(cells) == len(code_cells(json.loads(path.read_text())))
+        assert all(cell["execution_count"] for cell in cells)  # every cell ran
         assert (out / "notebooks" / f"{path.stem}.md").is_file()
-    assert "| 00_the_oom_story |" not in summary  # no GPU cell: not part of the tour
     environment = json.loads((out / "environment" / "environment.json").read_text())
     assert environment["device"] == "cpu" and environment["copy_gb_s"] > 0
     assert "passed" in (out / "tests" / "tests.md").read_text()
@@ -273,3 +277,10 @@ def test_gpu_mode_refuses_without_a_gpu(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no CUDA GPU here; use --dry-run" in done.stderr
+
+
+def test_the_readme_links_every_gpu_edition():
+    """A GPU run committed under results/gpu/<card>-<date>/ is linked from the README (none yet)."""
+    readme = (ROOT / "README.md").read_text()
+    for edition in sorted((ROOT / "results" / "gpu").glob("*/")):
+        assert f"results/gpu/{edition.name}" in readme, edition.name

@@ -68,7 +68,7 @@ def test_without_the_kernels_the_tour_says_how_to_install(tmp_path, monkeypatch,
 def test_the_documented_command_installs_first_then_tours_into_out():
     """docs/gpu_tour.md's one command, as pasted into the device tool: at most 2,000 characters,
     the offline install before the tour, the tour packed into $OUT, and its outer `timeout`
-    behind the watchdog (budget + grace), within the 8 minutes planned."""
+    behind the watchdog (budget + grace), inside the lent machine's 10-minute command."""
     import re
 
     from kvlab.tools.tour.stage_process import WATCHDOG_GRACE_S
@@ -82,5 +82,5 @@ def test_the_documented_command_installs_first_then_tours_into_out():
         command.index("scripts/gpu_tour.py")
     assert 'scripts/gpu_tour.py --pack "$OUT"' in command
     outer = int(re.search(r"timeout -k (\d+) (\d+) python3 scripts/gpu_tour.py", command)[2])
-    assert BUDGET_S + WATCHDOG_GRACE_S < outer <= 8 * 60 - 15
+    assert BUDGET_S + WATCHDOG_GRACE_S < outer <= 10 * 60 - 15
     assert "--dry-run" not in command

@@ -1,6 +1,6 @@
 """Execute a notebook's code cells without Jupyter, capturing what each cell prints.
 
-    python -m kvlab.tools.tour.notebook_runner --out DIR [--dry-run] [--reuse NAME=JSON] NB.ipynb...
+    python -m kvlab.tools.tour.notebook_runner --out DIR [--reuse NAME=JSON] NB.ipynb...
 
 The GPU machine has no Jupyter packages, so this reads the .ipynb file as JSON (the nbformat 4
 layout: `cells`, each with `cell_type` and `source`) and runs every code cell, top to bottom, in one
@@ -14,13 +14,12 @@ namespace, as a kernel would:
   needs an interactive-only package (ipywidgets, IPython) that is not installed: a widget has no
   meaning without a browser, so that cell is marked skipped and the notebook goes on.
 
-The executed copy (outputs in nbformat, so Jupyter can open it) and a Markdown summary go to DIR.
-`--dry-run` runs only the setup cells (the first code cell; and the second too when the first is the
-course's install-and-setup cell, docs/colab.md, so the imports follow it) and the cells that mention
-`cuda` (the GPU paths, `is_gpu_cell`), which on a CPU take their no-GPU branch; the tour runs only
-the notebooks that have such a cell (`has_gpu_cells`). `--reuse NAME=JSON` makes
-`kvlab.tools.NAME.main` return that JSON instead of running again (the tour runs each benchmark
-once, as its own stage, before the notebooks that call it).
+The executed copy (outputs in nbformat, so Jupyter can open it) and a Markdown summary go to DIR:
+on a GPU, the course's GPU edition of that notebook (every cell on the card, `kvlab.device`); in the
+dry run (`CUDA_VISIBLE_DEVICES=""`), the same notebook on the CPU. The summary repeats what the
+cells that name `cuda` printed (`is_gpu_cell`: the ones whose GPU path differs). `--reuse
+NAME=JSON` makes `kvlab.tools.NAME.main` return that JSON instead of running again (the tour runs
+each benchmark once, as its own stage, before the notebooks that call it).
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CellRun", "NotebookRun", "code_cells", "strip_magics", "is_gpu_cell", "has_gpu_cells",
-           "run_notebook", "format_notebook_summary", "main"]
+__all__ = ["CellRun", "NotebookRun", "code_cells", "strip_magics", "is_gpu_cell", "run_notebook",
+           "format_notebook_summary", "main"]
 
 
 @dataclasses.dataclass
@@ -191,8 +190,7 @@ def _cell_timeout(signum, frame):
     raise TimeoutError("the notebook ran past the tour's time limit for it")
 
 
-# A GPU cell names CUDA (its `torch.cuda.is_available()` branch): the dry run runs these, and the
-# tour runs only the notebooks that have one.
+# A GPU cell names CUDA (its `torch.cuda.is_available()` branch): the summary repeats its output.
 GPU_CELL_MARK = "cuda"
 
 
@@ -201,35 +199,14 @@ def is_gpu_cell(source: str) -> bool:
     return GPU_CELL_MARK in source
 
 
-def has_gpu_cells(path: Path) -> bool:
-    """True when one of the notebook's code cells after its setup cells is a GPU cell."""
-    sources = code_cells(json.loads(Path(path).read_text()))
-    return any(is_gpu_cell(source) for source in sources[setup_cells(sources):])
-
-
-# The first line of the course's first cell (docs/colab.md): install if needed, then setup().
-INSTALL_CELL_MARK = "# kvlab: install the course"
-
-
-def setup_cells(sources: list[str]) -> int:
-    """How many leading code cells set a notebook up: 2 after the course's install cell (its
-    imports come in the next cell), else 1."""
-    return 2 if sources and sources[0].startswith(INSTALL_CELL_MARK) and len(sources) > 1 else 1
-
-
-def run_notebook(path: Path, dry_run: bool = False, timeout_s: int | None = None) -> NotebookRun:
+def run_notebook(path: Path, timeout_s: int | None = None) -> NotebookRun:
     """Execute the notebook's code cells in its own folder (relative paths work as in Jupyter).
 
     timeout_s: wall seconds for the whole notebook (SIGALRM; the cell running then gets a
     TimeoutError and the notebook stops there).
     """
     notebook = json.loads(Path(path).read_text())
-    sources = code_cells(notebook)
-    selected = set(range(len(sources)))
-    if dry_run:
-        selected = set(range(setup_cells(sources))) | {i for i, source in enumerate(sources)
-                                                        if is_gpu_cell(source)}
-    cells = [CellRun(i, source) for i, source in enumerate(sources)]
+    cells = [CellRun(i, source) for i, source in enumerate(code_cells(notebook))]
     namespace: dict[str, Any] = {"__name__": "__main__"}
     magics: list[str] = []
     start, previous = time.perf_counter(), Path.cwd()
@@ -241,8 +218,6 @@ def run_notebook(path: Path, dry_run: bool = False, timeout_s: int | None = None
     try:
         os.chdir(Path(path).resolve().parent)
         for cell in cells:
-            if cell.index not in selected:
-                continue
             code, skipped = strip_magics(cell.source)
             magics += skipped
             recorder, began = _Recorder(), time.perf_counter()
@@ -321,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--timeout", type=int, default=None, help="seconds per notebook")
     parser.add_argument("--reuse", action="append", default=[], metavar="NAME=JSON")
     args = parser.parse_args(argv)
@@ -330,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     _reuse_results(args.reuse)
     failed = 0
     for path in args.notebooks:
-        run = run_notebook(path, dry_run=args.dry_run, timeout_s=args.timeout)
+        run = run_notebook(path, timeout_s=args.timeout)
         (args.out / path.name).write_text(json.dumps(executed_notebook(run), indent=1) + "\n")
         (args.out / f"{path.stem}.md").write_text(format_notebook_summary(run))
         failed += run.status != "ok"

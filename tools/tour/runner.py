@@ -2,11 +2,12 @@
 
     python scripts/gpu_tour.py [--dry-run] [--out DIR] [--pack DIR] [--budget SECONDS]
 
-On a CUDA machine the default folder is results/<card>/gpu-tour-<date>-<time>/ (commit it); the dry
-run writes to <tmp>/kvlab-gpu-tour-dry-run/. Built for a lent machine that may be taken away at any
+On a CUDA machine the default folder is results/gpu/<card>-<date>/ (commit it: its notebooks/ hold
+the course's GPU edition, every notebook executed on the card); the dry run writes to
+<tmp>/kvlab-gpu-tour-dry-run/. Built for a lent machine that may be taken away at any
 moment and hands back only a few files:
 
-* the whole tour has a budget (default `stages.BUDGET_S`, 440 s), held by a watchdog
+* the whole tour has a budget (default `stages.BUDGET_S`, 540 s), held by a watchdog
   (`stage_process.Watchdog`); each stage's own limit is cut to what is left, holds whether or not
   the stage prints, and a stage that no longer fits is recorded as skipped, never dropped;
 * SUMMARY.md is written before and after every stage, and the archive repacked after every stage,
@@ -292,8 +293,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
                         help=f"seconds for the whole tour (default {BUDGET_S}; the dry run "
                              f"{DRY_RUN_SCALE}x)")
     parser.add_argument("--notebooks", nargs="*", default=None, metavar="PREFIX",
-                        help="these notebooks (name prefixes, e.g. 01 02) instead of those with "
-                             "GPU cells")
+                        help="only these notebooks (name prefixes, e.g. 01 04b) instead of all")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=("environment", "tests", "benchmark", "story", "notebook"))
     parser.add_argument("--wheels", type=Path, default=None, metavar="DIR",
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
                   file=sys.stderr)
             return 2
         now = datetime.datetime.now(datetime.timezone.utc)
-        default_out = args.repo / "results" / card_slug("cuda") / f"gpu-tour-{now:%Y-%m-%d-%H%M}"
+        default_out = args.repo / "results" / "gpu" / f"{card_slug('cuda')}-{now:%Y-%m-%d}"
     wheels = args.wheels or (args.repo / ".whl" if (args.repo / ".whl").is_dir() else None)
     notes = prepare_packages(wheels, NEEDED_MODULES)
     budget = args.budget or BUDGET_S * (DRY_RUN_SCALE if args.dry_run else 1)

@@ -5,15 +5,17 @@
   for the dry run), e.g. stage 5's `bench_paged_attention.py`;
 * stories: scripted GPU runs that are not notebooks (`STORIES`: modules with `main(argv)` taking
   `--out`, `--name` and `--dry-run`): stage 7's out-of-memory story, `kvlab.tools.oom_story`,
-  before the notebooks, and its naive run again with expandable segments after them;
-* notebooks: the `notebooks/NN_*.ipynb` that have a GPU cell (`notebook_runner.has_gpu_cells`;
-  today 02, 04 and 05), one process each (a notebook that fills the GPU never starves the next).
+  before the notebooks;
+* notebooks: every notebook of the course (`notebooks/NN_*.ipynb` and its continuations such as
+  `04b_*.ipynb`), whole, in order, one process each (a notebook that fills the GPU never starves
+  the next): the course's GPU edition, every model, cache and measurement on the card.
 
 A stage is a command line plus a folder for its files and a time limit in seconds. The limits are
 sized for a lent GPU machine's 10-minute command inside a 15-minute lease (docs/gpu_tour.md): they
-add up to the tour's default budget, so a tour whose every stage runs to its limit still ends in
-time. The dry run's are DRY_RUN_SCALE times longer (a busy CPU, Triton's interpreter), and it
-starts each stage through `kvlab.tools.tour.triton_compat`.
+add up to at most the tour's default budget, so a tour whose every stage runs to its limit still
+ends in time (tests/test_gpu_tour.py checks the sum). The dry run's are DRY_RUN_SCALE times longer
+(a busy CPU, Triton's interpreter, every notebook whole), and it starts each stage through
+`kvlab.tools.tour.triton_compat`.
 """
 
 from __future__ import annotations
@@ -24,30 +26,26 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
-from .notebook_runner import has_gpu_cells
-
 __all__ = ["Stage", "TIMEOUTS", "BUDGET_S", "DRY_RUN_SCALE", "cuda_test_files", "benchmark_modules",
            "notebook_files", "plan_stages", "summarize_junit"]
 
 _CUDA_MARK = re.compile(r"\bmark\.cuda\b")
 _MAIN = re.compile(r"^def main\(", re.MULTILINE)
 # Seconds per stage on a GPU: a stage past its limit is killed, the next one starts. Notebooks by
-# their number (one with no entry gets "notebook"). They add up to BUDGET_S, the whole tour.
-# On the CPU 02 and 04 take 14 and 22 s (docs/instructor_notes.md); 05 compiles kernels on a GPU,
-# and its section 9 compiles the decode loop twice more for sm_90 (~10 s), paid for by the
-# environment stage (a copy and a sum of 2 GiB, ~2 s on an H200) and notebook 04.
-TIMEOUTS = {"environment": 15, "tests": 70, "benchmark": 125, "oom_story": 70,
-            "oom_story_expandable": 30, "02": 30, "04": 35, "05": 65, "notebook": 30}
-BUDGET_S = 440  # with the watchdog's grace and the install, the command ends within 8 minutes
-DRY_RUN_SCALE = 3
-# (name, module, extra arguments, after the notebooks?). Each writes <out>/<name>/<name>.{json,md}.
-# `--budget`: seconds per strategy, so each story ends inside its stage's limit. The
-# expandable-segments rerun of the naive server (the allocator's answer to fragmentation) runs
-# last, so it only takes time that the notebooks left over.
+# the part of their name before the first "_" (one with no entry gets "notebook"). Guesses until a
+# GPU run measures them: on a GPU the models and caches are fast, and what takes time is Python
+# (the simulator, the scheduler's loop), Triton's compiles (05, 05b: two sweeps and the sm_90
+# compile), the uptraining (03) and the decode sweeps (00).
+TIMEOUTS = {"environment": 15, "tests": 40, "benchmark": 70, "oom_story": 45,
+            "00": 35, "02": 30, "03": 40, "05": 30, "05b": 55, "notebook": 25}
+BUDGET_S = 540  # with the watchdog's grace and the install, the command ends within 9.5 minutes
+DRY_RUN_SCALE = 5  # the CPU runs every notebook whole: up to 2 minutes each
+# (name, module, extra arguments). Each writes <out>/<name>/<name>.{json,md}.
+# `--budget`: seconds per strategy, so the story ends inside its stage's limit. (Its rerun with
+# expandable segments, `--strategies naive --expandable-segments`, is run by hand: the notebooks
+# take the rest of the budget.)
 STORIES = [
-    ("oom_story", "kvlab.tools.oom_story", ("--budget", "20"), False),
-    ("oom_story_expandable", "kvlab.tools.oom_story",
-     ("--strategies", "naive", "--expandable-segments", "--budget", "15"), True),
+    ("oom_story", "kvlab.tools.oom_story", ("--budget", "15")),
 ]
 
 
@@ -79,12 +77,12 @@ def benchmark_modules(repo: Path) -> list[str]:
 
 
 def notebook_files(repo: Path, only: list[str] | None = None) -> list[Path]:
-    """notebooks/NN_*.ipynb in order: those with GPU cells, or (`only`) those whose name starts
-    with one of these prefixes, GPU cells or not."""
-    found = sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    """Every notebooks/NN*_*.ipynb in order (04_ before 04b_), or (`only`) those whose name starts
+    with one of these prefixes."""
+    found = sorted((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     if only:
         return [path for path in found if any(path.name.startswith(prefix) for prefix in only)]
-    return [path for path in found if has_gpu_cells(path)]
+    return found
 
 
 def _limit(key: str, dry_run: bool) -> int:
@@ -93,8 +91,7 @@ def _limit(key: str, dry_run: bool) -> int:
 
 def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | None = None,
                 skip: tuple[str, ...] = ()) -> list[Stage]:
-    """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks,
-    late stories."""
+    """Every stage, in the order they run: environment, tests, benchmarks, stories, notebooks."""
     # The dry run starts each module through the launcher that fixes Triton's interpreter.
     python = [sys.executable, "-m", "kvlab.tools.tour.triton_compat"] if dry_run else \
         [sys.executable, "-m"]
@@ -117,19 +114,14 @@ def plan_stages(repo: Path, out: Path, dry_run: bool, notebooks: list[str] | Non
                             [*python, module, "--out", str(out / "benchmarks"),
                              *(["--toy"] if dry_run else [])],
                             out / "benchmarks", _limit("benchmark", dry_run)))
-
-    def story_stages(late: bool) -> list[Stage]:
-        return [Stage(name, "story", [*python, module, "--out", str(out / name), "--name",
-                                      name, *extra, *dry], out / name, _limit(name, dry_run))
-                for name, module, extra, after_notebooks in STORIES if after_notebooks == late]
-
-    stages += story_stages(late=False)
+    stages += [Stage(name, "story", [*python, module, "--out", str(out / name), "--name", name,
+                                     *extra, *dry], out / name, _limit(name, dry_run))
+               for name, module, extra in STORIES]
     for path in notebook_files(repo, notebooks):
         stages.append(Stage(path.stem, "notebook",
                             [*python, "kvlab.tools.tour.notebook_runner", str(path),
-                             "--out", str(out / "notebooks"), *dry],
-                            out / "notebooks", _limit(path.name[:2], dry_run)))
-    stages += story_stages(late=True)
+                             "--out", str(out / "notebooks")],
+                            out / "notebooks", _limit(path.name.split("_")[0], dry_run)))
     return [stage for stage in stages if stage.kind not in skip]
 
 

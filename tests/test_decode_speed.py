@@ -1,10 +1,17 @@
-"""kvlab.decode_speed: the work a KV cache saves, counted exactly, and its time measured."""
+"""kvlab.decode_speed: the work a KV cache saves, counted exactly, and its time measured; a batch
+of decode steps timed, its FLOPs counted, and the matmul peak they are set against."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvlab.decode_speed import time_decoding, tokens_fed
+from kvlab.config import PRESETS
+from kvlab.decode_speed import (decode_step_flops, matmul_peak, time_batched_decode,
+                                time_decoding, tokens_fed)
+from kvlab.generate import generate
+from kvlab.gpus import Card
+from kvlab.serving.cost_model import CostModel
 
 
 def test_tokens_fed_by_hand():
@@ -33,3 +40,74 @@ def test_time_decoding_counts_what_the_model_really_runs(tiny_model):
     assert none.seconds_per_token > 0 and cached.seconds_per_token > 0
     with pytest.raises(ValueError, match="repeats"):
         time_decoding(tiny_model, [1], 2, repeats=0)
+
+
+# ---- a batch of decode steps: FLOPs counted, time measured, peak measured beside it -----------
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "smollm2-135m", "llama-2-7b"])
+def test_decode_step_flops_is_the_cost_models_count(name):
+    """Tied (SmolLM2) and untied embeddings: the same FLOPs as the serving clock's decode step."""
+    config = PRESETS[name]
+    model = CostModel(config, Card("any", 80, 1.0, 1.0), dtype="bf16")
+    for batch, context in ((1, 0), (7, 100), (256, 4095)):
+        # each request computes 1 token after `context` cached ones: c + 1 (query, key) pairs
+        _, flops = model.step_work(batch, batch * context, batch * (context + 1), batch)
+        assert decode_step_flops(config, batch, context) == flops
+
+
+def test_decode_step_flops_by_hand(small_config):
+    # vocab 64, hidden 32, intermediate 64, 2 layers, 4 q / 2 KV heads of 8, untied:
+    # per layer q, o 32x32, k, v 32x16, gate, up, down 32x64, two norms of 32 = 9,280;
+    # the LM head 64 x 32 = 2,048 and the final norm 32 (the embedding is a lookup).
+    matmul = 2 * 9_280 + 2_048 + 32
+    attention = 4 * 2 * 4 * 8 * (10 + 1)
+    assert decode_step_flops(small_config, 3, 10) == 3 * (2 * matmul + attention)
+    with pytest.raises(ValueError, match="batch"):
+        decode_step_flops(small_config, 0, 10)
+    with pytest.raises(ValueError, match="context_len"):
+        decode_step_flops(small_config, 1, -1)
+
+
+def test_time_batched_decode_runs_real_greedy_steps(tiny_model):
+    """Every request decodes what one greedy request decodes alone (its blocks are the prompt's
+    copies), each step feeds one token per request, and the figures are those of a timed step."""
+    context_len, steps = 5, 2
+    outputs = []
+    handle = tiny_model.register_forward_hook(lambda module, args, out: outputs.append(out))
+    try:
+        timings = time_batched_decode(tiny_model, [1, 3], context_len=context_len, steps=steps,
+                                      block_size=4, seed=7)
+    finally:
+        handle.remove()
+    prompt = torch.randint(tiny_model.config.vocab_size, (context_len,),
+                           generator=torch.Generator().manual_seed(7)).tolist()
+    alone = generate(tiny_model, prompt, steps + 2, cache="contiguous").token_ids
+    for index, batch in enumerate([1, 3]):
+        prefill, *decode = outputs[index * (steps + 2):(index + 1) * (steps + 2)]
+        assert prefill.shape[0] == 1 and [out.shape[0] for out in decode] == [batch] * (steps + 1)
+        picked = [prefill.argmax(-1).tolist()] + [out.argmax(-1).tolist() for out in decode]
+        assert picked == [[token] * len(row) for token, row in zip(alone, picked)]
+    for timing, batch in zip(timings, [1, 3]):
+        assert timing.batch == batch and timing.seconds > 0
+        assert timing.context_len in (context_len + 1, context_len + 2)  # a timed step, not warm-up
+        assert timing.flops == decode_step_flops(tiny_model.config, batch, timing.context_len)
+        assert timing.tokens_per_s == batch / timing.seconds
+        assert timing.flops_per_s == timing.flops / timing.seconds
+
+
+def test_time_batched_decode_rejects_bad_sizes(tiny_model):
+    with pytest.raises(ValueError, match="empty"):
+        time_batched_decode(tiny_model, [])
+    with pytest.raises(ValueError, match="batch size"):
+        time_batched_decode(tiny_model, [4, 0])
+    with pytest.raises(ValueError, match="steps"):
+        time_batched_decode(tiny_model, [1], steps=0)
+
+
+def test_matmul_peak_times_the_matmul_it_names():
+    peak = matmul_peak("cpu", torch.float32, size=64, repeats=2)
+    assert (peak.device, peak.dtype, peak.size) == ("cpu", torch.float32, 64)
+    assert peak.flops == 2 * 64 ** 3 and peak.seconds > 0
+    assert peak.flops_per_s == peak.flops / peak.seconds
+    with pytest.raises(ValueError, match="size"):
+        matmul_peak("cpu", size=0)

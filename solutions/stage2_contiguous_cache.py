@@ -1,144 +1,125 @@
-"""Stage 2 exercise: the naive contiguous KV cache, and what it wastes.
+"""Stage 2 exercise: reserve less than a max_model_len slab, and measure the waste that is left.
 
-A naive server reserves, at start-up, one slab per request slot (`max_num_seqs` of them), each
-big enough for `max_model_len` tokens, whatever each request will really use. You write:
+The notebook's slab cache reserves max_model_len token slots for every request, whatever it will
+use. The vLLM paper calls that baseline Orca (Max) and compares two that reserve less, per request,
+when it is admitted (Kwon et al., SOSP 2023, section 6.1 and figure 2):
 
-* `check_reservation`: the start-up check. It refuses a reservation that does not fit, with the
-  arithmetic in the error message, so the operator sees *why* (the story's start-up OOM).
-* `write_kv`: store one step's keys (or values) at their token positions in a request's slab.
-* `reserved_bytes`, `used_bytes`, `waste`: the memory accounting that shows most of a slab
-  holds nothing (the vLLM paper measured only 20.4-38.2 % of such reservations in use).
+* Orca (Pow2): the prompt plus the output rounded up to a power of two (an output of 25 tokens
+  reserves 32 slots): at most twice what the output needs;
+* Orca (Oracle): exactly prompt + output, as if the server knew every output's length in advance
+  (no server does: it is the upper bound of reserving up front).
 
-`kvlab check 2` compares yours with `kvlab.contiguous.ContiguousKVCache`; read
-`src/kvlab/contiguous.py` afterwards and compare.
+You write:
 
-Layout of one request's slab, for one layer and one of K or V:
-[max_model_len, num_key_value_heads, head_dim]; the token at position p lives at `slab[p]`.
-Units: bytes are whole numbers of bytes; token counts and positions are ints.
+* `reservation_tokens`: the token slots a request reserves under each policy;
+* `memory_shares`: where the reserved memory goes over the requests' lives, split as the paper's
+  figure 2 splits it: **token states** (slots holding a token now), **reservation** (slots the
+  request will fill later) and **internal fragmentation** (slots it will never fill).
+
+Figure 2 measured 20.4 % (Max), 26.8 % (Pow2) and 38.2 % (Oracle) of KV memory holding token
+states, on the paper's traffic; the rest of its Pow2 and Oracle bars is mostly external
+fragmentation, free memory in pieces between slabs of different sizes, which this count leaves out
+(equal slabs have none; stage 4 measures it). Run yours on the notebook's Azure trace and compare.
+
+A request of P prompt tokens generating G tokens lives S = max(G, 1) scheduler steps, holds
+P + i tokens at step i (0 <= i < S) and P + G at its end (`kvlab.lifetime` says why: the last
+token's K/V is never written). Requests longer than max_model_len are rejected, never served.
+
+`kvlab check 2` compares yours with `kvlab.report.replay` (the notebook's replay) and with a count
+step by step. Units: token counts and slots are ints; shares are floats that sum to 1.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
-import torch
+POLICIES = ("max", "pow2", "oracle")
+SHARES = ("token states", "reservation", "internal fragmentation")
 
-from kvlab.sizing import format_bytes
+
+class RequestSizes(Protocol):
+    """A request's sizes in tokens, e.g. `kvlab.workload.Request` from `azure_trace("conv")`."""
+
+    prompt_len: int
+    output_len: int
 
 
-def check_reservation(max_num_seqs: int, max_model_len: int, bytes_per_token: int,
-                      budget_bytes: int) -> int:
-    """Bytes a naive server reserves up front, refused when they exceed the memory budget.
+def reservation_tokens(prompt_len: int, output_len: int, policy: str, max_model_len: int) -> int:
+    """Token slots a request reserves when it is admitted, held until it finishes.
 
-        reservation = max_num_seqs x max_model_len x bytes_per_token
+        "max":    max_model_len (the notebook's slab)
+        "pow2":   prompt_len + the output rounded up to a power of two (25 -> 32; 32 -> 32;
+                  0 -> 0), at most max_model_len (a slab never exceeds what the model can hold)
+        "oracle": prompt_len + output_len
 
     Args:
-        max_num_seqs: request slots (slabs) reserved.
-        max_model_len: tokens per slab (prompt + generated).
-        bytes_per_token: KV bytes of one token over all layers (stage 0's `kv_bytes_per_token`).
-        budget_bytes: memory available for the KV cache, in bytes.
+        prompt_len: prompt tokens, >= 1.
+        output_len: tokens the request will generate, >= 0.
+        policy: one of POLICIES.
+        max_model_len: the longest request the server accepts (prompt + output).
 
     Returns:
-        The reservation in bytes (int), when it is <= budget_bytes.
+        Token slots (int), >= prompt_len + output_len.
 
     Raises:
-        ValueError: max_num_seqs or max_model_len < 1.
-        MemoryError: the reservation exceeds budget_bytes. The message shows the arithmetic with
-            `kvlab.sizing.format_bytes` for the byte figures, e.g.
-            "KV cache reservation 128 seqs x 4096 tokens x 128 KiB/token = 64 GiB > 40 GiB budget".
+        ValueError: an unknown policy; prompt_len < 1 or output_len < 0; prompt_len + output_len >
+            max_model_len (the message gives the three numbers: the request is rejected).
     """
-    # BEGIN SOLUTION hint: a contiguous cache reserves every slab up front, max_model_len tokens
-    # hint: each, whatever the requests will use; check the counts, then refuse a reservation above
-    # hint: the budget (MemoryError showing the docstring's arithmetic)
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    wanted = max_num_seqs * max_model_len * bytes_per_token
-    if wanted > budget_bytes:
-        raise MemoryError(
-            f"KV cache reservation {max_num_seqs} seqs x {max_model_len} tokens x "
-            f"{format_bytes(bytes_per_token)}/token = {format_bytes(wanted)} > "
-            f"{format_bytes(budget_bytes)} budget")
-    return wanted
+    # BEGIN SOLUTION hint: refuse what no policy can reserve (an unknown policy, impossible sizes, a
+    # hint: request longer than max_model_len); then Max is the whole slab, Oracle exactly what the
+    # hint: request will hold, and Pow2 rounds only the output up (int.bit_length), capped at the slab
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if prompt_len < 1 or output_len < 0:
+        raise ValueError(f"need prompt_len >= 1 and output_len >= 0, got {prompt_len} and "
+                         f"{output_len}")
+    total = prompt_len + output_len
+    if total > max_model_len:
+        raise ValueError(f"a request of {prompt_len} + {output_len} = {total} tokens > "
+                         f"max_model_len={max_model_len}: rejected under every policy")
+    if policy == "max":
+        return max_model_len
+    if policy == "oracle":
+        return total
+    output_slots = 1 << (output_len - 1).bit_length() if output_len > 0 else 0
+    return min(prompt_len + output_slots, max_model_len)
     # END SOLUTION
 
 
-def write_kv(slab: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> None:
-    """Store new keys (or values) in a request's slab, in place, each at its token's position.
+def memory_shares(requests: Sequence[RequestSizes], policy: str,
+                  max_model_len: int) -> dict[str, float]:
+    """Shares of the reserved token slots, summed over every step of every served request.
 
-    Prefill writes the whole prompt at positions 0 .. P-1; each decode step writes one token at
-    the next position. Positions already written are overwritten; nothing else changes.
+    At each step a request reserves `reservation_tokens(...)` slots, of which P + i hold a token
+    (token states), P + G - (P + i) will hold one later (reservation), and the rest never will
+    (internal fragmentation). Requests longer than max_model_len are skipped (rejected).
 
     Args:
-        slab: [max_model_len, num_key_value_heads, head_dim], modified in place.
-        positions: [num_tokens] int64, absolute position of each new token.
-        k: [num_tokens, num_key_value_heads, head_dim], same dtype as slab.
+        requests: anything with prompt_len and output_len (e.g. `azure_trace("conv")`).
+        policy: one of POLICIES.
+        max_model_len: as `reservation_tokens`.
+
+    Returns:
+        {"token states": float, "reservation": float, "internal fragmentation": float}, the keys of
+        SHARES, summing to 1 (1 - "token states" is the notebook's waste).
 
     Raises:
-        MemoryError: a position is >= max_model_len (the slab has no room for it; nothing is
-            written). The message names the position and max_model_len.
+        ValueError: no request fits max_model_len (nothing is reserved), or an unknown policy.
     """
-    # BEGIN SOLUTION hint: a slab never grows: a position past its end is out of memory; refuse
-    # hint: before writing anything, so a failed call leaves the slab as it was
-    max_model_len = slab.shape[0]
-    if len(positions) and int(positions.max()) >= max_model_len:
-        raise MemoryError(f"position {int(positions.max())} is past the slab's "
-                          f"max_model_len={max_model_len}")
-    slab[positions] = k
-    # END SOLUTION
-
-
-def reserved_bytes(*tensors: torch.Tensor) -> int:
-    """Exact bytes the given cache tensors occupy (all of them, whether they hold tokens or not).
-
-    Count, never estimate: elements x bytes per element, summed over the tensors.
-
-    Args:
-        tensors: the cache's tensors, e.g. `reserved_bytes(cache.k, cache.v)`.
-
-    Returns:
-        Bytes (int).
-    """
-    # BEGIN SOLUTION hint: what the tensors occupy, filled or not: every element costs its dtype's
-    # hint: bytes
-    return sum(t.numel() * t.element_size() for t in tensors)
-    # END SOLUTION
-
-
-def used_bytes(seq_lens: Sequence[int], bytes_per_token: int) -> int:
-    """Bytes of the cache that hold token states: every token held, by every slab.
-
-    Args:
-        seq_lens: tokens each slab holds now (0 for a free slab).
-        bytes_per_token: KV bytes of one token over all layers.
-
-    Returns:
-        Bytes (int).
-    """
-    # BEGIN SOLUTION hint: only the tokens the slabs really hold count, bytes_per_token each
-    return sum(seq_lens) * bytes_per_token
-    # END SOLUTION
-
-
-def waste(used: int, reserved: int) -> float:
-    """Fraction of the reservation that holds no token state: 1 - used / reserved.
-
-    0.0 means every reserved byte holds a token; 0.95 means 95 % of the memory is wasted.
-
-    Args:
-        used: bytes holding token states (`used_bytes`).
-        reserved: bytes reserved (`reserved_bytes`).
-
-    Returns:
-        A float in [0, 1].
-
-    Raises:
-        ValueError: reserved <= 0, or used outside [0, reserved].
-    """
-    # BEGIN SOLUTION hint: 1 - used / reserved, after refusing impossible inputs with ValueError
-    if reserved <= 0:
-        raise ValueError(f"reserved must be a positive number of bytes, got {reserved}")
-    if not 0 <= used <= reserved:
-        raise ValueError(f"used={used} bytes must lie in [0, reserved={reserved}]")
-    return 1 - used / reserved
+    # BEGIN SOLUTION hint: sum three totals over the served requests' steps: slots reserved, slots
+    # hint: holding a token, and slots the request holds at its end (its final length); the
+    # hint: closed form of P + (P + 1) + ... + (P + S - 1) avoids a loop over the steps
+    reserved = held = final = 0
+    for request in requests:
+        prompt, output = request.prompt_len, request.output_len
+        if prompt + output > max_model_len:
+            continue  # rejected, never served
+        steps = max(output, 1)
+        reserved += steps * reservation_tokens(prompt, output, policy, max_model_len)
+        held += steps * prompt + steps * (steps - 1) // 2
+        final += steps * (prompt + output)
+    if reserved == 0:
+        raise ValueError(f"no request fits max_model_len={max_model_len}; nothing is reserved")
+    return {"token states": held / reserved, "reservation": (final - held) / reserved,
+            "internal fragmentation": (reserved - final) / reserved}
     # END SOLUTION

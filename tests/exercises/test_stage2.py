@@ -1,4 +1,5 @@
-"""Stage 2: the contiguous cache's start-up check, writes and accounting vs `kvlab.contiguous`.
+"""Stage 2: Orca's three reservations (Max, Pow2, Oracle) and where their memory goes, against
+`kvlab.report.replay` and a count step by step.
 
 Grades `stage2_contiguous_cache.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
 `kvlab check 2`.
@@ -7,14 +8,14 @@ Grades `stage2_contiguous_cache.py` from $KVLAB_EXERCISES_DIR (default: solution
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kvlab import sizing
-from kvlab.config import PRESETS, LlamaConfig
-from kvlab.contiguous import ContiguousKVCache, KVCacheOutOfMemory, reservation_bytes
-from kvlab.tools.grading import assert_close, assert_equal, expect_raises
+from kvlab.lifetime import tokens_held
+from kvlab.report import ContiguousStrategy, replay
+from kvlab.tools.grading import assert_equal, expect_raises
+from kvlab.traces import azure_trace
+from kvlab.workload import Request
 
-GiB = 2**30
+KEYS = ("token states", "reservation", "internal fragmentation")
 
 
 @pytest.fixture(scope="module")
@@ -22,179 +23,142 @@ def ex(load_stage):
     return load_stage("stage2_contiguous_cache.py")
 
 
-def tiny_config(layers=1, kv_heads=2, head_dim=4, heads=None):
-    return LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
-                       num_hidden_layers=layers, num_attention_heads=heads or kv_heads,
-                       num_key_value_heads=kv_heads, head_dim=head_dim)
+@pytest.fixture(scope="module")
+def trace():
+    return azure_trace("conv")
 
 
-def fill(cache, slab, num_tokens, seed=0):
-    """Run one prefill of `num_tokens` through kvlab's own cache (every layer), as a model would."""
-    config = cache.config
-    generator = torch.Generator().manual_seed(seed)
-    shape = (num_tokens, config.num_key_value_heads, config.head_dim)
-    positions = torch.arange(num_tokens)
-    store = cache.view(slab)
-    for layer in range(config.num_hidden_layers):
-        key, value = (torch.randn(shape, generator=generator).to(cache.dtype) for _ in range(2))
-        store.attend(layer, key.clone(), key, value, positions)
+def reference_slots(request, policy, max_model_len):
+    """The grader's own reservation: written from the paper's definitions, not from yours."""
+    if policy == "max":
+        return max_model_len
+    if policy == "oracle":
+        return request.total_len
+    power = 1
+    while power < request.output_len:
+        power *= 2
+    return min(request.prompt_len + (power if request.output_len else 0), max_model_len)
 
 
-# ---- check_reservation ------------------------------------------------------------------------
-
-def test_check_reservation_fits(ex):
-    config = PRESETS["llama-3.1-8b"]
-    per_token = sizing.kv_bytes_per_token(config)
-    expected = reservation_bytes(config, 8, 1024, 2)
-    assert_equal(ex.check_reservation(8, 1024, per_token, 40 * GiB), expected,
-                 f"check_reservation(max_num_seqs=8, max_model_len=1024, bytes_per_token="
-                 f"{per_token}, budget_bytes=40 GiB) [as kvlab.contiguous.reservation_bytes]")
-
-
-def test_check_reservation_exactly_the_budget_fits(ex):
-    assert_equal(ex.check_reservation(4, 100, 10, 4000), 4000,
-                 "check_reservation(max_num_seqs=4, max_model_len=100, bytes_per_token=10, "
-                 "budget_bytes=4000) [a reservation equal to the budget fits]")
+def step_by_step(requests, policy, max_model_len):
+    """Every step of every served request, one at a time (`kvlab.lifetime.tokens_held`)."""
+    reserved = held = final = 0
+    for request in requests:
+        if request.total_len > max_model_len:
+            continue
+        for tokens in tokens_held(request):
+            reserved += reference_slots(request, policy, max_model_len)
+            held += tokens
+            final += request.total_len
+    return {"token states": held / reserved, "reservation": (final - held) / reserved,
+            "internal fragmentation": (reserved - final) / reserved}
 
 
-def test_check_reservation_refuses_with_the_formula(ex):
-    per_token = sizing.kv_bytes_per_token(PRESETS["llama-3.1-8b"])  # 131,072 B = 128 KiB
-    what = (f"check_reservation(max_num_seqs=128, max_model_len=4096, bytes_per_token="
-            f"{per_token}, budget_bytes=40 GiB) [needs 64 GiB]")
-    error = expect_raises(MemoryError, lambda: ex.check_reservation(128, 4096, per_token,
-                                                                     40 * GiB), what)
-    message = str(error)
-    wanted = 128 * 4096 * per_token
-
-    def shown(number):
-        return any(text in message for text in
-                   (str(number), f"{number:,}", sizing.format_bytes(number)))
-
-    missing = [label for label, ok in (
-        ("'128 seqs x 4096 tokens'", "128 seqs x 4096 tokens" in message),
-        (f"the bytes per token ({sizing.format_bytes(per_token)})", shown(per_token)),
-        (f"the total ({sizing.format_bytes(wanted)})", shown(wanted)),
-        (f"the budget ({sizing.format_bytes(40 * GiB)})", shown(40 * GiB))) if not ok]
-    assert not missing, (f"{what}: the MemoryError message should show the arithmetic, e.g. "
-                         f"'KV cache reservation 128 seqs x 4096 tokens x 128 KiB/token = 64 GiB "
-                         f"> 40 GiB budget'; it lacks {', '.join(missing)}. Got: {message!r}")
+def assert_shares(got, expected, what, tolerance=1e-12):
+    """A dict of the three shares, each a float within `tolerance` of the expected one."""
+    shown = "{" + ", ".join(f"{key!r}: {value:.6f}" for key, value in expected.items()) + "}"
+    if not isinstance(got, dict) or sorted(got) != sorted(KEYS):
+        raise AssertionError(f"{what}: expected a dict with the keys {list(KEYS)} ({shown}), "
+                             f"got {got!r}")
+    wrong = [f"{key!r}: expected {expected[key]:.6f}, got {got[key]!r}" for key in KEYS
+             if not isinstance(got[key], float) or abs(got[key] - expected[key]) > tolerance]
+    if wrong:
+        raise AssertionError(f"{what}: {'; '.join(wrong)}")
 
 
-@pytest.mark.parametrize("max_num_seqs, max_model_len, budget", [
-    (4, 32, 16 * 1024), (4, 32, 16 * 1024 - 1), (1, 1, 10**9), (16, 64, 100_000)])
-def test_check_reservation_agrees_with_kvlab(ex, max_num_seqs, max_model_len, budget):
-    config = tiny_config(layers=2, kv_heads=2, head_dim=4)  # 128 B per token in fp32
-    per_token = reservation_bytes(config, 1, 1, 4)
-    what = (f"check_reservation(max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
-            f"bytes_per_token={per_token}, budget_bytes={budget})")
-    try:
-        cache = ContiguousKVCache(config, max_num_seqs, max_model_len, budget_bytes=budget)
-    except KVCacheOutOfMemory:
-        expect_raises(MemoryError, lambda: ex.check_reservation(max_num_seqs, max_model_len,
-                                                                per_token, budget),
-                      what + " [kvlab.contiguous refuses this reservation]")
-    else:
-        assert_equal(ex.check_reservation(max_num_seqs, max_model_len, per_token, budget),
-                     cache.reserved_bytes, what + " [kvlab.contiguous reserves it]")
+# ---- reservation_tokens -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy, expected", [("max", 2048), ("pow2", 132), ("oracle", 125)])
+def test_reservation_tokens_paper_example(ex, policy, expected):
+    # the paper's example: an output of 25 tokens reserves 32 slots under Pow2
+    assert_equal(ex.reservation_tokens(100, 25, policy, 2048), expected,
+                 f"reservation_tokens(prompt_len=100, output_len=25, policy={policy!r}, "
+                 f"max_model_len=2048)")
 
 
-@pytest.mark.parametrize("max_num_seqs, max_model_len", [(0, 4096), (8, 0)])
-def test_check_reservation_rejects_empty(ex, max_num_seqs, max_model_len):
-    expect_raises(ValueError, lambda: ex.check_reservation(max_num_seqs, max_model_len, 10, 10**9),
-                  f"check_reservation(max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
-                  f"bytes_per_token=10, budget_bytes=10**9)")
+@pytest.mark.parametrize("output_len, slots", [(1, 1), (2, 2), (3, 4), (32, 32), (33, 64),
+                                               (0, 0), (1000, 1024)])
+def test_pow2_rounds_only_the_output_up(ex, output_len, slots):
+    assert_equal(ex.reservation_tokens(1000, output_len, "pow2", 4096), 1000 + slots,
+                 f"reservation_tokens(prompt_len=1000, output_len={output_len}, policy='pow2', "
+                 f"max_model_len=4096) [the prompt as it is + the output rounded up to a power of "
+                 f"two: {output_len} -> {slots}]")
 
 
-# ---- write_kv ---------------------------------------------------------------------------------
-
-def test_write_kv_prefill_then_decode_matches_kvlab(ex):
-    config = tiny_config(layers=1, kv_heads=2, head_dim=4)
-    cache = ContiguousKVCache(config, max_num_seqs=2, max_model_len=10)
-    cache.add_sequence()
-    slab = cache.add_sequence()  # use slab 1, so a write to the wrong row would show
-    store = cache.view(slab)
-    mine = torch.zeros(10, 2, 4)
-    generator = torch.Generator().manual_seed(0)
-    steps = [torch.arange(6), torch.tensor([6]), torch.tensor([7])]  # prefill 6, decode 2
-    for positions in steps:
-        k = torch.randn(len(positions), 2, 4, generator=generator)
-        store.attend(0, k.clone(), k, k.clone(), positions)
-        ex.write_kv(mine, positions, k)
-        assert_close(mine, cache.k[0, slab],
-                     f"write_kv(slab [10, 2, 4], positions={positions.tolist()}, k "
-                     f"[{len(positions)}, 2, 4]): the slab after the write vs "
-                     f"kvlab.contiguous (slab row p must hold token p)", atol=0, rtol=0)
+def test_pow2_never_exceeds_max_model_len(ex):
+    assert_equal(ex.reservation_tokens(3900, 150, "pow2", 4096), 4096,
+                 "reservation_tokens(prompt_len=3900, output_len=150, policy='pow2', "
+                 "max_model_len=4096) [3,900 + 256 = 4,156 slots, capped at the slab]")
 
 
-def test_write_kv_out_of_order_positions(ex):
-    slab = torch.zeros(8, 1, 2)
-    positions = torch.tensor([5, 1, 3])
-    k = torch.tensor([[[5.0, 5.5]], [[1.0, 1.5]], [[3.0, 3.5]]])
-    ex.write_kv(slab, positions, k)
-    expected = torch.zeros(8, 1, 2)
-    expected[5], expected[1], expected[3] = k[0], k[1], k[2]
-    assert_close(slab, expected, "write_kv(slab [8, 1, 2], positions=[5, 1, 3], k [3, 1, 2]): "
-                 "the slab after the write", atol=0, rtol=0)
+def test_reservation_tokens_agree_with_the_trace(ex, trace):
+    wrong = []
+    for request in trace[:2000]:
+        if request.total_len > 4096:
+            continue
+        for policy in ("max", "pow2", "oracle"):
+            got = ex.reservation_tokens(request.prompt_len, request.output_len, policy, 4096)
+            expected = reference_slots(request, policy, 4096)
+            if got != expected and len(wrong) < 3:
+                wrong.append(f"({request.prompt_len}, {request.output_len}, {policy!r}): "
+                             f"expected {expected}, got {got!r}")
+    assert not wrong, ("reservation_tokens(prompt_len, output_len, policy, max_model_len=4096) on "
+                       "the Azure conversation trace's first 2,000 requests: " + "; ".join(wrong))
 
 
-def test_write_kv_past_max_model_len_raises_and_writes_nothing(ex):
-    slab = torch.zeros(4, 1, 2)
-    positions = torch.tensor([3, 4])
-    k = torch.ones(2, 1, 2)
-    what = "write_kv(slab [4, 1, 2] (max_model_len=4), positions=[3, 4], k [2, 1, 2])"
-    expect_raises(MemoryError, lambda: ex.write_kv(slab, positions, k), what)
-    assert_close(slab, torch.zeros(4, 1, 2), what + ": the slab after the refused write "
-                 "(nothing may be written)", atol=0, rtol=0)
+def test_reservation_tokens_rejects_a_request_longer_than_max_model_len(ex):
+    what = "reservation_tokens(prompt_len=4000, output_len=200, policy='oracle', max_model_len=4096)"
+    error = expect_raises(ValueError, lambda: ex.reservation_tokens(4000, 200, "oracle", 4096),
+                          what)
+    missing = [number for number in ("4200", "4096") if number not in str(error).replace(",", "")]
+    assert not missing, (f"{what}: the ValueError should give the request's length and "
+                         f"max_model_len; it lacks {missing}. Got: {str(error)!r}")
 
 
-# ---- reserved_bytes, used_bytes, waste --------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reserved_bytes_matches_kvlab(ex, dtype):
-    cache = ContiguousKVCache(tiny_config(layers=2, kv_heads=2, head_dim=4), max_num_seqs=3,
-                              max_model_len=16, dtype=dtype)
-    assert_equal(ex.reserved_bytes(cache.k, cache.v), cache.reserved_bytes,
-                 f"reserved_bytes(cache.k {list(cache.k.shape)}, cache.v {list(cache.v.shape)}, "
-                 f"{str(dtype).replace('torch.', '')}) [as ContiguousKVCache.reserved_bytes]")
+@pytest.mark.parametrize("args", [(100, 25, "min", 2048), (0, 25, "max", 2048),
+                                  (100, -1, "oracle", 2048)])
+def test_reservation_tokens_rejects_bad_input(ex, args):
+    prompt_len, output_len, policy, max_model_len = args
+    expect_raises(ValueError, lambda: ex.reservation_tokens(*args),
+                  f"reservation_tokens(prompt_len={prompt_len}, output_len={output_len}, "
+                  f"policy={policy!r}, max_model_len={max_model_len})")
 
 
-# Tokens (prompt + generated) of 8 requests in a 4,096-token-slab server: long-tailed, mean ~960,
-# in the range of the Azure 2023 conversation trace (context mean 1,155, generated mean 211).
-TRAFFIC = [1366, 400, 2100, 250, 900, 1200, 700, 800]
+# ---- memory_shares ----------------------------------------------------------------------------
+
+# (prompt_len, output_len): a one-token output, a prefill-only request, a power of two exactly,
+# one just past it, and one longer than max_model_len=64 (rejected, so not counted)
+SMALL = [Request(10, 1), Request(7, 0), Request(20, 16), Request(5, 17), Request(60, 10)]
 
 
-def test_used_bytes_and_waste_on_traffic_match_kvlab(ex):
-    config = tiny_config(layers=1, kv_heads=1, head_dim=2)  # 16 B per token in fp32
-    cache = ContiguousKVCache(config, max_num_seqs=len(TRAFFIC), max_model_len=4096)
-    for seed, num_tokens in enumerate(TRAFFIC):
-        fill(cache, cache.add_sequence(), num_tokens, seed)
-    used = ex.used_bytes(cache.seq_lens, cache.bytes_per_token)
-    assert_equal(used, cache.used_bytes,
-                 f"used_bytes(seq_lens={cache.seq_lens}, bytes_per_token={cache.bytes_per_token}) "
-                 f"[as ContiguousKVCache.used_bytes]")
-    expected = 1 - cache.used_bytes / cache.reserved_bytes
-    got = ex.waste(cache.used_bytes, cache.reserved_bytes)
-    what = f"waste(used={cache.used_bytes:,}, reserved={cache.reserved_bytes:,})"
-    assert isinstance(got, float) and abs(got - expected) < 1e-12, (
-        f"{what}: expected {expected:.6f}, got {got!r}")
-    # The vLLM paper's finding, reproduced: 60-80 % of the reservation holds nothing.
-    assert 0.6 <= got <= 0.8, f"{what}: expected 60-80 % wasted on this traffic, got {got:.1%}"
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+def test_memory_shares_step_by_step(ex, policy):
+    assert_shares(ex.memory_shares(SMALL, policy, 64), step_by_step(SMALL, policy, 64),
+                  f"memory_shares(requests (prompt_len, output_len) = (10, 1), (7, 0), (20, 16), "
+                  f"(5, 17), (60, 10), policy={policy!r}, max_model_len=64) [counted step by "
+                  f"step: at step i a request holds P + i tokens; (60, 10) is rejected]")
 
 
-def test_used_bytes_free_slabs_hold_nothing(ex):
-    assert_equal(ex.used_bytes([0, 0, 0], 131_072), 0,
-                 "used_bytes(seq_lens=[0, 0, 0], bytes_per_token=131072)")
+def test_memory_shares_max_is_the_notebooks_replay(ex, trace):
+    report = replay(trace, [ContiguousStrategy(4096, 1)], 4096, 10**9)
+    got = ex.memory_shares(trace, "max", 4096)
+    what = ("memory_shares(azure_trace('conv'), policy='max', max_model_len=4096)['token states'] "
+            "[1 - the waste of kvlab.report.replay, as in the notebook]")
+    assert isinstance(got, dict) and "token states" in got, f"{what}: got {got!r}"
+    expected = 1 - report.rows[0].waste
+    assert isinstance(got["token states"], float) and abs(got["token states"] - expected) < 1e-12, (
+        f"{what}: expected {expected:.6f}, got {got['token states']!r}")
 
 
-@pytest.mark.parametrize("used, reserved, expected", [
-    (0, 1000, 1.0), (1000, 1000, 0.0), (200, 4096, 1 - 200 / 4096)])
-def test_waste_values(ex, used, reserved, expected):
-    got = ex.waste(used, reserved)
-    assert isinstance(got, float) and abs(got - expected) < 1e-12, (
-        f"waste(used={used}, reserved={reserved}): expected {expected:.6f}, got {got!r}")
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+def test_memory_shares_on_the_trace(ex, trace, policy):
+    sample = trace[::20]  # 969 requests: every step of each counted by the grader, one by one
+    assert_shares(ex.memory_shares(sample, policy, 4096), step_by_step(sample, policy, 4096),
+                  f"memory_shares(azure_trace('conv')[::20], policy={policy!r}, "
+                  f"max_model_len=4096)", tolerance=1e-9)
 
 
-@pytest.mark.parametrize("used, reserved", [(0, 0), (10, -5), (2000, 1000), (-1, 1000)])
-def test_waste_rejects_impossible_inputs(ex, used, reserved):
-    expect_raises(ValueError, lambda: ex.waste(used, reserved),
-                  f"waste(used={used}, reserved={reserved})")
+def test_memory_shares_refuses_when_nothing_fits(ex):
+    expect_raises(ValueError, lambda: ex.memory_shares([Request(100, 50)], "max", 64),
+                  "memory_shares(requests (prompt_len, output_len) = (100, 50), policy='max', "
+                  "max_model_len=64) [no request fits: nothing is reserved]")

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvlab.attention import repeat_kv
 from kvlab.checkpoint import save_model
 from kvlab.config import LlamaConfig
 from kvlab.corpus import corpus_texts
+from kvlab.gqa import PackedSequences  # causal SDPA inside each packed sequence
 from kvlab.model import LlamaForCausalLM
 
 VOCAB_SIZE = 2048
@@ -43,28 +43,6 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
                                   show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
-
-
-class PackedSequences:
-    """A KV store for training: B independent sequences of T tokens each, laid out flat.
-
-    Training sees whole sequences at once, so no cache is kept; PyTorch SDPA does causal
-    attention inside each sequence (K/V repeated per group: fine for training, see attention.py).
-    """
-
-    def __init__(self, batch: int, seq_len: int):
-        self.batch, self.seq_len = batch, seq_len
-
-    def attend(self, layer_index, query, key, value, positions):
-        group = query.shape[1] // key.shape[1]
-
-        def split(x):  # [B*T, H, D] -> [B, H, T, D]
-            return x.view(self.batch, self.seq_len, *x.shape[1:]).transpose(1, 2)
-
-        out = torch.nn.functional.scaled_dot_product_attention(
-            split(query), split(repeat_kv(key, group)), split(repeat_kv(value, group)),
-            is_causal=True)
-        return out.transpose(1, 2).reshape(query.shape)
 
 
 def main() -> None:

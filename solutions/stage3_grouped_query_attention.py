@@ -1,29 +1,34 @@
-"""Stage 3 exercise: grouped-query attention (GQA), and what it saves in the KV cache.
+"""Stage 3 exercise: grouped-query attention at decode time, and a second way to convert MHA.
 
-With GQA (Ainslie et al., EMNLP 2023, "GQA: Training Generalized Multi-Query Transformer Models
-from Multi-Head Checkpoints", section 2) the `num_attention_heads` query heads are split into
-`num_key_value_heads` groups of G = num_attention_heads / num_key_value_heads heads, and each
-group shares one key/value head. Only the KV heads are cached, so the cache is G times smaller
-than with multi-head attention (MHA, G = 1). Multi-query attention (MQA; Shazeer, 2019) is the
-extreme: one KV head for all query heads. Llama-3.1-8B: 32 query heads, 8 KV heads, G = 4.
+Notebook 03 wrote GQA for one whole sequence (each group of G = num_attention_heads /
+num_key_value_heads query heads reads one KV head, without copying K and V) and the MHA -> GQA
+conversion by mean-pooling (Ainslie et al., EMNLP 2023, "GQA: Training Generalized Multi-Query
+Transformer Models from Multi-Head Checkpoints", section 2.1). Two steps further:
 
-You write:
+* `decode_attention`: the step a server runs most. Each running request brings one new token and
+  reads its own contiguous slab of cache (stage 2's layout, num_key_value_heads wide) up to its own
+  length; the rest of the slab holds whatever an earlier request left there, NaN included. GQA's
+  saving is here: at decode, attention reads the whole cache for one token of compute, so reading
+  num_key_value_heads heads instead of num_attention_heads is what makes it faster.
+* `pool_kv_heads`: a conversion by *weighted* pooling. New KV head j = sum over p of
+  mix[p] x old head j*P + p (P = heads per group). Uniform weights are the paper's mean-pooling;
+  a one-hot mix keeps one head of each group, the alternative the paper found worse (section 3.3,
+  figure 4). Once `kvlab check 3` passes, measure that in the notebook, after its section 3:
 
-* `kv_head_for_query_head`: which KV head a query head reads (h // G).
-* `grouped_attention`: causal attention where each KV head serves its G query heads, computed by
-  grouping the query heads, never by copying K and V G times (that copy, `repeat_kv`, is what a
-  naive implementation does, and it spends the very memory GQA saves).
-* `mean_pool_kv_heads`: turn an MHA checkpoint's K/V projection into a GQA one (paper,
-  section 2.1: average the heads of each group).
-* `kv_cache_saving`: how many times smaller the KV cache gets.
+      from kvlab.gqa import convert_to_gqa
+      keep_first = lambda w, h, d, n: pool_kv_heads(w, h, d, n, torch.tensor([1.0, 0, 0, 0]))
+      model = convert_to_gqa(tiny_mha32, 2, pool=keep_first)
 
-`kvlab check 3` compares yours with PyTorch's `scaled_dot_product_attention` over repeated K/V
-(`kvlab.oracles.sdpa_attention`, in float64), `kvlab.gqa.mean_pool_kv_heads` and
-`kvlab.sizing`. Read `src/kvlab/attention.py` and `src/kvlab/gqa.py` afterwards and compare.
+  and its perplexity on `eval_ids` before and after `uptrain(model, train_ids, 30, 8, 128)`, next
+  to mean-pooling's. Does the paper's ranking hold? Which head of a group would you keep?
 
-Layout, as in stage 1: the tokens of one sequence lie flat along dim 0, so per-head tensors are
-[num_tokens, num_heads, head_dim]. Query head h = kv * G + g is the g-th head of KV head kv's
-group (adjacent query heads share a KV head, as in HF Llama and vLLM).
+`kvlab check 3` compares `decode_attention` with PyTorch's `scaled_dot_product_attention` over
+repeated K/V for each request on its own (`kvlab.oracles.sdpa_attention`, in float64), and
+`pool_kv_heads` with `kvlab.gqa.mean_pool_kv_heads`, with selecting rows, and with a loop.
+
+Layout, as in the notebook: per-head tensors are [..., num_heads, head_dim]; query head
+h = kv * G + g is the g-th head of KV head kv's group (adjacent query heads share a KV head, as in
+HF Llama and vLLM).
 """
 
 from __future__ import annotations
@@ -33,98 +38,62 @@ import math
 import torch
 
 
-def kv_head_for_query_head(h: int, num_attention_heads: int, num_key_value_heads: int) -> int:
-    """The KV head that query head `h` reads under GQA.
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     context_lens: torch.Tensor) -> torch.Tensor:
+    """One decode step of grouped-query attention for a batch of requests, each in its own slab.
 
-    The group size is G = num_attention_heads // num_key_value_heads; query heads 0 .. G-1 read
-    KV head 0, heads G .. 2G-1 read KV head 1, and so on (GQA paper, section 2, figure 2).
-    MHA (G = 1) maps h to itself; MQA (one KV head) maps every h to 0.
+        out[i, h] = softmax_s( query[i, h] . k_cache[i, s, h // G] / sqrt(head_dim) )
+                    @ v_cache[i, s, h // G],   over s < context_lens[i]
 
-    Args:
-        h: query head index, 0 <= h < num_attention_heads.
-        num_attention_heads: query heads per layer (Llama-3.1-8B: 32).
-        num_key_value_heads: KV heads per layer (Llama-3.1-8B: 8).
-
-    Returns:
-        The KV head index (int), 0 <= result < num_key_value_heads.
-
-    Raises:
-        ValueError: num_key_value_heads < 1, or it does not divide num_attention_heads, or h is
-            out of range. The message names the numbers, e.g.
-            "32 query heads cannot be split into 5 equal groups (one per KV head)".
-    """
-    # BEGIN SOLUTION hint: query heads are grouped in order: each run of num_attention_heads /
-    # hint: num_key_value_heads consecutive heads shares one KV head; refuse counts that do not
-    # hint: divide and heads out of range (ValueError with the numbers)
-    if num_key_value_heads < 1 or num_attention_heads % num_key_value_heads:
-        raise ValueError(f"{num_attention_heads} query heads cannot be split into "
-                         f"{num_key_value_heads} equal groups (one per KV head)")
-    if not 0 <= h < num_attention_heads:
-        raise ValueError(f"query head {h} is out of range: there are {num_attention_heads} "
-                         f"query heads (0 .. {num_attention_heads - 1})")
-    group = num_attention_heads // num_key_value_heads
-    return h // group
-    # END SOLUTION
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention of one sequence, each KV head serving its group of query heads.
-
-        out[t, h] = softmax_s( q[t, h] . k[s, h // G] / sqrt(head_dim) ) @ v[s, h // G],
-        over the key positions s <= t (the causal mask)
-
-    Do it without copying K and V G times (no `repeat_kv`, `repeat_interleave`, `repeat`,
-    `tile` or `expand` of K/V): reshape the *queries* instead. The G query heads of KV head kv are
-    q[:, kv*G : (kv+1)*G]; lay them side by side as extra rows, [Hkv, G * T, D], and one batched
-    matmul with that KV head's keys [Hkv, D, T] gives the scores of the whole group.
-    (`kvlab check 3` watches for those calls.)
-
-    Compute in q's dtype (the tests use float64 and float32).
+    The newest token is already written at slot context_lens[i] - 1, so it sees itself. Slots
+    from context_lens[i] on belong to no one: they may hold anything, NaN and inf included, and
+    must not change the result (0 x NaN is NaN: masking the scores alone is not enough). Group the
+    query heads as the notebook did; do not copy K/V once per query head (no `repeat_kv`,
+    `repeat_interleave`, `repeat`, `tile` or `expand` of the cache; `kvlab check 3` watches).
+    Compute in the query's dtype (the tests use float64 and float32).
 
     Args:
-        q: [num_tokens, num_attention_heads, head_dim], token t at position t.
-        k, v: [num_tokens, num_key_value_heads, head_dim], same dtype as q.
+        query: [num_seqs, num_attention_heads, head_dim], each request's new token.
+        k_cache, v_cache: [num_seqs, max_model_len, num_key_value_heads, head_dim], same dtype.
+        context_lens: int64 [num_seqs], tokens each request holds, new one included.
 
     Returns:
-        [num_tokens, num_attention_heads, head_dim], dtype of q.
+        [num_seqs, num_attention_heads, head_dim], dtype of query.
 
     Raises:
-        ValueError: num_key_value_heads does not divide num_attention_heads (message: the numbers).
+        ValueError: num_key_value_heads does not divide num_attention_heads, or a context length
+            is outside [1, max_model_len] (the message names the numbers).
     """
-    # BEGIN SOLUTION hint: stage 1's causal attention, but one batched matmul per KV head scores its
-    # hint: whole group: make the group's query heads extra rows of q (a reshape of q, never a copy
-    # hint: of K/V), mask and softmax each (query head, token) row, then undo the reshape
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    # BEGIN SOLUTION hint: view each request's query heads as [num_kv_heads, G, head_dim] and score
+    # hint: them against its slab's keys in one einsum; -inf past each request's length; zero the
+    # hint: values no one may read (0 x NaN is NaN) before the weighted sum; undo the view
+    num_seqs, num_heads, head_dim = query.shape
+    max_model_len, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-    group = num_heads // num_kv_heads
+    if bool((context_lens < 1).any()) or bool((context_lens > max_model_len).any()):
+        raise ValueError(f"context lengths {context_lens.tolist()} must lie in "
+                         f"[1, max_model_len={max_model_len}]")
+    held = torch.arange(max_model_len, device=query.device) < context_lens[:, None]  # [B, L]
 
-    # Query head kv * G + g -> block kv, rows g * T .. g * T + T - 1.
-    grouped_q = q.reshape(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    grouped_q = grouped_q.reshape(num_kv_heads, group * num_tokens, head_dim)
-    keys = k.permute(1, 2, 0)    # [Hkv, D, T], a view
-    values = v.transpose(0, 1)   # [Hkv, T, D], a view
-
-    scores = torch.bmm(grouped_q, keys) / math.sqrt(head_dim)
-    scores = scores.view(num_kv_heads, group, num_tokens, num_tokens)
-    future = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_tokens, num_tokens)
-
-    out = torch.bmm(probs, values)  # [Hkv, G * T, D]
-    out = out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(num_tokens, num_heads, head_dim)
+    per_kv_head = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", per_kv_head, k_cache) / math.sqrt(head_dim)
+    scores = scores.masked_fill(~held[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    values = v_cache.masked_fill(~held[:, :, None, None], 0.0)  # a left-over NaN times 0 is NaN
+    out = torch.einsum("bkgl,blkd->bkgd", weights, values)
+    return out.reshape(num_seqs, num_heads, head_dim)
     # END SOLUTION
 
 
-def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
-                       new_num_kv_heads: int) -> torch.Tensor:
-    """Convert a k_proj / v_proj weight to fewer KV heads by averaging each group of heads.
+def pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int, new_num_kv_heads: int,
+                  mix: torch.Tensor) -> torch.Tensor:
+    """Convert a k_proj / v_proj weight to fewer KV heads by a weighted sum of each group's heads.
 
-    GQA paper, section 2.1: "the projection matrices of each group are mean-pooled". New KV head
-    j serves query heads j*G' .. (j+1)*G' - 1, whose old KV heads were j*P .. j*P + P - 1 with
-    P = num_kv_heads // new_num_kv_heads, so new head j is the mean of those P adjacent old heads.
+    With P = num_kv_heads // new_num_kv_heads, new head j serves the query heads that old heads
+    j*P .. j*P + P - 1 served, and is sum_p mix[p] * old head (j*P + p). mix = [1/P] * P is the
+    paper's mean-pooling (`kvlab.gqa.mean_pool_kv_heads`); mix = [1, 0, ..., 0] keeps the first
+    head of each group.
 
     Args:
         weight: [num_kv_heads * head_dim, hidden_size], an nn.Linear weight (rows are output
@@ -132,46 +101,26 @@ def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
         num_kv_heads: heads in `weight`.
         head_dim: channels per head.
         new_num_kv_heads: heads after pooling (1 gives MQA).
+        mix: [P] weights, any floating dtype (the same for every group).
 
     Returns:
         [new_num_kv_heads * head_dim, hidden_size], dtype of weight.
 
     Raises:
-        ValueError: new_num_kv_heads < 1 or it does not divide num_kv_heads (message: the numbers).
+        ValueError: new_num_kv_heads < 1 or it does not divide num_kv_heads, or mix does not hold
+            P weights (the message names the numbers).
     """
-    # BEGIN SOLUTION hint: a head is head_dim consecutive rows of the weight; new head j is the mean
-    # hint: of the P adjacent old heads it replaces (expose that P axis, then average over it)
+    # BEGIN SOLUTION hint: a head is head_dim consecutive rows; expose the P heads of each group as
+    # hint: an axis of a view of the weight (which axis is which matters), weigh them by mix and sum
     if new_num_kv_heads < 1 or num_kv_heads % new_num_kv_heads:
         raise ValueError(f"cannot pool {num_kv_heads} KV heads into {new_num_kv_heads}: the new "
                          f"count must divide the old one")
-    pooled = num_kv_heads // new_num_kv_heads
-    hidden = weight.shape[1]
-    heads = weight.reshape(new_num_kv_heads, pooled, head_dim, hidden)
-    return heads.mean(dim=1).reshape(new_num_kv_heads * head_dim, hidden)
-    # END SOLUTION
-
-
-def kv_cache_saving(num_attention_heads: int, num_key_value_heads: int) -> float:
-    """How many times smaller the KV cache is with these heads than with MHA (one KV head per
-    query head), everything else equal: MHA bytes / GQA bytes.
-
-    Llama-3.1-8B (32 query heads, 8 KV heads): 4.0, the "GQA with 8 KV heads cuts it 4x" of the
-    course's story. MHA: 1.0.
-
-    Args:
-        num_attention_heads: query heads per layer.
-        num_key_value_heads: KV heads per layer.
-
-    Returns:
-        The factor, a float >= 1.
-
-    Raises:
-        ValueError: num_key_value_heads < 1, or it does not divide num_attention_heads.
-    """
-    # BEGIN SOLUTION hint: the cache holds num_key_value_heads heads instead of
-    # hint: num_attention_heads; refuse counts that do not group (ValueError)
-    if num_key_value_heads < 1 or num_attention_heads % num_key_value_heads:
-        raise ValueError(f"{num_attention_heads} query heads cannot be split into "
-                         f"{num_key_value_heads} equal groups (one per KV head)")
-    return num_attention_heads / num_key_value_heads
+    per_group = num_kv_heads // new_num_kv_heads
+    if tuple(mix.shape) != (per_group,):
+        raise ValueError(f"mix has shape {tuple(mix.shape)}; pooling {num_kv_heads} KV heads into "
+                         f"{new_num_kv_heads} needs {per_group} weights, one per head of a group")
+    hidden_size = weight.shape[1]
+    heads = weight.reshape(new_num_kv_heads, per_group, head_dim, hidden_size)
+    pooled = torch.einsum("p,jpdh->jdh", mix.to(weight.dtype), heads)
+    return pooled.reshape(new_num_kv_heads * head_dim, hidden_size)
     # END SOLUTION

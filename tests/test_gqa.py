@@ -7,7 +7,7 @@ import torch
 
 from kvlab.config import LlamaConfig
 from kvlab.evaluate import perplexity
-from kvlab.gqa import convert_to_gqa, mean_pool_kv_heads
+from kvlab.gqa import PackedSequences, convert_to_gqa, mean_pool_kv_heads, uptrain
 from kvlab.model import LlamaForCausalLM
 
 
@@ -78,3 +78,78 @@ def test_perplexity_rejects_bad_windows_and_short_text():
         perplexity(model, [1, 2, 3], window=65)
     with pytest.raises(ValueError, match="2 tokens"):
         perplexity(model, [1], window=8)
+
+
+# ---- another conversion, and uptraining -------------------------------------------------------
+
+def test_conversion_takes_another_pooling():
+    """pool= replaces the mean: keeping the first head of each group selects those rows."""
+    model = mha_model()
+
+    def keep_first(weight, heads, head_dim, new_heads):
+        return weight.view(new_heads, heads // new_heads, head_dim, -1)[:, 0].reshape(
+            new_heads * head_dim, -1)
+
+    converted = convert_to_gqa(model, 2, pool=keep_first)
+    rows = torch.cat([torch.arange(8) + 8 * head for head in (0, 3)])  # heads 0 and 3 of 6
+    for old, new in zip(model.model.layers, converted.model.layers):
+        assert torch.equal(new.self_attn.k_proj.weight, old.self_attn.k_proj.weight[rows])
+        assert torch.equal(new.self_attn.v_proj.weight, old.self_attn.v_proj.weight[rows])
+        assert torch.equal(new.self_attn.q_proj.weight, old.self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])
+def test_packed_sequences_attend_within_each_sequence(kv_heads):
+    """B sequences laid out flat through PackedSequences give each sequence's own logits."""
+    model = convert_to_gqa(mha_model(), kv_heads)
+    ids = torch.randint(0, 61, (3, 10), generator=torch.Generator().manual_seed(1))
+    packed = model(ids.reshape(-1), torch.arange(10).repeat(3), PackedSequences(3, 10))
+    for b in range(3):
+        torch.testing.assert_close(packed[b * 10:(b + 1) * 10], model(ids[b]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def cyclic_text(length=400, period=7):
+    return [(3 * i) % 61 for i in range(period)] * (length // period)
+
+
+def test_uptrain_learns_and_is_deterministic():
+    first, second = mha_model(), mha_model()
+    losses = uptrain(first, cyclic_text(), steps=12, batch_size=4, seq_len=16, lr=3e-3)
+    assert len(losses) == 12 and all(isinstance(loss, float) for loss in losses)
+    assert losses[-1] < 0.5 * losses[0], losses  # a period-7 text is easy to learn
+    assert not first.training
+    assert uptrain(second, cyclic_text(), steps=12, batch_size=4, seq_len=16, lr=3e-3) == losses
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    other = uptrain(mha_model(), cyclic_text(), steps=12, batch_size=4, seq_len=16, lr=3e-3,
+                    seed=1)
+    assert other != losses  # the seed chooses the windows
+
+
+def test_uptrain_keeps_tied_embeddings_and_moves_the_pooled_heads():
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(mha_model().config.with_changes(tie_word_embeddings=True))
+    model = convert_to_gqa(tied, 2)
+    before = model.model.layers[0].self_attn.k_proj.weight.clone()
+    uptrain(model, cyclic_text(), steps=3, batch_size=2, seq_len=8)
+    assert not torch.equal(model.model.layers[0].self_attn.k_proj.weight, before)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype=torch.bfloat16), "float32"),
+    (dict(steps=0), "steps"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(seq_len=65), "seq_len"),
+    (dict(text=list(range(10))), "more than seq_len"),
+])
+def test_uptrain_rejects(change, message):
+    change = dict(change)
+    model = mha_model().to(change.pop("dtype", torch.float32))
+    text = change.pop("text", cyclic_text())
+    arguments = {"steps": 2, "batch_size": 2, "seq_len": 16, **change}
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        uptrain(model, text, **arguments)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # nothing changed

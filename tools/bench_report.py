@@ -10,7 +10,7 @@ __all__ = ["stage4_waste", "format_markdown", "plot_roofline"]
 
 def stage4_waste(block_sizes, num_requests: int = 2000, max_model_len: int = 4096) -> dict:
     """Stage 4's paged waste (1 - tokens held / slots reserved, over every decode step) per
-    block size, on the requests stage 4's block-size sweep replays (notebook 04, section 6): the
+    block size, on the requests stage 4's block-size sweep replays (notebook 04, section 5): the
     first `num_requests` of the Azure conversation trace, at `max_model_len`."""
     from kvlab.report import PagedStrategy, replay
     from kvlab.traces import azure_trace
@@ -93,7 +93,7 @@ def format_markdown(results: dict) -> str:
         lines += ["", f"FlexAttention failed: {errors[0]['flex_error']}"]
     lines += ["", "## The layout problem: layout × block size", "",
               "Stage 4's waste is 1 − tokens held / slots reserved on the first 2,000 requests of "
-              "the Azure conversation trace (notebook 04, section 6).", "",
+              "the Azure conversation trace (notebook 04, section 5).", "",
               "| layout | block_size | kernel ms | GB/s | % of read | % of copy | stage-4 waste |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results["layouts"]:

@@ -1,4 +1,5 @@
-"""Stage 4: the paged allocator, traced by hand and compared with `kvlab.paged.KVCacheManager`.
+"""Stage 4: fork and copy-on-write in a KV cache manager, traced by hand and replayed on
+`kvlab.paged.KVCacheManager`.
 
 Grades `stage4_paged_allocator.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
 `kvlab check 4`.
@@ -6,16 +7,15 @@ Grades `stage4_paged_allocator.py` from $KVLAB_EXERCISES_DIR (default: solutions
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 
-from kvlab.tools.grading import assert_equal, expect_raises
-from kvlab.paged import BlockTable, KVCacheManager
 from kvlab.errors import RequestTooLongError
+from kvlab.paged import KVCacheManager
+from kvlab.tools.grading import assert_equal, expect_raises
 
 
 @pytest.fixture(scope="module")
@@ -23,348 +23,270 @@ def ex(load_stage):
     return load_stage("stage4_paged_allocator.py")
 
 
-def state(allocator):
-    """Everything the allocator holds, as plain values (to compare before / after a call)."""
-    return {"free_blocks": list(allocator.free_blocks),
-            "ref_counts": list(allocator.ref_counts),
-            "block_tables": {seq: list(table) for seq, table in allocator.block_tables.items()},
-            "num_tokens": dict(allocator.num_tokens)}
-
-
-def assert_unchanged(allocator, before, what):
-    after = state(allocator)
-    changed = [f"{name}: before {before[name]}, after {after[name]}"
-               for name in before if after[name] != before[name]]
-    assert not changed, (f"{what} raised, so it must change nothing, but it changed "
-                         + "; ".join(changed))
-
-
-def has_number(message, number):
-    return re.search(rf"(?<![\d.]){number}(?![\d.])", message) is not None
-
-
-# ---- slot_mapping -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("table, positions, block_size, expected", [
-    ([7, 2], [0, 3, 4, 5], 4, [28, 31, 8, 9]),
-    ([0], [0, 1, 2], 16, [0, 1, 2]),
-    ([3, 0, 5], [10, 2, 5], 4, [22, 14, 1]),
-    ([9, 4, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8], 3, [27, 28, 29, 12, 13, 14, 3, 4, 5]),
-])
-def test_slot_mapping_by_hand(ex, table, positions, block_size, expected):
-    assert_equal(ex.slot_mapping(table, positions, block_size), expected,
-                 f"slot_mapping(block_table={table}, positions={positions}, "
-                 f"block_size={block_size}) [slot = block_id * block_size + offset]")
-
-
 def named(name):
-    """A request as `KVCacheManager` needs it (its verbs read only request_id)."""
+    """A request as both managers need it (their verbs read only request_id)."""
     return SimpleNamespace(request_id=name)
 
 
-def test_slot_mapping_matches_kvlab_on_a_fragmented_table(ex):
-    manager = KVCacheManager(num_blocks=6, block_size=4)
-    manager.allocate_slots(named("a"), 8)   # blocks 0, 1
-    manager.allocate_slots(named("b"), 4)   # block 2
-    manager.allocate_slots(named("c"), 4)   # block 3
-    manager.free(named("a"))
-    manager.free(named("c"))
-    manager.allocate_slots(named("d"), 17)  # blocks 4 5 1 0 3, out of order
-    table = manager.block_ids("d")
-    assert table == [4, 5, 1, 0, 3]
-    slots = [4 * block + offset for block in table for offset in range(4)][:17]
-    assert_equal(ex.slot_mapping(table, list(range(17)), 4), slots,
-                 f"slot_mapping(block_table={table}, positions=range(17), block_size=4) [the "
-                 f"slots of kvlab.paged.KVCacheManager's block table]")
-    positions = [16, 0, 9, 3]
-    reference = BlockTable(4, table, 17)
-    assert_equal(ex.slot_mapping(table, positions, 4), [reference.slot(p) for p in positions],
-                 f"slot_mapping(block_table={table}, positions={positions}, block_size=4) [as "
-                 f"kvlab.paged.BlockTable.slot]")
+def state(manager):
+    """Everything the manager holds, as plain values (to compare before / after a call)."""
+    return {"free_block_queue": list(manager.free_block_queue),
+            "ref_counts": list(manager.ref_counts),
+            "block_tables": {rid: list(table) for rid, table in manager.block_tables.items()},
+            "num_tokens": dict(manager.num_tokens),
+            "copies": list(manager.copies)}
 
 
-@pytest.mark.parametrize("position", [8, 100, -1])
-def test_slot_mapping_rejects_positions_without_a_block(ex, position):
-    expect_raises(IndexError, lambda: ex.slot_mapping([5, 6], [0, position], 4),
-                  f"slot_mapping(block_table=[5, 6], positions=[0, {position}], block_size=4) "
-                  f"[the table holds positions 0 .. 7]")
+def assert_unchanged(manager, before, what):
+    after = state(manager)
+    changed = [f"{name}: before {before[name]}, after {after[name]}"
+               for name in before if after[name] != before[name]]
+    assert not changed, f"{what} must change nothing, but it changed " + "; ".join(changed)
 
 
-# ---- allocate and append, traced by hand ------------------------------------------------------
+class Trace:
+    """Calls on the learner's manager, remembered so that every message names the whole story."""
 
-def test_allocate_takes_whole_blocks_from_the_head(ex):
-    allocator = ex.TinyBlockAllocator(10, 4)
-    for seq, tokens, expected, free in (("a", 6, [0, 1], 8), ("b", 4, [2], 7),
-                                        ("c", 1, [3], 6), ("d", 9, [4, 5, 6], 3)):
-        what = f"TinyBlockAllocator(10, block_size=4) ... allocate({seq!r}, {tokens})"
-        got = allocator.allocate(seq, tokens)
-        assert_equal(got, expected, f"{what}: the returned block table")
-        assert_equal(allocator.block_tables.get(seq), expected, f"{what}: block_tables[{seq!r}]")
-        assert_equal(allocator.num_tokens.get(seq), tokens, f"{what}: num_tokens[{seq!r}]")
-        assert_equal(allocator.num_free_blocks, free, f"{what}: num_free_blocks")
-        for block in expected:
-            assert_equal(allocator.ref_counts[block], 1, f"{what}: ref_counts[{block}]")
+    def __init__(self, ex, num_blocks=10, block_size=4):
+        self.manager = ex.ForkingKVCacheManager(num_blocks, block_size)
+        self.calls = [f"ForkingKVCacheManager({num_blocks}, block_size={block_size})"]
 
+    @property
+    def what(self):
+        return ", ".join(self.calls)
 
-def test_append_takes_a_block_only_at_a_block_boundary(ex):
-    allocator = ex.TinyBlockAllocator(10, 4)
-    allocator.allocate("a", 6)
-    # tokens after each append, and the table then: the 9th token opens block 2
-    for tokens, table in ((7, [0, 1]), (8, [0, 1]), (9, [0, 1, 2]), (10, [0, 1, 2])):
-        what = (f"TinyBlockAllocator(10, block_size=4), allocate('a', 6), append('a') to "
-                f"{tokens} tokens")
-        got = allocator.append("a")
-        assert_equal(got, None, f"{what}: the return value (no sequence shares a block)")
-        assert_equal(allocator.block_tables["a"], table, f"{what}: block_tables['a']")
-        assert_equal(allocator.num_tokens["a"], tokens, f"{what}: num_tokens['a']")
-        assert_equal(allocator.num_free_blocks, 10 - len(table), f"{what}: num_free_blocks")
+    def allocate_slots(self, name, num_new_tokens):
+        self.calls.append(f"allocate_slots({name!r}, {num_new_tokens})")
+        return self.manager.allocate_slots(named(name), num_new_tokens)
 
+    def fork(self, parent, child):
+        self.calls.append(f"fork({parent!r}, {child!r})")
+        return self.manager.fork(named(parent), named(child))
 
-# ---- fork, copy-on-write, free ----------------------------------------------------------------
+    def free(self, name):
+        self.calls.append(f"free({name!r})")
+        return self.manager.free(named(name))
+
+    def take_copies(self):
+        self.calls.append("take_copies()")
+        return self.manager.take_copies()
+
+    def expect(self, **attributes):
+        for name, expected in attributes.items():
+            got = getattr(self.manager, name)
+            got = list(got) if name == "free_block_queue" else got
+            assert_equal(got, expected, f"{self.what}: {name}")
+
 
 def forked(ex, num_blocks=10, block_size=4, prompt=6):
-    allocator = ex.TinyBlockAllocator(num_blocks, block_size)
-    allocator.allocate("a", prompt)
-    allocator.fork("a", "b")
-    return allocator
+    """'a' holds `prompt` tokens and 'b' is forked from it."""
+    trace = Trace(ex, num_blocks, block_size)
+    trace.allocate_slots("a", prompt)
+    trace.fork("a", "b")
+    return trace
 
 
-def test_fork_shares_every_block(ex):
-    allocator = forked(ex)
-    what = "TinyBlockAllocator(10, block_size=4), allocate('a', 6), fork('a', 'b')"
-    assert_equal(allocator.block_tables.get("b"), [0, 1], f"{what}: block_tables['b']")
-    assert_equal(allocator.block_tables["a"], [0, 1], f"{what}: block_tables['a']")
-    assert allocator.block_tables["b"] is not allocator.block_tables["a"], (
-        f"{what}: block_tables['b'] is the same list object as block_tables['a']; the child needs "
-        f"its own list (a copy-on-write changes one table, not both)")
-    assert_equal(allocator.num_tokens.get("b"), 6, f"{what}: num_tokens['b']")
-    assert_equal(allocator.ref_counts[:3], [2, 2, 0], f"{what}: ref_counts[:3]")
-    assert_equal(allocator.num_free_blocks, 8, f"{what}: num_free_blocks (a fork takes no block)")
+# ---- the page's manager, kept -----------------------------------------------------------------
+
+def test_without_forks_it_is_the_page_manager(ex):
+    trace = Trace(ex, 6, 4)
+    assert_equal(trace.allocate_slots("a", 6), [0, 1], f"{trace.what}: the blocks taken")
+    assert_equal(trace.allocate_slots("a", 2), [], f"{trace.what}: the blocks taken (block 1 "
+                                                   f"had room for tokens 7 and 8)")
+    assert_equal(trace.allocate_slots("a", 1), [2], f"{trace.what}: the blocks taken (the 9th "
+                                                    f"token opens a block)")
+    assert_equal(trace.allocate_slots("b", 13), None,
+                 f"{trace.what}: the answer (13 tokens need 4 blocks, 3 are free)")
+    trace.expect(block_tables={"a": [0, 1, 2]}, num_tokens={"a": 9}, copies=[],
+                 ref_counts=[1, 1, 1, 0, 0, 0], free_block_queue=[3, 4, 5])
 
 
-def test_copy_on_write_into_a_shared_partial_block(ex):
-    allocator = forked(ex)  # a, b: 6 tokens in [0, 1]; block 1 holds 2 of 4 and is shared
-    what = "TinyBlockAllocator(10, block_size=4), allocate('a', 6), fork('a', 'b'), append('b')"
-    assert_equal(allocator.append("b"), (1, 2),
-                 f"{what}: the return value (copy shared block 1 into fresh block 2: (src, dst))")
-    assert_equal(allocator.block_tables["b"], [0, 2], f"{what}: block_tables['b']")
-    assert_equal(allocator.block_tables["a"], [0, 1], f"{what}: block_tables['a'] (unchanged)")
-    assert_equal(allocator.ref_counts[:3], [2, 1, 1], f"{what}: ref_counts[:3]")
-    assert_equal(allocator.num_tokens["b"], 7, f"{what}: num_tokens['b']")
-    assert_equal(allocator.num_free_blocks, 7, f"{what}: num_free_blocks")
-    # Block 1 now belongs to 'a' alone: its next token needs no copy.
-    what += ", append('a')"
-    assert_equal(allocator.append("a"), None, f"{what}: the return value (block 1 is no longer "
-                                              f"shared)")
-    assert_equal(allocator.block_tables["a"], [0, 1], f"{what}: block_tables['a']")
-    assert_equal(allocator.num_free_blocks, 7, f"{what}: num_free_blocks")
+# ---- fork ----------------------------------------------------------------------------------
+
+def test_fork_shares_every_block_and_takes_none(ex):
+    trace = forked(ex)
+    trace.expect(block_tables={"a": [0, 1], "b": [0, 1]}, num_tokens={"a": 6, "b": 6},
+                 ref_counts=[2, 2] + [0] * 8, free_block_queue=list(range(2, 10)), copies=[])
+    trace.manager.block_tables["a"].append(99)
+    assert_equal(trace.manager.block_tables["b"], [0, 1],
+                 f"{trace.what}, block_tables['a'].append(99): block_tables['b'] (the child's "
+                 f"table must be a list of its own, not the parent's)")
 
 
-def test_no_copy_when_the_shared_last_block_is_full(ex):
-    allocator = forked(ex, prompt=8)  # a, b: 8 tokens in [0, 1], both blocks full
-    what = "TinyBlockAllocator(10, block_size=4), allocate('a', 8), fork('a', 'b'), append('b')"
-    assert_equal(allocator.append("b"), None,
-                 f"{what}: the return value (token 9 goes to a new block; full blocks are never "
-                 f"written again, so sharing them needs no copy)")
-    assert_equal(allocator.block_tables["b"], [0, 1, 2], f"{what}: block_tables['b']")
-    assert_equal(allocator.ref_counts[:3], [2, 2, 1], f"{what}: ref_counts[:3]")
-
-
-def test_free_returns_blocks_when_no_one_holds_them(ex):
-    allocator = forked(ex)
-    allocator.append("b")  # b: [0, 2], a: [0, 1]
-    what = "allocate('a', 6), fork('a', 'b'), append('b') [b: [0, 2], a: [0, 1]], free('a')"
-    allocator.free("a")
-    assert_equal(allocator.ref_counts[:3], [1, 0, 1], f"{what}: ref_counts[:3]")
-    assert_equal(allocator.num_free_blocks, 8,
-                 f"{what}: num_free_blocks (block 1 comes back; block 0, still held by 'b', not)")
-    assert "a" not in allocator.block_tables and "a" not in allocator.num_tokens, (
-        f"{what}: 'a' is still in block_tables or num_tokens")
-    what += ", free('b')"
-    allocator.free("b")
-    assert_equal(allocator.num_free_blocks, 10, f"{what}: num_free_blocks (everything is back)")
-    assert_equal(allocator.ref_counts, [0] * 10, f"{what}: ref_counts")
-    assert_equal(allocator.block_tables, {}, f"{what}: block_tables")
-
-
-def test_freed_blocks_are_reused_last_tail_first(ex):
-    allocator = ex.TinyBlockAllocator(4, 2)
-    allocator.allocate("a", 5)  # [0, 1, 2]; free list [3]
-    allocator.free("a")
-    what = "TinyBlockAllocator(4, block_size=2), allocate('a', 5), free('a')"
-    assert_equal(list(allocator.free_blocks), [3, 2, 1, 0],
-                 f"{what}: free_blocks (freed blocks go to the right end, the sequence's last "
-                 f"block first)")
-    assert_equal(allocator.allocate("b", 8), [3, 2, 1, 0],
-                 f"{what}, allocate('b', 8): the block table (taken from the left end)")
-
-
-# ---- failures change nothing ------------------------------------------------------------------
-
-def test_failed_allocate_changes_nothing(ex):
-    allocator = ex.TinyBlockAllocator(4, 4)
-    allocator.allocate("a", 8)  # 2 of 4 blocks left
-    before = state(allocator)
-    what = "TinyBlockAllocator(4, block_size=4), allocate('a', 8), allocate('b', 10)"
-    error = expect_raises(MemoryError, lambda: allocator.allocate("b", 10),
-                          what + " [needs 3 blocks, 2 are free]")
-    assert_unchanged(allocator, before, what)
-    message = str(error)
-    assert has_number(message, 3) and has_number(message, 2), (
-        f"{what}: the error message should say how many blocks are needed (3) and how many are "
-        f"free (2); got {message!r}")
-    assert_equal(allocator.allocate("b", 8), [2, 3],
-                 f"{what}, then allocate('b', 8): the block table (the 2 free blocks)")
-
-
-def test_failed_append_changes_nothing(ex):
-    allocator = ex.TinyBlockAllocator(2, 4)
-    allocator.allocate("a", 8)  # the whole pool, both blocks full
-    before = state(allocator)
-    what = ("TinyBlockAllocator(2, block_size=4), allocate('a', 8), append('a') [token 9 needs a "
-            "block]")
-    expect_raises(MemoryError, lambda: allocator.append("a"), what)
-    assert_unchanged(allocator, before, what)
-
-
-def test_failed_copy_on_write_changes_nothing(ex):
-    allocator = forked(ex, num_blocks=2, prompt=6)  # a, b share [0, 1]; no block is free
-    before = state(allocator)
-    what = ("TinyBlockAllocator(2, block_size=4), allocate('a', 6), fork('a', 'b'), append('b') "
-            "[the copy-on-write needs a block]")
-    expect_raises(MemoryError, lambda: allocator.append("b"), what)
-    assert_unchanged(allocator, before, what)
-
-
-BAD_CALLS = {
-    "allocate an existing sequence": (ValueError, lambda a: a.allocate("a", 3)),
-    "allocate zero tokens": (ValueError, lambda a: a.allocate("z", 0)),
-    "fork into an existing sequence": (ValueError, lambda a: a.fork("a", "a")),
-    "fork an unknown parent": (KeyError, lambda a: a.fork("nobody", "c")),
-    "append to an unknown sequence": (KeyError, lambda a: a.append("nobody")),
-    "free an unknown sequence": (KeyError, lambda a: a.free("nobody")),
+FORK_ERRORS = {
+    "fork into a request that has a table": (ValueError, lambda m: m.fork(named("a"), named("a"))),
+    "fork an unknown parent": (KeyError, lambda m: m.fork(named("nobody"), named("c"))),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_bad_calls_raise_and_change_nothing(ex, case):
-    error_type, call = BAD_CALLS[case]
-    allocator = ex.TinyBlockAllocator(8, 4)
-    allocator.allocate("a", 6)
-    before = state(allocator)
-    what = f"TinyBlockAllocator(8, block_size=4), allocate('a', 6), then: {case}"
-    expect_raises(error_type, lambda: call(allocator), what)
-    assert_unchanged(allocator, before, what)
+@pytest.mark.parametrize("case", list(FORK_ERRORS))
+def test_a_bad_fork_raises_and_changes_nothing(ex, case):
+    error_type, call = FORK_ERRORS[case]
+    trace = Trace(ex, 8, 4)
+    trace.allocate_slots("a", 6)
+    before = state(trace.manager)
+    what = f"{trace.what}, then: {case}"
+    expect_raises(error_type, lambda: call(trace.manager), what)
+    assert_unchanged(trace.manager, before, what)
 
 
-# ---- the same operations on kvlab.paged.KVCacheManager ----------------------------------------
+# ---- copy-on-write -----------------------------------------------------------------------------
 
-def check_invariants(allocator, what):
-    """ref counts = how many tables hold each block; free list = the blocks nobody holds."""
-    held = [0] * allocator.num_blocks
-    for table in allocator.block_tables.values():
-        for block in table:
-            held[block] += 1
-    assert_equal(list(allocator.ref_counts), held,
-                 f"{what}: ref_counts (ref_counts[b] must be how many block tables hold b)")
-    free = list(allocator.free_blocks)
-    expected_free = sorted(b for b in range(allocator.num_blocks) if held[b] == 0)
-    assert_equal(sorted(free), expected_free,
-                 f"{what}: sorted(free_blocks) (exactly the blocks no table holds, each once)")
-    used = sum(1 for count in held if count)
-    assert_equal(allocator.num_free_blocks + used, allocator.num_blocks,
-                 f"{what}: num_free_blocks + blocks in use (must be the pool's num_blocks)")
+def test_the_first_write_into_a_shared_partly_filled_block_copies_it(ex):
+    trace = forked(ex)  # a, b: [0, 1]; block 1 holds positions 4 and 5 in its 4 slots
+    assert_equal(trace.allocate_slots("b", 1), [2],
+                 f"{trace.what}: the blocks taken (token 7 lands in shared block 1: a fresh "
+                 f"block for the copy)")
+    trace.expect(block_tables={"a": [0, 1], "b": [0, 2]}, ref_counts=[2, 1, 1] + [0] * 7,
+                 num_tokens={"a": 6, "b": 7})
+    assert_equal(trace.take_copies(), [(1, 2)], f"{trace.what}: (source, destination) pairs")
+    assert_equal(trace.take_copies(), [], f"{trace.what}: the pairs are handed over once")
+    assert_equal(trace.allocate_slots("a", 1), [],
+                 f"{trace.what}: the blocks taken ('a' now holds block 1 alone: no copy)")
+    trace.expect(copies=[], block_tables={"a": [0, 1], "b": [0, 2]},
+                 ref_counts=[2, 1, 1] + [0] * 7)
 
+
+def test_a_full_shared_block_is_never_copied(ex):
+    trace = forked(ex, prompt=8)  # a, b: [0, 1], both full
+    assert_equal(trace.allocate_slots("b", 1), [2],
+                 f"{trace.what}: the blocks taken (token 9 opens a new block; full blocks are "
+                 f"never written again, so they stay shared)")
+    trace.expect(copies=[], block_tables={"a": [0, 1], "b": [0, 1, 2]},
+                 ref_counts=[2, 2, 1] + [0] * 7)
+
+
+def test_copy_and_new_blocks_in_one_call(ex):
+    trace = forked(ex)
+    assert_equal(trace.allocate_slots("b", 7), [2, 3, 4],
+                 f"{trace.what}: the blocks taken (the copy of shared block 1 first, then 2 "
+                 f"blocks past the end for 13 tokens)")
+    trace.expect(block_tables={"a": [0, 1], "b": [0, 2, 3, 4]}, copies=[(1, 2)],
+                 num_tokens={"a": 6, "b": 13}, ref_counts=[2, 1, 1, 1, 1] + [0] * 5)
+
+
+def test_no_new_token_copies_nothing(ex):
+    trace = forked(ex)
+    assert_equal(trace.allocate_slots("b", 0), [],
+                 f"{trace.what}: the blocks taken (no token is written)")
+    trace.expect(copies=[], block_tables={"a": [0, 1], "b": [0, 1]})
+
+
+def test_three_siblings_copy_twice(ex):
+    trace = forked(ex)
+    trace.fork("a", "c")
+    for name in ("a", "b", "c"):
+        trace.allocate_slots(name, 1)
+    trace.expect(copies=[(1, 2), (1, 3)], block_tables={"a": [0, 2], "b": [0, 3], "c": [0, 1]},
+                 ref_counts=[3, 1, 1, 1] + [0] * 6)
+
+
+@pytest.mark.parametrize("num_blocks, num_new_tokens, why", [
+    (2, 1, "the copy needs a block and none is free"),
+    (3, 3, "the copy and one block past the end need 2 blocks, 1 is free"),
+])
+def test_a_refused_copy_changes_nothing(ex, num_blocks, num_new_tokens, why):
+    trace = forked(ex, num_blocks=num_blocks)
+    before = state(trace.manager)
+    got = trace.allocate_slots("b", num_new_tokens)
+    what = f"{trace.what} [{why}]"
+    assert_equal(got, None, f"{what}: the answer")
+    assert_unchanged(trace.manager, before, what)
+
+
+def test_free_keeps_the_blocks_a_sibling_holds(ex):
+    trace = forked(ex)
+    trace.allocate_slots("b", 1)  # b: [0, 2], a: [0, 1]
+    trace.free("a")
+    trace.expect(ref_counts=[1, 0, 1] + [0] * 7, free_block_queue=list(range(3, 10)) + [1],
+                 block_tables={"b": [0, 2]})
+    trace.free("b")
+    trace.expect(ref_counts=[0] * 10, free_block_queue=list(range(3, 10)) + [1, 2, 0],
+                 block_tables={}, num_tokens={})
+
+
+# ---- the same calls on kvlab.paged.KVCacheManager ---------------------------------------------
 
 def replay(ex, num_blocks, block_size, operations):
-    """Run `operations` on the learner's allocator and on KVCacheManager; compare after each."""
-    mine = ex.TinyBlockAllocator(num_blocks, block_size)
-    manager = KVCacheManager(num_blocks, block_size)
-    done = []
+    """Run `operations` on the learner's manager and on KVCacheManager; compare after each."""
+    mine = ex.ForkingKVCacheManager(num_blocks, block_size)
+    kvlab = KVCacheManager(num_blocks, block_size)
+    done = [f"ForkingKVCacheManager({num_blocks}, block_size={block_size})"]
     for op, *args in operations:
         done.append(f"{op}({', '.join(map(repr, args))})")
-        what = (f"TinyBlockAllocator({num_blocks}, block_size={block_size}), "
-                f"{', '.join(done)}")
-        try:
-            if op == "allocate":
-                refused = manager.allocate_slots(named(args[0]), args[1]) is None
-            elif op == "append":
-                refused = manager.allocate_slots(named(args[0]), 1) is None
-                copied = bool(manager.take_copies())
-            elif op == "fork":
-                refused = manager.fork(named(args[0]), named(args[1]))
-            else:
-                refused = manager.free(named(args[0]))
-        except RequestTooLongError:
-            refused = True
-        if refused:
+        what = ", ".join(done)
+        requests = [named(arg) if isinstance(arg, str) else arg for arg in args]
+        if op == "allocate_slots":
+            try:
+                expected = kvlab.allocate_slots(*requests)
+            except RequestTooLongError:
+                expected = None  # longer than the whole pool: refused too
             before = state(mine)
-            expect_raises(MemoryError, lambda: getattr(mine, op)(*args),
-                          what + " [KVCacheManager has no free block for it]")
-            assert_unchanged(mine, before, what)
-            done[-1] += " (refused)"
-            continue
-        try:
-            result = getattr(mine, op)(*args)
-        except MemoryError as error:
-            raise AssertionError(f"{what}: yours raised {type(error).__name__}: {error}, but "
-                                 f"KVCacheManager had the blocks for it") from None
-        if op == "append":
-            assert_equal(result is not None, copied,
-                         f"{what}: did append copy-on-write? (KVCacheManager: "
-                         f"{'yes' if copied else 'no'}; yours returned {result!r})")
-        assert_equal(mine.num_free_blocks, manager.num_free_blocks,
-                     f"{what}: num_free_blocks [as KVCacheManager]")
-        for seq in manager.tables:
-            assert_equal(len(mine.block_tables.get(seq, [])), len(manager.block_ids(seq)),
-                         f"{what}: blocks in block_tables[{seq!r}] [as KVCacheManager]")
-            assert_equal(mine.num_tokens.get(seq), manager.num_tokens(seq),
-                         f"{what}: num_tokens[{seq!r}] [as KVCacheManager]")
-        check_invariants(mine, what)
+            assert_equal(mine.allocate_slots(*requests), expected,
+                         f"{what}: the blocks taken [as KVCacheManager]")
+            if expected is None:
+                assert_unchanged(mine, before, what + " (refused)")
+        else:
+            getattr(kvlab, op)(*requests)
+            getattr(mine, op)(*requests)
+        assert_equal(mine.take_copies(), kvlab.take_copies(),
+                     f"{what}: take_copies() [as KVCacheManager]")
+        expected_tables = {rid: kvlab.block_ids(rid) for rid in kvlab.tables}
+        assert_equal(mine.block_tables, expected_tables, f"{what}: block_tables [as KVCacheManager]")
+        assert_equal(mine.num_tokens, {rid: kvlab.num_tokens(rid) for rid in kvlab.tables},
+                     f"{what}: num_tokens [as KVCacheManager]")
+        assert_equal(list(mine.ref_counts), [block.ref_count for block in kvlab.pool.blocks],
+                     f"{what}: ref_counts [as KVCacheManager]")
+        assert_equal(list(mine.free_block_queue),
+                     [block.block_id for block in kvlab.pool.free_queue],
+                     f"{what}: free_block_queue [as KVCacheManager]")
 
 
 def test_parallel_sampling_matches_kvlab(ex):
     # One prompt, three samples (n = 3), decoded until the pool runs dry, then one finishes.
-    operations = [("allocate", "p", 6), ("fork", "p", "s1"), ("fork", "p", "s2")]
+    operations = [("allocate_slots", "p", 6), ("fork", "p", "s1"), ("fork", "p", "s2")]
     for _ in range(3):
-        operations += [("append", "p"), ("append", "s1"), ("append", "s2")]
-    operations += [("append", "p"), ("free", "s1"), ("append", "p"), ("append", "s2"),
-                   ("free", "p"), ("free", "s2")]
+        operations += [("allocate_slots", name, 1) for name in ("p", "s1", "s2")]
+    operations += [("allocate_slots", "p", 1), ("free", "s1"), ("allocate_slots", "p", 1),
+                   ("allocate_slots", "s2", 1), ("free", "p"), ("free", "s2")]
     replay(ex, 6, 4, operations)
 
 
-OPERATION = st.tuples(st.sampled_from(["allocate", "append", "append", "fork", "free"]),
-                      st.integers(0, 99), st.integers(1, 11))
+OPERATION = st.tuples(st.sampled_from(["admit", "allocate_slots", "allocate_slots", "fork",
+                                       "free"]),
+                      st.integers(0, 99), st.integers(0, 7))
 
 
 # Quiet, one failure at a time, and no "explain" phase: the failure message itself lists the
 # (shrunk) operations.
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           verbosity=Verbosity.quiet, report_multiple_bugs=False,
           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
 @given(steps=st.lists(OPERATION, min_size=1, max_size=25))
 def test_random_operations_match_kvlab(ex, steps):
-    # Turn the drawn steps into valid operations (on live sequences), tracked on a probe manager.
+    # Turn the drawn steps into valid operations (on live requests), tracked on a probe manager.
     probe, live, operations = KVCacheManager(6, 3), [], []
     for number, (op, pick, tokens) in enumerate(steps):
-        if op == "allocate" or not live:
-            operations.append(("allocate", f"s{number}", tokens))
+        name = f"r{number}"
+        if op == "admit" or not live:
+            operations.append(("allocate_slots", name, tokens + 1))
             try:
-                if probe.allocate_slots(named(f"s{number}"), tokens) is not None:
-                    live.append(f"s{number}")
+                if probe.allocate_slots(named(name), tokens + 1) is not None:
+                    live.append(name)
             except RequestTooLongError:
                 pass
         elif op == "fork":
-            operations.append(("fork", live[pick % len(live)], f"s{number}"))
-            probe.fork(named(live[pick % len(live)]), named(f"s{number}"))
-            live.append(f"s{number}")
+            operations.append(("fork", live[pick % len(live)], name))
+            probe.fork(named(live[pick % len(live)]), named(name))
+            live.append(name)
         elif op == "free":
             operations.append(("free", live.pop(pick % len(live))))
             probe.free(named(operations[-1][1]))
         else:
-            operations.append(("append", live[pick % len(live)]))
+            operations.append(("allocate_slots", live[pick % len(live)], tokens % 3))
             try:
-                probe.allocate_slots(named(live[pick % len(live)]), 1)
+                probe.allocate_slots(named(live[pick % len(live)]), tokens % 3)
             except RequestTooLongError:
                 pass
+        probe.take_copies()
     replay(ex, 6, 3, operations)

@@ -16,7 +16,7 @@ SOSP 2023, section 4.1). The kernel reads them in place instead of gathering a c
   buffer while this one is computed. That needs their addresses a tile early, so the block ids are
   loop-carried, each iteration loading the next tile's. Loaded in the same iteration, the K/V
   addresses would wait on that load, and the compiler would keep one buffer and wait for every
-  copy at the top of each tile (notebook 05 compiles both for sm_90).
+  copy at the top of each tile (notebook 05b compiles both for sm_90).
 * **Online softmax** (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1):
   running max `m`, sum `l` and output `acc` in float32, rescaled by exp(m_old - m_new); one pass.
 * **Masks on values as well as scores**: slots past seq_len and padded block-table entries belong
@@ -29,8 +29,10 @@ SOSP 2023, section 4.1). The kernel reads them in place instead of gathering a c
 Under TRITON_INTERPRET=1 (NumPy on the CPU) two compile-time flags keep the GPU kernel unchanged:
 UPCAST, because the interpreter's `tl.dot` on bfloat16 multiplies the wrong numbers (Triton issue
 11584); WHILE_LOOP, because Triton 3.6's interpreter calls `int()` on a 1-element array for a
-`range` bound, which NumPy 2.4 refuses. Compiled, the loop stays a `for`: only `for` loops are
-software-pipelined.
+`range` bound, which NumPy 2.4 refuses (Triton 3.7 and later run the `for`). Compiled, the loop
+stays a `for`: Triton software-pipelines only `scf.for` loops; compiled as a `while`, the same
+loop gets no shared-memory buffers and no asynchronous copies (`kvlab.tools.compiled` with
+`while_loop=True`; notebook 05b compiles both).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ MIN_DOT_ROWS = 16
 # A K tile's bytes. Compiled for sm_90 at batch 64 x 4,096 tokens with K and V double-buffered,
 # 64 tokens x head_dim 128 x bf16 (16 KiB) took 128 registers a thread under Triton 3.6 and 156
 # under 3.9 (3 programs per SM), 32 tokens 92 and 80; tests/test_triton_compile.py checks <= 128
-# (4 programs of 128 threads per SM), notebook 05 section 9 prints them.
+# (4 programs of 128 threads per SM), notebook 05b section 4 prints them.
 TILE_BYTES = 8 * 1024
 
 
@@ -246,11 +248,13 @@ def _tile_for(head_dim_pad: int, element_bytes: int, max_seq_len: int) -> int:
 
 def kernel_constants(dtype: torch.dtype, head_dim: int, group: int, block_size: int,
                      max_seq_len: int, capability: tuple[int, int] | None = None,
-                     tile: int | None = None, prefetch_ids: bool = True) -> dict:
+                     tile: int | None = None, prefetch_ids: bool = True,
+                     while_loop: bool | None = None) -> dict:
     """The constexpr keyword arguments of `_paged_decode_kernel` except SPLIT (plus num_stages
     before sm_80). capability is None on CPU; prefetch_ids False compiles the loop that loads
-    each tile's block ids in the same iteration (to compare). ValueError: a tile not a power of
-    two >= 16."""
+    each tile's block ids in the same iteration, while_loop True the loop as a `while` (both to
+    compare; while_loop None: a `while` only under the interpreter). ValueError: a tile not a
+    power of two >= 16."""
     head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
     old_gpu = capability is not None and capability[0] < 8
     element_bytes = torch.finfo(dtype).bits // 8
@@ -263,7 +267,8 @@ def kernel_constants(dtype: torch.dtype, head_dim: int, group: int, block_size: 
                      TILE=tile, UPCAST=INTERPRETED and dtype == torch.bfloat16,
                      # float32 dots in IEEE float32, not Triton's default TF32 on a GPU
                      DOT_PRECISION="ieee" if dtype == torch.float32 else None,
-                     PREFETCH_IDS=prefetch_ids, WHILE_LOOP=INTERPRETED)
+                     PREFETCH_IDS=prefetch_ids,
+                     WHILE_LOOP=INTERPRETED if while_loop is None else while_loop)
     if old_gpu:  # fewer tiles in flight: a T4 (sm_75) has 64 KiB of shared memory per SM
         constants["num_stages"] = 2
     return constants
@@ -286,14 +291,15 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 max_seq_len: int, num_splits: int | None, num_sms: int,
                 capability: tuple[int, int] | None, scale: float | None = None,
                 layout: str = TOKEN_MAJOR, tile: int | None = None,
-                prefetch_ids: bool = True) -> DecodeLaunch:
+                prefetch_ids: bool = True, while_loop: bool | None = None) -> DecodeLaunch:
     """The launch `paged_attention_decode` makes for inputs it has checked, on any device ("meta"
     included: `kvlab.tools.compiled` compiles it without a GPU). num_splits None picks one
     (`choose_num_splits` for num_sms multiprocessors). Allocates the split buffers."""
     num_seqs, num_heads, head_dim = query.shape
     geometry = pool_geometry(k_cache, layout)
     constants = kernel_constants(query.dtype, head_dim, num_heads // geometry.num_kv_heads,
-                                 geometry.block_size, max_seq_len, capability, tile, prefetch_ids)
+                                 geometry.block_size, max_seq_len, capability, tile, prefetch_ids,
+                                 while_loop)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, geometry.num_kv_heads, max_seq_len, num_sms)
     split_len = tokens_per_split(max_seq_len, num_splits, constants["TILE"])

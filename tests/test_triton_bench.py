@@ -163,6 +163,8 @@ def test_small_points_are_timed_from_a_cuda_graph():
     assert kv_bytes(1, 4096) <= FULL.graph_max_bytes < kv_bytes(64, 4096)
     with pytest.raises(ValueError, match="unknown timing 'wall'"):
         median_ms(lambda: None, "wall")
+    calls = []
+    assert median_ms(lambda: calls.append(1), "cpu_best", repeats=3) >= 0 and len(calls) == 4
 
 
 def test_kernel_record_reads_the_launched_binary():

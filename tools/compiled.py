@@ -15,8 +15,9 @@ would run:
 Read from the compile (`CompiledDecode`): the loop's K buffers, `ttg.local_alloc ... memdesc<N x
 TILE x HEAD_DIM>` (N tiles of K in shared memory, so N - 1 can be in flight while one is read), its
 wait, `ttg.async_wait {num = n}` (block until at most n copy groups are outstanding: 0 waits for
-every copy), registers per thread and shared memory per program (cuobjdump, which Triton's NVIDIA
-backend ships, reads the cubin).
+every copy), the loop op itself (`scf.for`, which Triton's software pipeliner transforms, or
+`scf.while`, which it leaves alone) and its asynchronous copies, registers per thread and shared
+memory per program (cuobjdump, which Triton's NVIDIA backend ships, reads the cubin).
 
 The compiler is not there under TRITON_INTERPRET=1 (notebooks, tests): `compile_in_subprocess`
 runs `python -m kvlab.tools.compiled` without it and returns its JSON.
@@ -66,6 +67,8 @@ class CompiledDecode:
     num_warps: int
     num_stages: int
     seconds: float       # the compile's wall time
+    loop: str = ""       # the decode loop's TTGIR op: "scf.for" (pipelined) or "scf.while"
+    async_copies: int = 0  # ttg.async_copy_global_to_local ops (cp.async): 0, nothing in flight
 
 
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
@@ -131,11 +134,13 @@ def cubin_resources(cubin: bytes) -> tuple[int, int]:
 
 
 def compile_decode(arch: int = 90, prefetch_ids: bool = True, tile: int | None = None,
-                   split: bool = False, num_stages: int | None = None, **shape) -> CompiledDecode:
+                   split: bool = False, num_stages: int | None = None, while_loop: bool = False,
+                   **shape) -> CompiledDecode:
     """Compile the decode kernel as `paged_attention_decode` would launch it on an sm_`arch` GPU
     with 132 SMs, for HEADLINE's shape with `shape`'s changes (dtype a torch dtype's name).
-    split True compiles the split-KV variant (two splits). Needs Triton's compiler (no
-    TRITON_INTERPRET) with its NVIDIA backend."""
+    split True compiles the split-KV variant (two splits); while_loop True the loop written as a
+    `while`, as the interpreter runs it (no `scf.for`: nothing is pipelined). Needs Triton's
+    compiler (no TRITON_INTERPRET) with its NVIDIA backend."""
     import triton
 
     from kvlab.kernels import paged_attention as pa
@@ -155,7 +160,7 @@ def compile_decode(arch: int = 90, prefetch_ids: bool = True, tile: int | None =
     launch = pa.plan_decode(query, pool, pool, block_tables, seq_lens, torch.empty_like(query),
                             context, 2 if split else 1, num_sms=132,
                             capability=(arch // 10, arch % 10), tile=tile,
-                            prefetch_ids=prefetch_ids)
+                            prefetch_ids=prefetch_ids, while_loop=while_loop)
     kwargs = dict(launch.constants)
     if num_stages is not None:
         kwargs["num_stages"] = num_stages
@@ -165,10 +170,12 @@ def compile_decode(arch: int = 90, prefetch_ids: bool = True, tile: int | None =
     buffer_line, buffers, wait_line, num = loop_lines(
         kernel.asm["ttgir"], kwargs["TILE"], kwargs["HEAD_DIM_PAD"])
     registers, static_shared = cubin_resources(kernel.asm["cubin"])
+    ttgir = kernel.asm["ttgir"]
+    loop = next((op for op in ("scf.while", "scf.for") if op in ttgir), "none")  # the one loop
     return CompiledDecode(arch, triton.__version__, shape, kwargs["TILE"], prefetch_ids, split,
                           buffers, num, buffer_line, wait_line, registers, kernel.metadata.shared,
                           static_shared, kernel.metadata.num_warps, kernel.metadata.num_stages,
-                          round(seconds, 2))
+                          round(seconds, 2), loop, ttgir.count("ttg.async_copy_global_to_local"))
 
 
 def compile_in_subprocess(variants: list[dict], timeout: float = 600) -> list[dict] | str:

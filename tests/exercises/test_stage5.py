@@ -1,32 +1,26 @@
-"""Stage 5: the inner loop of a paged decode-attention kernel, run in Triton's interpreter on CPU.
+"""Stage 5: split-KV (flash-decoding) for the paged decode kernel, run in Triton's interpreter on CPU.
 
 Grades `stage5_paged_attention.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
-`kvlab check 5`. Each helper is tried alone through a tiny kernel first, then the whole kernel
-against float64 attention (PyTorch SDPA, `kvlab.oracles`) on ragged sequences in shuffled blocks,
-padded with a block of NaN.
+`kvlab check 5`. Each helper is tried alone through a small kernel of this file first, then the
+whole split decode against float64 attention (PyTorch SDPA, `kvlab.oracles`) on ragged sequences
+in shuffled blocks, padded with a block of NaN, with NaN in every slot a sequence does not own.
 
-Small random scores hide online-softmax mistakes: exp(score) is finite without the running max,
-and the max may never grow after the first tile. So two checks use scores up to about 1000 (exp
-overflows float32 above 88) and two make the max grow late, in the last tiles, by a known margin.
+What small random scores hide:
 
-Two block-table mistakes give the right numbers on small pools, so they get cases of their own:
-
-* int32 arithmetic: rows pass 2^31 only in pools too big for a test, but a block id does not need
-  a pool behind it to be looked up, so `lookup_rows` is given ids whose rows pass 2^31; and its
-  rows must be int64, since the kernel multiplies them by head_dim.
-* an unmasked block-table load: the entries it reads past a sequence's end only feed K/V loads
-  that are masked, so no output changes; what fails is the read itself, of memory that is not the
-  table's. The table is put at the very end of readable memory (an inaccessible page after it):
-  the read crashes the process, so that case runs in a subprocess.
+* split ranges that run past a sequence's end read slots that are not its own: only NaN there
+  makes that visible, so the pools are NaN outside the sequences;
+* a combine without the largest max (exp(m) as it is) is right while every m is small: the
+  partials of `test_combine_splits_of_large_scores_needs_the_largest_max` have maxima of about
+  1000 (exp overflows float32 above 88), and the last case of the decode uses integer queries
+  and keys whose scores reach about 1000;
+* a combine that ignores the maxima altogether is right only when every split has the same one:
+  the hand-made partials have maxima several units apart, and empty and padding splits
+  (m = -inf, l = 0, acc = 0) that must weigh exactly 0.
 """
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +31,13 @@ from kvlab.oracles import sdpa_attention
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-# Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+# Triton 3.6's interpreter cannot run `for i in range(start, end)` with a bound read at run time
+# under NumPy >= 2.4 (docs/troubleshooting.md); this applies Triton 3.7's conversion, or nothing.
+from kvlab.tools.tour.triton_compat import fix_interpreter_index  # noqa: E402
+
+fix_interpreter_index()
+
+# Without a GPU the kernels run in Triton's interpreter on CPU tensors (conftest.py sets
 # TRITON_INTERPRET=1); with one, on the GPU, where tl.dot on float32 uses TF32 (about 1e-3).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = 2e-3 if DEVICE == "cuda" else 1e-5
@@ -48,161 +48,122 @@ def ex(load_stage):
     return load_stage("stage5_paged_attention.py")
 
 
+# ---- split_range, alone ----------------------------------------------------------------------
+
 @triton.jit
-def _rows_kernel(out_ptr, table_ptr, seq_len, kv_head, LOOKUP: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr):
-    positions = tl.arange(0, TILE)
-    owned = positions < seq_len
-    rows = LOOKUP(table_ptr, positions, owned, kv_head, BLOCK_SIZE, NUM_KV_HEADS)
-    tl.static_assert(rows.dtype == tl.int64, "lookup_rows must return int64 rows: the kernel "
-                     "multiplies them by head_dim, and a big pool's element offsets pass 2^31")
-    tl.store(out_ptr + positions, rows, mask=owned)
+def _range_kernel(out_ptr, seq_len, split_len, SPLIT_RANGE: tl.constexpr):
+    split = tl.program_id(0)
+    start, end = SPLIT_RANGE(seq_len, split, split_len)
+    tl.store(out_ptr + 2 * split, start)
+    tl.store(out_ptr + 2 * split + 1, end)
 
 
-# Block 2^26 + 1, of 4 slots x 8 KV heads, starts at row 2^31 + 32: past int32.
-BIG_BLOCK = 2 ** 26 + 1
-
-
-@pytest.mark.parametrize("table, seq_len, block_size, num_kv_heads, kv_head", [
-    ([7, 2], 6, 4, 1, 0),
-    ([3, 0, 5], 9, 4, 2, 1),
-    ([4, 1, 6, 2, 0], 5, 1, 3, 2),
-    ([BIG_BLOCK, 3, BIG_BLOCK + 8, 5], 14, 4, 8, 7),
+@pytest.mark.parametrize("seq_len, split_len, num_splits", [
+    (40, 16, 3),   # the last split holds 8 positions
+    (48, 16, 3),   # every split full
+    (5, 16, 3),    # splits 1 and 2 are empty
+    (1, 4, 4),     # one token: splits 1, 2 and 3 are empty
 ])
-def test_lookup_rows_by_hand(ex, table, seq_len, block_size, num_kv_heads, kv_head):
-    out = torch.full((16,), -1, dtype=torch.int64, device=DEVICE)
-    ex.launch(_rows_kernel, (1,), out, torch.tensor(table, dtype=torch.int32, device=DEVICE),
-              seq_len, kv_head,
-              LOOKUP=ex.lookup_rows, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, TILE=16)
-    expected = [(table[p // block_size] * block_size + p % block_size) * num_kv_heads + kv_head
-                for p in range(seq_len)]
-    past_int32 = " (rows past 2^31 - 1: int32 arithmetic wraps)" if max(expected) >= 2 ** 31 else ""
-    assert_equal(out[:seq_len].tolist(), expected,
-                 f"lookup_rows(block_table={table}, positions 0..{seq_len - 1}, "
-                 f"block_size={block_size}, num_kv_heads={num_kv_heads}, kv_head={kv_head}) "
-                 f"[row = (block_id * block_size + offset) * num_kv_heads + kv_head]{past_int32}")
+def test_split_range_by_hand(ex, seq_len, split_len, num_splits):
+    out = torch.full((num_splits, 2), -1, dtype=torch.int64, device=DEVICE)
+    ex.launch(_range_kernel, (num_splits,), out, seq_len, split_len, SPLIT_RANGE=ex.split_range)
+    got = [tuple(pair) for pair in out.tolist()]
+    what = f"split_range(seq_len={seq_len}, split=s, split_len={split_len}) for s = 0..{num_splits - 1}"
+    for split, (start, end) in enumerate(got):
+        expected_start = split * split_len
+        if expected_start < seq_len:
+            assert_equal((start, end), (expected_start, min(expected_start + split_len, seq_len)),
+                         f"{what}, split {split} [split s covers s * split_len up to "
+                         f"split_len positions, never past seq_len - 1]")
+        else:
+            assert_equal(end <= start, True,
+                         f"{what}, split {split} starts past the end of a sequence of {seq_len} "
+                         f"tokens, so it must cover nothing (end <= start), got ({start}, {end})")
 
 
-GUARD_PAGE_SCRIPT = textwrap.dedent("""
-    import ctypes, mmap, os, runpy, sys
-    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors, so the guard page below is real memory
-    import torch
-
-    ex = runpy.run_path(sys.argv[1])
-    page = mmap.PAGESIZE
-    memory = mmap.mmap(-1, 2 * page)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.mprotect(start + page, page, 0) != 0:  # PROT_NONE: any read of page 2 faults
-        print("skip: mprotect failed"); sys.exit(0)
-    # Two sequences of 5 and 3 tokens in blocks of 1, their block tables 5 entries wide (the
-    # second padded with block 0), ending where readable memory ends. A tile is 16 positions, so
-    # an unmasked lookup reads up to 11 entries past the end.
-    num_blocks, head_dim = 8, 16
-    entries = torch.frombuffer(memory, dtype=torch.int32, count=10, offset=page - 10 * 4)
-    entries.copy_(torch.tensor([4, 0, 6, 2, 7, 1, 5, 3, 0, 0], dtype=torch.int32))
-    tables = entries.view(2, 5)
-    gen = torch.Generator().manual_seed(0)
-    k_pool = torch.randn(num_blocks, 1, 1, head_dim, generator=gen)
-    v_pool = torch.randn(num_blocks, 1, 1, head_dim, generator=gen)
-    query = torch.randn(2, 1, head_dim, generator=gen)
-    out = ex["paged_decode"](query, k_pool, v_pool, tables, torch.tensor([5, 3], dtype=torch.int32))
-    assert torch.isfinite(out).all()
-    print("ok")
-""")
-
-
-def test_lookup_rows_reads_only_the_entries_of_owned_positions(ex, tmp_path):
-    script = tmp_path / "guard_page.py"
-    script.write_text(GUARD_PAGE_SCRIPT)
-    run = subprocess.run([sys.executable, str(script), str(Path(ex.__file__))],
-                         capture_output=True, text=True, timeout=300)
-    if run.stdout.startswith("skip:"):
-        pytest.skip(run.stdout.strip())
-    errors = run.stderr.strip().splitlines() or ["(no message)"]
-    if errors[-1].startswith("NotImplementedError: "):  # a TODO still waiting: report it as one
-        raise NotImplementedError(errors[-1].removeprefix("NotImplementedError: "))
-    assert run.returncode >= 0, (
-        f"paged_decode with the block table at the very end of readable memory crashed the "
-        f"process (signal {-run.returncode}) [lookup_rows read the block table at positions a "
-        f"sequence does not own: past the end there is no entry, only memory that is not the "
-        f"table's]")
-    assert run.returncode == 0, f"paged_decode failed in a subprocess: {errors[-1]}"
-
+# ---- combine_splits, alone -------------------------------------------------------------------
 
 @triton.jit
-def _softmax_kernel(out_ptr, scores_ptr, values_ptr, num_keys, UPDATE: tl.constexpr,
-                    TILE: tl.constexpr):
-    rows, dims = tl.arange(0, 16), tl.arange(0, 16)
-    m = tl.full([16], float("-inf"), tl.float32)
-    l = tl.zeros([16], tl.float32)
-    acc = tl.zeros([16, 16], tl.float32)
-    start = 0
-    while start < num_keys:  # not a range(): see the exercise's paged_decode_kernel
-        keys = start + tl.arange(0, TILE)
-        real = keys < num_keys
-        scores = tl.load(scores_ptr + rows[:, None] * num_keys + keys[None, :],
-                         mask=real[None, :], other=float("-inf"))
-        values = tl.load(values_ptr + keys[:, None] * 16 + dims[None, :], mask=real[:, None],
-                         other=0.0)
-        m, l, acc = UPDATE(m, l, acc, scores, values)
-        start += TILE
-    tl.store(out_ptr + rows[:, None] * 16 + dims[None, :], acc / l[:, None])
+def _combine_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, num_splits, COMBINE: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, 16)
+    real = offs_s < num_splits
+    parts = row * num_splits + offs_s
+    m = tl.load(m_ptr + parts, mask=real, other=float("-inf"))
+    l = tl.load(l_ptr + parts, mask=real, other=0.0)
+    acc = tl.load(acc_ptr + parts[:, None] * 16 + offs_d[None, :], mask=real[:, None], other=0.0)
+    tl.store(out_ptr + row * 16 + offs_d, COMBINE(m, l, acc))
 
 
-def check_online_softmax(ex, scores, values, what):
-    """Run `online_softmax_update` over scores [16, num_keys] and values [num_keys, 16] (float32)
-    in tiles of 16, and compare acc / l with softmax(scores) @ values in float64."""
-    out = torch.full((16, 16), float("nan"), device=DEVICE)
-    ex.launch(_softmax_kernel, (1,), out, scores.to(DEVICE), values.to(DEVICE), scores.shape[1],
-              UPDATE=ex.online_softmax_update, TILE=16)
+def partials(scores: torch.Tensor, values: torch.Tensor, bounds: list[int]):
+    """Each split's (m, l, acc), computed in float64 and given in float32, for scores [rows, n]
+    and values [n, 16] cut at `bounds` (split s holds positions bounds[s] .. bounds[s+1] - 1;
+    equal bounds make an empty split: m = -inf, l = 0, acc = 0)."""
+    rows, splits = scores.shape[0], len(bounds) - 1
+    m = torch.full((rows, splits), float("-inf"), dtype=torch.float64)
+    l = torch.zeros(rows, splits, dtype=torch.float64)
+    acc = torch.zeros(rows, splits, 16, dtype=torch.float64)
+    for s in range(splits):
+        part = scores[:, bounds[s]:bounds[s + 1]].double()
+        if part.shape[1]:
+            m[:, s] = part.amax(1)
+            weights = torch.exp(part - m[:, s:s + 1])
+            l[:, s] = weights.sum(1)
+            acc[:, s] = weights @ values[bounds[s]:bounds[s + 1]].double()
+    return m.float(), l.float(), acc.float()
+
+
+def check_combine(ex, scores, values, bounds, what):
+    m, l, acc = partials(scores, values, bounds)
+    rows, splits = m.shape
+    out = torch.full((rows, 16), float("nan"), device=DEVICE)
+    ex.launch(_combine_kernel, (rows,), out, *(t.contiguous().to(DEVICE) for t in (m, l, acc)),
+              splits, COMBINE=ex.combine_splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     expected = (scores.double().softmax(-1) @ values.double()).float()
     assert_close(out.cpu(), expected, what, atol=TOLERANCE, rtol=TOLERANCE)
 
 
-@pytest.mark.parametrize("num_keys", [5, 16, 37])
-def test_online_softmax_update_equals_softmax(ex, num_keys):
-    gen = torch.Generator().manual_seed(num_keys)
-    scores = 4 * torch.randn(16, num_keys, generator=gen)  # spread out: the max moves between tiles
-    values = torch.randn(num_keys, 16, generator=gen)
-    check_online_softmax(ex, scores, values, f"online softmax over {num_keys} keys in tiles of 16 "
-                                             f"(acc / l vs softmax(scores) @ values)")
+def test_combine_splits_equals_softmax(ex):
+    # 4 rows, 40 scores in 3 splits of 16, 16 and 8; spread out, so each split's max differs.
+    gen = torch.Generator().manual_seed(1)
+    scores, values = 3 * torch.randn(4, 40, generator=gen), torch.randn(40, 16, generator=gen)
+    check_combine(ex, scores, values, [0, 16, 32, 40], (
+        "combine_splits of 3 splits (16, 16 and 8 positions; maxima several units apart) vs "
+        "softmax(scores) @ values [each split's l and acc are sums under its own max: scale "
+        "both by exp(m_split - common max) before adding them up]"))
 
 
-def test_online_softmax_large_scores_need_the_running_max(ex):
-    # 48 keys, 3 tiles. Rows 0-7 climb by about 300 per tile (the max grows late); rows 8-15 fall
-    # (the max comes first, then tiles far below it). exp(89) is already past float32's 3.4e38.
-    gen = torch.Generator().manual_seed(5)
-    climb = torch.linspace(0, 900, 48)
-    scores = 100 * torch.randn(16, 48, generator=gen) + torch.cat([climb.expand(8, -1),
-                                                                  climb.flip(0).expand(8, -1)])
+def test_combine_splits_with_empty_splits(ex):
+    # A 5-token sequence cut into 4 splits of 4: splits 2 and 3 are empty, and the tile pads
+    # to 4 splits with nothing: their m = -inf, l = 0, acc = 0 must weigh exactly 0.
+    gen = torch.Generator().manual_seed(2)
+    scores, values = 2 * torch.randn(3, 5, generator=gen), torch.randn(5, 16, generator=gen)
+    check_combine(ex, scores, values, [0, 4, 5, 5, 5], (
+        "combine_splits of 4 splits of which the last 2 are empty (m = -inf, l = 0, acc = 0) "
+        "vs softmax(scores) @ values [an empty split must weigh exactly 0: exp(-inf - max) is "
+        "0, but acc / l of an empty split is 0 / 0 = NaN]"))
+
+
+def test_combine_splits_of_large_scores_needs_the_largest_max(ex):
+    # Maxima of about 300, 600 and 950: exp(m) overflows float32 above 88.
+    gen = torch.Generator().manual_seed(3)
+    scores = 20 * torch.randn(2, 48, generator=gen) + torch.linspace(0, 900, 48)
     values = torch.randn(48, 16, generator=gen)
-    check_online_softmax(ex, scores, values, (
-        f"online softmax of scores up to {scores.abs().max():.0f} in 3 tiles of 16, rows 0-7 "
-        f"climbing, 8-15 falling [exp() overflows float32 above 88: subtract the running max, "
-        f"max(old max, tile max), before exp]"))
+    check_combine(ex, scores, values, [0, 16, 32, 48], (
+        f"combine_splits of 3 splits whose maxima reach {scores.max():.0f} vs softmax(scores) "
+        f"@ values [exp() overflows float32 above 88: weigh each split by exp(m_split - the "
+        f"largest m), never by exp(m_split) itself]"))
 
 
-def test_online_softmax_rescales_when_the_max_grows_late(ex):
-    # 40 keys near N(0, 1), 3 tiles (the last one partial). In every row one key of tile 2 raises
-    # the max by 0.5 to 2 and one key of tile 3 raises it again by 1 to 4.75: what was summed
-    # under the old max is still a large part of the answer and must be scaled down.
-    gen = torch.Generator().manual_seed(6)
-    scores, rows = torch.randn(16, 40, generator=gen), torch.arange(16)
-    scores[rows, 16 + rows] = scores[:, :16].amax(1) + 0.5 + 0.1 * rows
-    scores[rows, 32 + rows % 8] = scores[:, :32].amax(1) + 1 + 0.25 * rows
-    values = torch.randn(40, 16, generator=gen)
-    check_online_softmax(ex, scores, values, (
-        "online softmax over 40 keys whose max grows in tiles 2 and 3 [when the max grows, "
-        "rescale both l and acc by exp(old max - new max)]"))
-
+# ---- the whole split decode --------------------------------------------------------------
 
 def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large=False):
     """Query, token-major pools poisoned with NaN outside the sequences, block tables, lengths,
     and the float64 answer (SDPA). `large`: integer queries in -16..16 and keys in -16..16 times
-    1, 2, 3 or 4 along the sequence, so scores reach about 1000 and their max grows late; integers
-    this small multiply exactly in float32 (and TF32), so only the softmax can be wrong."""
+    1, 2, 3 or 4 along the sequence, so scores reach about 1000 and each split's max differs
+    from the next one's by hundreds; integers this small multiply exactly in float32 (and TF32),
+    so only the softmax and the combine can be wrong."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 1
     k_pool = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
@@ -230,32 +191,35 @@ def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large
     width = max(map(len, tables)) + 1
     block_tables = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables],
                                 dtype=torch.int32)
-    return (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
-            torch.stack(expected))
+    inputs = (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32))
+    return tuple(t.to(DEVICE) for t in inputs), torch.stack(expected)
 
 
-@pytest.mark.parametrize("seq_lens, block_size, num_kv_heads, group", [
-    ([1, 16, 17, 40], 8, 2, 4),
-    ([5, 3], 1, 1, 8),
-    ([33, 2], 16, 2, 1),
+@pytest.mark.parametrize("seq_lens, block_size, num_kv_heads, group, num_splits", [
+    ([1, 16, 17, 40], 8, 2, 4, 3),   # splits of 14: the 1-token and 16-token sequences end early
+    ([5, 3], 1, 1, 8, 2),            # block_size 1: a block per token
+    ([33, 2], 16, 2, 1, 4),          # the 2-token sequence has 3 empty splits
+    ([70, 23, 1], 4, 2, 4, 1),       # one split: notebook 05's kernel
 ])
-def test_decode_matches_float64_attention(ex, seq_lens, block_size, num_kv_heads, group):
-    query, k_pool, v_pool, block_tables, lens, expected = decode_case(
-        seq_lens, block_size, num_kv_heads, group, head_dim=16, seed=len(seq_lens) + block_size)
-    out = ex.paged_decode(*(t.to(DEVICE) for t in (query, k_pool, v_pool, block_tables, lens)))
-    assert_close(out.cpu(), expected, f"paged_decode(seq_lens={seq_lens}, block_size={block_size}, "
-                                f"{num_kv_heads} KV heads x group {group}; blocks shuffled, "
-                                f"padding and unused slots NaN)", atol=TOLERANCE, rtol=TOLERANCE)
-
-
-def test_decode_with_large_scores_matches_float64_sdpa(ex):
-    # 70 tokens in blocks of 4: 18 blocks and 5 tiles, scores up to about 1000, growing late.
-    seq_lens, block_size = [70, 23, 1], 4
-    query, k_pool, v_pool, block_tables, lens, expected = decode_case(
-        seq_lens, block_size, num_kv_heads=2, group=4, head_dim=16, seed=8, large=True)
-    out = ex.paged_decode(*(t.to(DEVICE) for t in (query, k_pool, v_pool, block_tables, lens)))
+def test_split_decode_matches_float64_attention(ex, seq_lens, block_size, num_kv_heads, group,
+                                                num_splits):
+    inputs, expected = decode_case(seq_lens, block_size, num_kv_heads, group, head_dim=16,
+                                   seed=len(seq_lens) + block_size)
+    out = ex.paged_decode_split(*inputs, num_splits=num_splits)
     assert_close(out.cpu(), expected, (
-        f"paged_decode(seq_lens={seq_lens}, block_size={block_size}; integer q and k, scores up "
-        f"to about 1000 and growing along the sequence) vs float64 SDPA [exp() overflows float32 "
-        f"above 88: subtract the running max, and rescale l and acc when it grows]"),
-        atol=TOLERANCE, rtol=TOLERANCE)
+        f"paged_decode_split(seq_lens={seq_lens}, block_size={block_size}, {num_kv_heads} KV "
+        f"heads x group {group}, num_splits={num_splits}; blocks shuffled, padding and unused "
+        f"slots NaN) vs float64 SDPA"), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_split_decode_with_large_scores_matches_float64_attention(ex):
+    # 70 tokens in blocks of 4, 3 splits of 24: scores up to about 1000, growing split by split.
+    seq_lens, block_size = [70, 23, 1], 4
+    inputs, expected = decode_case(seq_lens, block_size, num_kv_heads=2, group=4, head_dim=16,
+                                   seed=8, large=True)
+    out = ex.paged_decode_split(*inputs, num_splits=3)
+    assert_close(out.cpu(), expected, (
+        f"paged_decode_split(seq_lens={seq_lens}, block_size={block_size}, num_splits=3; "
+        f"integer q and k, scores up to about 1000 and growing along the sequence) vs float64 "
+        f"SDPA [exp() overflows float32 above 88: weigh each split by exp(m_split - the "
+        f"largest m)]"), atol=TOLERANCE, rtol=TOLERANCE)

@@ -1,120 +1,109 @@
-"""Stage 6 exercise: the block hash chain and the prefix lookup with the n - 1 cap.
+"""Stage 6 exercise: SGLang's radix tree of token runs, next to the page's block hashes.
 
-Automatic prefix caching (vLLM's v1 KV cache manager; SGLang's RadixAttention does the same with a
-radix tree) reuses the K/V of a prompt's prefix that an earlier request already computed. Its key
-is the *block hash*: a fingerprint of a full block of `block_size` tokens **and of every token
-before it**, built as a chain,
+The notebook's prefix cache (vLLM's design) finds a prompt's cached prefix in whole blocks, through
+a dict from block hash to block. SGLang's RadixAttention (Zheng et al., "SGLang: Efficient
+Execution of Structured Language Model Programs", NeurIPS 2024, section 3) keeps the cached
+prefixes in a *radix tree* instead: each edge is labelled with a run of token ids, the runs along
+a path from the root spell a cached prefix, and no two edges leaving a node start with the same
+token. A lookup walks down from the root comparing token ids, so it finds the shared prefix to
+the exact token (SGLang's default page size is 1 token), not to the last full block, and with no
+hash there is nothing to collide.
 
-    hash(block 0) = SHA-256(ROOT_HASH   | tokens of block 0 | extra keys)
-    hash(block i) = SHA-256(hash(i - 1) | tokens of block i | extra keys)
+Here a node is a plain dict from the first token of each edge to the edge, a pair (run, child):
+run the edge's token ids, child the node it leads to. An empty dict is an empty tree (and a leaf).
 
-so equal hashes at block i mean equal prefixes up to the end of block i. Only full blocks have a
-hash. Extra keys keep requests apart that must not share (a tenant's `cache_salt`).
+    insert [1, 2, 3, 4]:   {1: ([1, 2, 3, 4], {})}
+    then [1, 2, 7]:        {1: ([1, 2], {3: ([3, 4], {}), 7: ([7], {})})}
+    then [1, 2]:           unchanged: [1, 2] already ends at a node
+
+The second insert *splits* the edge [1, 2, 3, 4] after the part both prompts share; an insert
+that ends inside an edge splits it there too, so every inserted prompt ends at a node (where
+SGLang keeps a request's lock on its prefix). Runs may be lists or tuples.
 
 You write, with no tensors:
 
-* `hash_block`: one link of the chain, byte for byte as `kvlab.prefix.hash_block` computes it;
-* `block_hashes`: the chain over a prompt's full blocks;
-* `lookup`: how many leading tokens of a prompt a cache already holds, confirming each hit against
-  the stored token ids (a hash collision must never hand out another prompt's K/V) and capped so
-  that at least one prompt token is computed (its logits give the first output token).
+* `common_prefix_length(a, b)`: how many leading token ids two runs share;
+* `insert(tree, token_ids)`: add a prompt (the K/V of a finished request), splitting edges;
+* `match(tree, token_ids)`: the prefix cache hit in tokens, capped at n - 1 as the engine caps it
+  (SGLang also matches at most len - 1 tokens: the last prompt token's logits give the first output
+  token, so it is always computed). Yours changes nothing; SGLang's also splits the edge where a
+  match ends, so that the request can lock the node there.
 
-`kvlab check 6` compares yours with `kvlab.prefix` on the same prompts. Read
-`src/kvlab/prefix/` afterwards: `block_hash.py`, and `manager.py` for the real lookup (which also
-checks each hit's parent block).
+`kvlab check 6` compares yours with a brute-force reference (the longest common prefix with every
+prompt inserted before) and with `kvlab.prefix`'s block-hash hits on the same prompts: rounded
+down to a whole block, the two agree. Eviction (SGLang evicts least recently used *leaves* that no
+running request locks) is left out.
 
-Units: token ids are ints; block_size is tokens per block; hashes are bytes (32 for SHA-256).
+Units: token ids are ints; hits and lengths are counts of tokens.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Hashable, Mapping, Sequence
+from typing import Sequence
 
-# The "parent hash" of block 0, the same constant as kvlab.prefix.ROOT_HASH.
-ROOT_HASH = b"kvlab prefix-cache root"
+RadixTree = dict  # first token of an edge -> (run of token ids, child RadixTree)
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int],
-               extra_keys: tuple[Hashable, ...] = ()) -> bytes:
-    """SHA-256 digest of one full block, chained to its parent.
-
-    The bytes hashed are, concatenated:
-
-        parent (ROOT_HASH when parent_hash is None)
-        b"|"
-        the token ids in decimal, joined by commas, UTF-8     e.g. b"1,2,3,4"
-        b"|"
-        repr(tuple(extra_keys)), UTF-8                         e.g. b"()" or b"('salt', 'a')"
-
-    Example: hash_block(None, [1, 2]) == hashlib.sha256(ROOT_HASH + b"|1,2|()").digest().
-
-    Returns:
-        the 32-byte digest.
-    """
-    # BEGIN SOLUTION hint: the bytes must follow the docstring's layout exactly, or no hash matches
-    # hint: kvlab's; hashing the parent's digest in makes each hash name the whole prefix up to its
-    # hint: block, and ROOT_HASH stands in for the first block's parent
-    parent = ROOT_HASH if parent_hash is None else parent_hash
-    payload = (parent + b"|" + ",".join(str(int(t)) for t in token_ids).encode()
-               + b"|" + repr(tuple(extra_keys)).encode())
-    return hashlib.sha256(payload).digest()
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items a and b share: ([1, 2, 3], [1, 2, 7, 8]) -> 2; 0 if either is
+    empty."""
+    # BEGIN SOLUTION hint: count from the front while both still have an item and the two agree
+    length = 0
+    while length < min(len(a), len(b)) and a[length] == b[length]:
+        length += 1
+    return length
     # END SOLUTION
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int,
-                 extra_keys: tuple[Hashable, ...] = ()) -> list[bytes]:
-    """The hash chain of every *full* block of `token_ids` (a trailing partial block has none).
+def insert(tree: RadixTree, token_ids: Sequence[int]) -> int:
+    """Add `token_ids` to the tree in place; how many of its leading tokens were there already.
 
-    Example: 10 tokens, block_size 4 -> 2 hashes: hash_block(None, tokens[0:4]), then
-    hash_block(that, tokens[4:8]). Tokens 8 and 9 are not a full block.
+    Walk down from the root: take the edge that starts with the next token; if the prompt leaves
+    the edge's run (or ends) part way along it, split the edge there into (shared part, a child
+    holding the rest); add what is left of the prompt as a new edge. Inserting an empty prompt, or
+    one already in the tree as a whole path, changes nothing.
 
-    Raises:
-        ValueError: block_size < 1 (the message names it).
+    Example: tree of [1, 2, 3, 4]; insert([1, 2, 7]) -> 2, and the tree becomes
+    {1: ([1, 2], {3: ([3, 4], {}), 7: ([7], {})})}.
     """
-    # BEGIN SOLUTION hint: only full blocks get a hash; each block's parent is the previous block's
-    # hint: hash (the first has none), so equal hashes mean equal prefixes; refuse block_size < 1
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {block_size}")
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) // block_size * block_size, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], extra_keys)
-        hashes.append(parent)
-    return hashes
-    # END SOLUTION
-
-
-def lookup(token_ids: Sequence[int], block_size: int, cache: Mapping[bytes, tuple[int, ...]],
-           extra_keys: tuple[Hashable, ...] = ()) -> int:
-    """How many leading tokens of a prompt the cache holds: the prefix cache hit, in tokens.
-
-    `cache` maps a block hash to the token ids stored in that block. Walk the prompt's full blocks
-    from block 0: block i is a hit when its hash is in the cache AND the stored tokens equal the
-    block's tokens (a hash collision must count as a miss); stop at the first miss. Take at most
-    (len(token_ids) - 1) // block_size blocks, so at least one prompt token is always computed.
-
-    Example: block_size 4, the cache holds the blocks of [1..8]: lookup of [1..8] + [9] is 8;
-    lookup of [1..8] itself is 4 (the cap); lookup of [0, 2, 3, 4, 5, ...] is 0.
-
-    Returns:
-        the hit in tokens (a multiple of block_size).
-
-    Raises:
-        ValueError: block_size < 1, or an empty prompt.
-    """
-    # BEGIN SOLUTION hint: walk the chain from block 0 and stop at the first miss: a hash the cache
-    # hint: lacks, or one whose stored tokens differ (a collision must not serve another prompt's
-    # hint: K/V); the cap leaves the last prompt token to compute, since its logits give the first
-    # hint: output token
-    if not token_ids:
-        raise ValueError("an empty prompt has nothing to look up")
-    cap = (len(token_ids) - 1) // block_size
-    hits = 0
-    for index, block_hash in enumerate(block_hashes(token_ids, block_size, extra_keys)[:cap]):
-        tokens = tuple(token_ids[index * block_size:(index + 1) * block_size])
-        if cache.get(block_hash) != tokens:
+    # BEGIN SOLUTION hint: at each node, the edge starting with your next token (none: add the rest
+    # hint: as a new edge and stop); compare its run with the rest of the prompt; a partial match
+    # hint: splits the edge into the shared part and a child holding its own rest; then go down
+    node, done = tree, 0
+    while done < len(token_ids):
+        edge = node.get(token_ids[done])
+        if edge is None:
+            node[token_ids[done]] = (list(token_ids[done:]), {})
             break
-        hits += 1
-    return hits * block_size
+        run, child = edge
+        shared = common_prefix_length(run, token_ids[done:])
+        if shared < len(run):
+            child = {run[shared]: (run[shared:], child)}
+            node[run[0]] = (run[:shared], child)
+        node, done = child, done + shared
+    return done
+    # END SOLUTION
+
+
+def match(tree: RadixTree, token_ids: Sequence[int]) -> int:
+    """The longest prefix of `token_ids` the tree holds, in tokens, at most len(token_ids) - 1.
+    Changes nothing. ValueError: an empty prompt (it has nothing to look up).
+
+    Example: tree of [1, 2, 3, 4]: match([1, 2, 3, 4, 5]) -> 4; match([1, 2, 3, 4]) -> 3 (the
+    cap); match([1, 2, 7]) -> 2 (part way along the edge counts); match([9]) -> 0.
+    """
+    # BEGIN SOLUTION hint: refuse an empty prompt; walk down as insert does, adding the tokens each
+    # hint: edge shares with the prompt, and stop where the prompt leaves an edge part way; then
+    # hint: leave the last prompt token to compute
+    if not token_ids:
+        raise ValueError("match of an empty prompt: there is nothing to look up")
+    node, matched = tree, 0
+    while matched < len(token_ids) and token_ids[matched] in node:
+        run, child = node[token_ids[matched]]
+        shared = common_prefix_length(run, token_ids[matched:])
+        matched += shared
+        if shared < len(run):
+            break
+        node = child
+    return min(matched, len(token_ids) - 1)
     # END SOLUTION

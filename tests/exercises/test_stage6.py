@@ -1,4 +1,5 @@
-"""Stage 6: the block hash chain and the capped lookup, compared with `kvlab.prefix`.
+"""Stage 6: a radix tree of token runs (SGLang), against a brute-force reference and against the
+block-hash hits of `kvlab.prefix` on the same prompts.
 
 Grades `stage6_prefix_caching.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
 `kvlab check 6`.
@@ -6,13 +7,14 @@ Grades `stage6_prefix_caching.py` from $KVLAB_EXERCISES_DIR (default: solutions/
 
 from __future__ import annotations
 
-import hashlib
+import copy
+import random
 
 import pytest
 
 from kvlab.tools.grading import assert_equal, expect_raises
-from kvlab.prefix import (ROOT_HASH, PrefixCachingKVCacheManager, extra_keys_for, hash_block,
-                          hash_full_blocks)
+from kvlab.prefix import PrefixCachingKVCacheManager
+from kvlab.prefix.workloads import few_shot_workload, multi_turn_workload, system_prompt_workload
 from kvlab.serving import Request
 
 
@@ -21,112 +23,152 @@ def ex(load_stage):
     return load_stage("stage6_prefix_caching.py")
 
 
-# ---- hash_block ---------------------------------------------------------------------------------
-
-def test_hash_block_of_block_zero_by_hand(ex):
-    expected = hashlib.sha256(ROOT_HASH + b"|1,2,3,4|()").digest()
-    assert_equal(ex.hash_block(None, [1, 2, 3, 4]), expected,
-                 "hash_block(None, [1, 2, 3, 4]) [sha256(ROOT_HASH + b'|1,2,3,4|()')]")
+def canonical(tree):
+    """The tree with every run a tuple and every edge a tuple (run, child): yours may use lists."""
+    return {first: (tuple(run), canonical(child)) for first, (run, child) in tree.items()}
 
 
-@pytest.mark.parametrize("parent, tokens, extra", [
-    (None, [7], ()),
-    (b"\x01" * 32, [5, 6, 7, 8], ()),
-    (None, [1, 2, 3, 4], ("salt", "tenant-a")),
-    (hash_block(None, [9, 9]), [10, 11], ("salt", "b")),
+def longest_common_prefix(prompt, earlier):
+    """The reference: the most leading tokens `prompt` shares with any one of `earlier`."""
+    best = 0
+    for other in earlier:
+        shared = 0
+        while shared < min(len(prompt), len(other)) and prompt[shared] == other[shared]:
+            shared += 1
+        best = max(best, shared)
+    return best
+
+
+# ---- common_prefix_length -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("a, b, expected", [
+    ([1, 2, 3], [1, 2, 7, 8], 2),
+    ([1, 2, 3], [1, 2, 3], 3),
+    ([1, 2], [1, 2, 3, 4], 2),             # one runs out first
+    ([5, 6], [1, 2], 0),
+    ([], [1], 0),
+    ((4, 4, 4), [4, 4], 2),                # a tuple and a list
 ])
-def test_hash_block_matches_kvlab(ex, parent, tokens, extra):
-    assert_equal(ex.hash_block(parent, tokens, extra), hash_block(parent, tokens, extra),
-                 f"hash_block(parent={parent if parent is None else parent.hex()[:8] + '...'}, "
-                 f"token_ids={tokens}, extra_keys={extra}) [as kvlab.prefix.hash_block]")
+def test_common_prefix_length(ex, a, b, expected):
+    assert_equal(ex.common_prefix_length(a, b), expected, f"common_prefix_length({a}, {b})")
 
 
-# ---- block_hashes -------------------------------------------------------------------------------
+# ---- insert -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens, block_size, extra", [
-    (list(range(10)), 4, ()),              # 2 full blocks, 2 tokens left over
-    (list(range(12)), 4, ()),              # exactly 3 blocks
-    (list(range(3)), 4, ()),               # no full block: no hash
-    (list(range(9)), 3, extra_keys_for("tenant-a")),
-    ([5, 5, 5, 5, 5, 5], 1, ()),
-])
-def test_block_hashes_match_kvlab(ex, tokens, block_size, extra):
-    assert_equal(ex.block_hashes(tokens, block_size, extra),
-                 hash_full_blocks(tokens, block_size, extra),
-                 f"block_hashes({tokens}, block_size={block_size}, extra_keys={extra}) "
-                 f"[as kvlab.prefix.hash_full_blocks]")
-
-
-def test_the_chain_carries_the_prefix(ex):
-    first = ex.block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
-    other = ex.block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)
-    assert_equal(first[1] != other[1], True,
-                 "block_hashes([1..8], 4)[1] != block_hashes([0, 2, 3, ..., 8], 4)[1] [block 1 "
-                 "has the same tokens, but a different parent]")
+STEPS = [  # (prompt inserted, tokens already there, the whole tree after it)
+    ([1, 2, 3, 4], 0, {1: ((1, 2, 3, 4), {})}),
+    ([1, 2, 7], 2, {1: ((1, 2), {3: ((3, 4), {}), 7: ((7,), {})})}),
+    ([1, 2], 2, {1: ((1, 2), {3: ((3, 4), {}), 7: ((7,), {})})}),
+    ([1, 2, 3], 3, {1: ((1, 2), {3: ((3,), {4: ((4,), {})}), 7: ((7,), {})})}),
+    ([5, 6], 0, {1: ((1, 2), {3: ((3,), {4: ((4,), {})}), 7: ((7,), {})}), 5: ((5, 6), {})}),
+    ([1, 2, 3, 4, 9, 9], 4, {1: ((1, 2), {3: ((3,), {4: ((4,), {9: ((9, 9), {})})}),
+                                          7: ((7,), {})}), 5: ((5, 6), {})}),
+    ([1, 5], 1, {1: ((1,), {2: ((2,), {3: ((3,), {4: ((4,), {9: ((9, 9), {})})}),
+                                        7: ((7,), {})}),
+                             5: ((5,), {})}), 5: ((5, 6), {})}),  # the split edge keeps its subtree
+    ([], 0, {1: ((1,), {2: ((2,), {3: ((3,), {4: ((4,), {9: ((9, 9), {})})}), 7: ((7,), {})}),
+                        5: ((5,), {})}), 5: ((5, 6), {})}),
+]
 
 
-def test_block_hashes_rejects_a_bad_block_size(ex):
-    expect_raises(ValueError, lambda: ex.block_hashes([1, 2, 3], 0),
-                  "block_hashes([1, 2, 3], block_size=0)")
+def test_insert_splits_edges_by_hand(ex):
+    tree, done = {}, []
+    for prompt, expected_found, expected_tree in STEPS:
+        what = f"tree of {done}, then insert(tree, {prompt})"
+        assert_equal(ex.insert(tree, list(prompt)), expected_found, f"{what} [tokens already there]")
+        assert_equal(canonical(tree), expected_tree, f"{what} [the tree after it]")
+        done.append(prompt)
 
 
-# ---- lookup -------------------------------------------------------------------------------------
+# ---- match --------------------------------------------------------------------------------------
 
-def cache_of(prompts, block_size, extra=()):
-    """hash -> stored tokens, for every full block of the prompts (built with kvlab's hashes)."""
-    cache = {}
-    for prompt in prompts:
-        for index, block_hash in enumerate(hash_full_blocks(prompt, block_size, extra)):
-            cache[block_hash] = tuple(prompt[index * block_size:(index + 1) * block_size])
-    return cache
+CACHED = [[1, 2, 3, 4], [1, 2, 7, 8, 9], [5, 6, 7]]
 
 
-CACHED = [list(range(1, 9)), [1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27]]
+def cached_tree():
+    """The radix tree of CACHED, written out (so match is graded even before insert works)."""
+    return {1: ([1, 2], {3: ([3, 4], {}), 7: ([7, 8, 9], {})}), 5: ([5, 6, 7], {})}
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    (list(range(1, 9)) + [9], 8),          # both blocks hit
-    (list(range(1, 9)), 4),                # cached whole: the cap leaves block 1 to compute
-    (list(range(1, 10)) + [40, 41, 42], 8),  # block 2 [9, 40, 41, 42] was never cached
-    ([0, 2, 3, 4, 5, 6, 7, 8, 9], 0),      # block 0 differs: nothing after it can hit
-    ([1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27, 28], 12),
-    ([1, 2, 3], 0),                        # no full block
-    ([1], 0),
+    ([1, 2, 3, 4, 5], 4),        # the whole of [1, 2, 3, 4], and 5 to compute
+    ([1, 2, 3, 4], 3),           # cached whole: the cap leaves the last token to compute
+    ([1, 2, 7, 8, 0, 0], 4),     # part way along the edge [7, 8, 9]
+    ([1, 2, 3, 0], 3),           # part way along [3, 4]
+    ([1, 5], 1),                 # part way along the first edge [1, 2]
+    ([9, 1, 2], 0),              # no edge starts with 9
+    ([5], 0),                    # one token: always computed
+    ([5, 6, 7, 1], 3),
 ])
-def test_lookup_by_hand(ex, prompt, expected):
-    assert_equal(ex.lookup(prompt, 4, cache_of(CACHED, 4)), expected,
-                 f"lookup({prompt}, block_size=4, cache of {CACHED})")
+def test_match_by_hand(ex, prompt, expected):
+    assert_equal(ex.match(cached_tree(), prompt), expected,
+                 f"match(tree of {CACHED}, {prompt})")
 
 
-def test_lookup_matches_kvlab_manager(ex):
-    manager = PrefixCachingKVCacheManager(num_blocks=32, block_size=4)
-    for index, prompt in enumerate(CACHED):
+def test_match_changes_nothing(ex):
+    tree = cached_tree()
+    before = copy.deepcopy(canonical(tree))
+    for prompt in ([1, 2, 3], [1, 2, 7, 0], [4, 4], [5, 6, 7, 8]):
+        ex.match(tree, prompt)
+    assert_equal(canonical(tree), before,
+                 f"the tree of {CACHED} after match() of 4 prompts [a lookup changes nothing]")
+
+
+def test_match_rejects_an_empty_prompt(ex):
+    expect_raises(ValueError, lambda: ex.match(cached_tree(), []),
+                  f"match(tree of {CACHED}, [])")
+
+
+def random_prompts(seed, count=40):
+    """Prompts that share prefixes of every length with each other (8 token ids: many partial
+    matches), each a random cut of an earlier one or of a fresh stem, plus a random tail."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        base = rng.choice(prompts) if prompts and rng.random() < 0.8 else []
+        head = base[:rng.randint(0, len(base))]
+        prompts.append(head + [rng.randrange(8) for _ in range(rng.randint(1, 12))])
+    return prompts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_insert_and_match_agree_with_brute_force(ex, seed):
+    tree, earlier = {}, []
+    for index, prompt in enumerate(random_prompts(seed)):
+        shared = longest_common_prefix(prompt, earlier)
+        what = f"random prompts (seed {seed}), prompt {index} = {prompt} after {index} others"
+        assert_equal(ex.match(tree, prompt), min(shared, len(prompt) - 1),
+                     f"{what}: match [the most it shares with one earlier prompt, at most n - 1]")
+        assert_equal(ex.insert(tree, prompt), shared,
+                     f"{what}: insert [tokens already there: the most it shares with one earlier "
+                     f"prompt]")
+        earlier.append(prompt)
+
+
+# ---- against the block hashes -------------------------------------------------------------------
+
+WORKLOADS = [system_prompt_workload(num_requests=6, system_len=40, user_len=(4, 20)),
+             few_shot_workload(num_requests=6, num_shots=3, shot_len=11),
+             multi_turn_workload(num_chats=2, num_turns=3, system_len=21, answer_len=9)]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda workload: workload.name)
+def test_radix_hits_rounded_to_a_block_are_the_block_hash_hits(ex, workload):
+    block_size = 16
+    manager = PrefixCachingKVCacheManager(num_blocks=256, block_size=block_size)
+    tree, radix, blocks = {}, [], []
+    for index, prompt in enumerate(workload.prompts):
         request = Request(index, 0.0, len(prompt), 1, list(prompt))
-        blocks, computed = manager.get_computed_blocks(request)
-        manager.allocate_slots(request, len(prompt) - computed, computed, blocks)
-    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 20, 21, 22, 23, 0], [1, 2, 3, 4]):
-        assert_equal(ex.lookup(prompt, 4, cache_of(CACHED, 4)), 4 * len(manager.lookup(prompt)),
-                     f"lookup({prompt}, block_size=4) [as kvlab's manager.lookup, in tokens]")
-
-
-def test_lookup_refuses_a_collision(ex):
-    cache = cache_of(CACHED, 4)
-    forged = {block_hash: (99, 99, 99, 99) for block_hash in cache}  # right hashes, wrong tokens
-    prompt = list(range(1, 10))
-    assert_equal(ex.lookup(prompt, 4, forged), 0,
-                 f"lookup({prompt}, block_size=4, a cache whose hashes match but whose stored "
-                 f"tokens are (99, 99, 99, 99)) [confirm the tokens]")
-
-
-def test_salts_keep_tenants_apart(ex):
-    salted = cache_of(CACHED, 4, extra_keys_for("tenant-a"))
-    prompt = list(range(1, 10))
-    assert_equal(ex.lookup(prompt, 4, salted), 0,
-                 f"lookup({prompt}, block_size=4, cache filled with cache_salt='tenant-a') "
-                 f"[no salt: different hashes]")
-    assert_equal(ex.lookup(prompt, 4, salted, extra_keys_for("tenant-a")), 8,
-                 f"lookup({prompt}, block_size=4, same cache, extra_keys=('salt', 'tenant-a'))")
-
-
-def test_lookup_rejects_an_empty_prompt(ex):
-    expect_raises(ValueError, lambda: ex.lookup([], 4, {}), "lookup([], block_size=4, {})")
+        hit_blocks, computed = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, len(prompt) - computed, computed, hit_blocks)
+        manager.free(request)  # its full blocks stay cached: the pool never evicts here
+        radix.append(ex.match(tree, prompt))
+        blocks.append(computed)
+        ex.insert(tree, prompt)
+    assert_equal([hit // block_size * block_size for hit in radix], blocks,
+                 f"{workload.name} workload {workload.parameters}, each prompt looked up then "
+                 f"cached: match() rounded down to block_size {block_size}, per prompt [vs "
+                 f"kvlab.prefix's get_computed_blocks]")
+    assert_equal(sum(radix) > sum(blocks), True,
+                 f"{workload.name} workload: the radix tree's hits {radix} find more tokens than "
+                 f"the block hashes' {blocks}")

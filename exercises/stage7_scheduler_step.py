@@ -1,65 +1,117 @@
 # Stage 7 exercise, generated from solutions/stage7_scheduler_step.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 7`.
 
-"""Stage 7 exercise: the admission and preemption decision of one scheduler step.
+"""Stage 7 exercise: priority scheduling, the policy vLLM offers beside first come, first served.
 
-A continuous-batching server rebuilds its batch at every step (Orca's iteration-level scheduling;
-vLLM v1's scheduler). Each step has two budgets: `max_num_batched_tokens` tokens computed in one
-forward pass, and `max_num_seqs` requests running at once. Memory is asked for through the KV
-cache manager, with vLLM v1's verbs (`kvlab.paged.KVCacheManager`): `allocate_slots(request, n)`
-answers None when there is no room now for n more tokens, and changes nothing then;
-`get_computed_blocks(request)` gives (blocks, num_computed_tokens) already cached (prefix caching;
-else ([], 0)); `free(request)` lets its memory go.
+Notebook 07's scheduler serves first come, first served (FCFS): the waiting queue's front is the
+first arrived (or the last preempted), and when memory runs out the *newest* running request is
+preempted. vLLM v1 offers a second policy, `--scheduling-policy priority` (`SchedulingPolicy
+.PRIORITY` in vllm/v1/core/sched/scheduler.py; its queue in vllm/v1/core/sched/request_queue.py):
+each request carries a `priority`, an int, lower served first (vLLM's default is 0), and the
+scheduler changes in two places only:
 
-A request knows two numbers: `num_tokens` (prompt + outputs so far) and `num_computed_tokens`
-(those whose K/V are cached). A step gives each request min(num_tokens - num_computed_tokens,
-tokens left in the budget) new tokens: one for a decode, a chunk for a prefill.
+* **the waiting queue** is served in order of (priority, arrival time): vLLM's
+  `PriorityRequestQueue`, a heap, instead of FCFS's deque. A preempted request goes back in by its
+  key, not to the front.
+* **the victim of a preemption** is the running request with the largest (priority, arrival time):
+  the lowest priority, and among equals the latest arrival, where FCFS takes the last admitted.
+  The victim may already have been scheduled in this step: then it comes off this step's schedule
+  and its tokens go back into the token budget (vLLM's `token_budget += num_scheduled_tokens[...]`).
 
-You write `schedule_step`, the decision of one step, with these rules:
+Everything else is the page's step. Running requests first, in `running` order (admission
+order), while token budget is left, each given min(num_tokens - num_computed_tokens, budget) new
+tokens; a failed `kv.allocate_slots(request, n)` (None) preempts a victim and retries, and if the
+victim is `request` itself, the running pass ends. Then, only in a step that preempted nobody,
+waiting requests are admitted, best key first, while budget is left and fewer than max_num_seqs
+run: `blocks, cached = kv.get_computed_blocks(request)` (a prefix-cache hit: tokens it need not
+compute), num_new = min(num_tokens - cached, budget), and `kv.allocate_slots(request, num_new,
+cached, blocks, full_sequence_must_fit=True)`: vLLM admits a request only if its whole input
+(here its prompt; after a preemption, prompt and outputs so far) fits in the free blocks now,
+not just the chunk it computes this step (`scheduler_reserve_full_isl`, on by default). A head
+that does not fit waits, and nobody overtakes it. An admitted request leaves the queue, joins
+the end of `running` with num_computed_tokens = cached, and computes num_new tokens.
 
-1. Running requests first, oldest first (list order), while token budget is left. When
-   `kv.allocate_slots(request, n)` fails, preempt the *newest* running request (the last of the
-   list; it may be `request` itself), by recompute: `kv.free(victim)`, victim.num_computed_tokens = 0,
-   victim.num_preemptions += 1, and put it at the *front* of the waiting queue. Retry until the
-   append succeeds or `request` itself was preempted (then stop: nothing newer is left).
-2. Only if nothing was preempted in this step: admit waiting requests from the front while token
-   budget is left and fewer than max_num_seqs run. `blocks, cached = kv.get_computed_blocks(request)`,
-   then `kv.allocate_slots(request, num_new, cached, blocks)` for num_new = min(num_tokens - cached,
-   budget) tokens; None means the head waits, and nobody overtakes it. Otherwise it leaves the
-   queue, joins the end of `running`, its num_computed_tokens becomes `cached` (a prefix-cache hit)
-   and it computes those num_new tokens.
-
-`kvlab check 7` runs yours and `kvlab.serving.Scheduler` on the same states and compares every
-decision and the memory left. Read `src/kvlab/serving/scheduler.py` afterwards.
+You write `priority_key`, the queue and `schedule_step`; `preempt` (given) does the page's
+recompute preemption. In the checks no two requests arrive at the same instant, so keys never tie.
+`kvlab check 7` runs yours beside a reference written after vLLM's code, on states where priority
+and FCFS decide differently, then on whole random replays. Read vLLM's `schedule()` afterwards.
 """
 
 from __future__ import annotations
 
-import collections
-from typing import Any
+import heapq
+from typing import Any, Iterator
 
 
-def schedule_step(running: list, waiting: collections.deque, kv: Any, max_num_seqs: int,
+def priority_key(request: Any) -> tuple[int, float]:
+    """The order of service: smaller first; the largest is preempted first."""
+    raise NotImplementedError("TODO(stage 7): vLLM compares requests by priority, then by arrival time (arrival_s)")
+
+
+class PriorityRequestQueue:
+    """Waiting requests, served smallest `priority_key` first (vLLM's `PriorityRequestQueue`)."""
+
+    def __init__(self) -> None:
+        raise NotImplementedError("TODO(stage 7): a structure that gives back the smallest key first: vLLM keeps a heap (heapq) of requests; (key, request_id, request) tuples make one here")
+
+    def add_request(self, request: Any) -> None:
+        """Queue an arrived request."""
+        raise NotImplementedError("TODO(stage 7): put it in with its key")
+
+    def prepend_request(self, request: Any) -> None:
+        """Queue a preempted request (FCFS puts it at the front; here its place is its key)."""
+        raise NotImplementedError("TODO(stage 7): in a priority queue there is no front to put it at")
+
+    def peek_request(self) -> Any:
+        """The request served next, left in the queue."""
+        raise NotImplementedError("TODO(stage 7): the smallest key, not removed")
+
+    def pop_request(self) -> Any:
+        """Remove and return the request served next."""
+        raise NotImplementedError("TODO(stage 7): the smallest key, removed")
+
+    def __len__(self) -> int:
+        raise NotImplementedError("TODO(stage 7): how many requests wait")
+
+    def __iter__(self) -> Iterator[Any]:
+        """The waiting requests in service order (what is printed and checked)."""
+        raise NotImplementedError("TODO(stage 7): every request, smallest key first, leaving the queue as it is")
+
+
+def preempt(victim: Any, kv: Any, waiting: PriorityRequestQueue, preempted: list) -> None:
+    """Preemption by recompute, as on notebook 07's page (vLLM's `_preempt_request`): its K/V
+    dropped, to be computed again, back in the waiting queue, and noted in `preempted`."""
+    kv.free(victim)
+    victim.num_computed_tokens = 0
+    victim.num_preemptions += 1
+    waiting.prepend_request(victim)
+    preempted.append(victim)
+
+
+def schedule_step(running: list, waiting: PriorityRequestQueue, kv: Any, max_num_seqs: int,
                   max_num_batched_tokens: int) -> tuple[list, list, list]:
-    """Decide one step; updates `running`, `waiting` and the requests in place.
+    """Decide one step under the priority policy; updates `running`, `waiting` and the requests.
 
     Args:
-        running: requests holding memory, oldest first (kvlab.serving.Request objects).
-        waiting: arrived requests not running, in service order (a deque).
+        running: requests holding memory, in admission order (kvlab.serving.Request objects with
+            a `priority` attribute).
+        waiting: arrived requests not running (a `PriorityRequestQueue`).
         kv: the KV cache manager (get_computed_blocks / allocate_slots / free).
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens computed in this step.
 
     Returns:
-        (scheduled, admitted, preempted): scheduled is a list of (request, num_new_tokens) in
-        execution order (running ones, then admitted ones); admitted and preempted are lists of
-        requests, in the order it happened.
+        (scheduled, admitted, preempted): scheduled is a list of (request, num_new_tokens) in the
+        order they were scheduled (running ones, then admitted ones; a victim taken off it);
+        admitted and preempted are lists of requests, in the order it happened.
     """
     budget = max_num_batched_tokens
-    scheduled: list = []
+    scheduled: dict = {}  # request -> its new tokens this step, in the order scheduled
     preempted: list = []
-    raise NotImplementedError("TODO(stage 7): rule 1: running requests first, oldest first, each given what it still needs up to the budget left; when the pool cannot grow one, free memory from the newest end (preempt by recompute, to the front of waiting) and retry; a request that preempted itself ends the pass, and so does a spent budget")
+    raise NotImplementedError("TODO(stage 7): rule 1 (the module docstring): running requests in list order while the budget lasts, each given what it still needs; when allocate_slots says None, the victim is the running request with the largest key: out of `running`, out of `scheduled` with its tokens back in the budget if it already ran, then `preempt` it; retry, and end the pass if the victim was the request itself. Iterate over a copy: victims leave `running`")
 
-    admitted: list = []
-    raise NotImplementedError("TODO(stage 7): rule 2: admit only in a step that preempted nobody (the preempted go first, and nobody overtakes the head of waiting); serve the head while the budget, max_num_seqs and the pool allow; its prefix-cache hit is tokens it does not compute, and the rest may be a chunk")
-    return scheduled, admitted, preempted
+    if preempted:  # memory is already short for those running: admit nobody
+        return list(scheduled.items()), [], preempted
+    num_running = len(running)  # the requests admitted below join `running` after these
+    raise NotImplementedError("TODO(stage 7): rule 2: while the queue, the budget and max_num_seqs allow, try the request served next: its prefix-cache hit, then room for the rest with vLLM's gate (its whole input must fit now, not only this step's chunk); a refusal stops admission")
+    return list(scheduled.items()), running[num_running:], preempted

@@ -180,5 +180,6 @@ def test_cli_serve_calibrated_clock_is_slower_than_the_roofline(capsys):
 def test_power_of_two_reservation():
     from kvlab.serving.reservation import power_of_two
 
-    assert [power_of_two(Request(0, 0.0, p, o)) for p, o in ((1, 1), (3, 1), (4, 1), (600, 424),
-                                                             (600, 425))] == [2, 4, 8, 1024, 2048]
+    # The paper's example: 25 output tokens reserve 32; the prompt is reserved as it is.
+    assert [power_of_two(Request(0, 0.0, p, o)) for p, o in ((1, 1), (3, 1), (100, 25), (600, 424),
+                                                             (600, 513))] == [2, 4, 132, 1112, 1624]

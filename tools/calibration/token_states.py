@@ -2,7 +2,7 @@
 
 Kwon et al. (SOSP 2023, figure 2) measured the share of KV memory holding token states in Orca's
 reservations, which must be fixed at admission: the maximum length ("Orca (Max)", 20.4 %), the
-request's length rounded up to a power of two ("Orca (Pow2)", 26.8 %), its exact final length
+output rounded up to a power of two ("Orca (Pow2)", 26.8 %), its exact final length
 known in advance ("Orca (Oracle)", 38.2 %), against vLLM's blocks taken as the request grows
 (96.3 %). Their workload was OPT-13B on ShareGPT and Alpaca; here it is any trace (the course uses
 Azure's conversation trace, whose outputs are short: a reservation sized for the prompt plus the
@@ -11,7 +11,8 @@ output wastes less than on ShareGPT, whose outputs are long).
 The four strategies here differ only in what they reserve, all on the same scheduler and clock:
 
 * max length: `ContiguousManager`, one max_model_len slab per request (stage 2);
-* power of two: `FirstFitSlabManager` reserving the next power of two >= prompt + output;
+* power of two: `FirstFitSlabManager` reserving the prompt + the output rounded up to a power of
+  two (`reservation.power_of_two`; at most a max_model_len slab);
 * oracle: `FirstFitSlabManager` reserving exactly prompt + output;
 * paged: `KVCacheManager`, a block of `block_size` tokens at a time (stage 4).
 

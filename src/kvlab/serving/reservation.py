@@ -43,8 +43,9 @@ def exact_size(request: Request) -> int:
 
 
 def power_of_two(request: Request) -> int:
-    """Token slots of Orca's Pow2 reservation: the next power of two >= prompt + output."""
-    return 1 << (request.total_len - 1).bit_length()
+    """Token slots of Orca's Pow2 reservation (Kwon et al., SOSP 2023, section 6.1): the prompt,
+    plus the output rounded up to a power of two (25 output tokens reserve 32)."""
+    return request.prompt_len + (1 << (request.max_output_tokens - 1).bit_length())
 
 
 class KVManager(abc.ABC):
@@ -66,9 +67,10 @@ class KVManager(abc.ABC):
                                                                   reserve)
 
     def reservation(self, request: Request) -> int:
-        """Token slots `request` reserves, in this memory's unit of allocation. ValueError:
-        `reserve` gave fewer slots than the request will hold (a bug in `reserve`)."""
-        tokens = self.reserve(request)
+        """Token slots `request` reserves, in this memory's unit of allocation, at most a
+        max_model_len slab (what Orca's Max reserves). ValueError: `reserve` gave fewer slots than
+        the request will hold (a bug in `reserve`)."""
+        tokens = min(self.reserve(request), self.max_model_len)
         if tokens < request.total_len:
             raise ValueError(f"reserve() gave request {request.request_id} {tokens} token slots, "
                              f"fewer than the {request.total_len} it will hold")

@@ -2,10 +2,11 @@
 page, not copy it: COURSE.md, "How each stage teaches", rule 4).
 
 An answer's lines are the lines inside the `# BEGIN SOLUTION` ... `# END SOLUTION` blocks of
-`solutions/stageN_*.py`: what the learner writes, which the exercise file lacks. Each line and each
-code line of the stage's notebooks is normalised before they are compared, so renaming a variable
-or rewording a comment does not hide a copy: comments and blank lines go, and every name that is
-not a keyword, a builtin or an attribute becomes `_`. Lines of fewer than `MIN_TOKENS` tokens once
+`solutions/stageN_*.py`: what the learner writes, which the exercise file lacks. Lines are logical
+lines (a statement split over several physical lines is one). Each line and each code line of the
+stage's notebooks is normalised before they are compared, so renaming a variable, rewording a
+comment or breaking a line elsewhere does not hide a copy: comments and blank lines go, and every
+name that is not a keyword, a builtin or an attribute becomes `_`. Lines of fewer than `MIN_TOKENS` tokens once
 normalised (`return _`, `else:`, `_ += 1`) say too little to be a copy and are not counted.
 
     python -m kvlab.tools.exercise_overlap        # a row per stage: answer lines, on the page, share
@@ -20,6 +21,7 @@ import io
 import json
 import keyword
 import re
+import textwrap
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,20 +60,44 @@ def normalise(line: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def answer_lines(solution: str) -> list[str]:
-    """The code lines inside the solution's answer blocks (hint comments and blanks left out)."""
-    lines = []
-    for block in BLOCK.findall(solution):
-        lines += [line for line in block.splitlines()
-                  if line.strip() and not line.strip().startswith("#")]
+def logical_lines(source: str) -> list[str]:
+    """The source's statements, each as one line (a statement over several lines joined, with a
+    comment at the end of a line it spans dropped), comments and blank lines dropped; source that
+    does not tokenize falls back to its physical lines."""
+    source = textwrap.dedent(source)
+    physical = source.splitlines()
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source + "\n").readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return [line.strip() for line in physical
+                if line.strip() and not line.strip().startswith("#")]
+    lines, first, comments = [], None, {}
+    for token in tokens:
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.start[1]
+        elif token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            if first is not None:
+                rows = range(first, token.start[0] + 1)
+                lines.append(" ".join(physical[row - 1][:comments.get(row)].strip()
+                                      for row in rows if row <= len(physical)).strip())
+            first = None
+        elif token.type not in _SKIP and first is None:
+            first = token.start[0]
     return lines
 
 
+def answer_lines(solution: str) -> list[str]:
+    """The statements inside the solution's answer blocks (hint comments and blanks left out)."""
+    return [line for block in BLOCK.findall(solution) for line in logical_lines(block)]
+
+
 def notebook_lines(path: Path) -> list[str]:
-    """Every line of a notebook's code cells."""
+    """Every statement of a notebook's code cells (IPython's %magic and !shell lines left out)."""
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     return [line for cell in cells if cell["cell_type"] == "code"
-            for line in "".join(cell["source"]).splitlines()]
+            for line in logical_lines("\n".join(
+                line for line in "".join(cell["source"]).splitlines()
+                if not line.lstrip().startswith(("%", "!"))))]
 
 
 @dataclass(frozen=True)

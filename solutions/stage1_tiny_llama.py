@@ -1,69 +1,50 @@
-"""Stage 1 exercise: the pieces of a Llama decoder layer, written as plain functions.
+"""Stage 1 exercise: RoPE's other layout, and the weight reordering that converts between the two.
 
-You write RMSNorm, rotary position embeddings (RoPE), causal attention and the SwiGLU MLP. Each is
-a few lines of PyTorch; `kvlab check 1` compares yours with the course's own decoder
-(`kvlab.model.RMSNorm`, `kvlab.model.RotaryEmbedding`, `kvlab.model.MLP`) and with PyTorch's
-`scaled_dot_product_attention` computed in float64. Read `src/kvlab/model.py` afterwards and
-compare.
+The page rotates channel i of a head with channel i + head_dim/2 ("rotate half"), as Hugging Face's
+Llama does. Meta's original Llama code (`apply_rotary_emb` in facebookresearch/llama's model.py)
+pairs *adjacent* channels instead: it reads a head's channels as head_dim/2 complex numbers
+x[2j] + i·x[2j+1] and multiplies the j-th by e^(i·p·θ_j), with the same angles as the page,
+θ_j = rope_theta^(-2j / head_dim). RoFormer (Su et al. 2021, §3.4.2) writes RoPE on these
+adjacent pairs too.
 
-Layout, as in `kvlab.model` (and vLLM): the tokens of one sequence lie flat along dim 0, so
-per-head tensors are [num_tokens, num_heads, head_dim] and `positions` is [num_tokens] int64.
-There is no batch dimension and no KV cache yet: attention sees the whole sequence every time.
+Both are RoPE; they differ in which channels form a pair. So a checkpoint trained with one layout
+runs with the other once the rows of each head's q_proj and k_proj are reordered: Hugging Face's
+Llama conversion script (`permute` in transformers' convert_llama_weights_to_hf.py) reorders Meta's
+rows so that rotate-half on the new weights rotates exactly the pairs that Meta's code rotated;
+llama.cpp's converter (`LlamaModel.permute` in convert_hf_to_gguf.py) reorders them back for GGUF
+files; `kvlab.gguf_loader` undoes that when it loads one. Every q·k score stays the same, and
+v_proj and o_proj are not touched: attention uses q and k only through their dot products.
+
+You write `rope_interleaved` and `permute_to_halves`. `kvlab check 1` compares the first with the
+complex-number formula above in float64, and checks the second by what it is for: q·k scores
+with rotate-half RoPE on your reordered weights equal those with interleaved RoPE on the original
+ones, and a Meta-layout copy of the tiny model gives kvlab's logits once converted. When you are
+done, read `unpermute_rows` in src/kvlab/gguf_loader.py and compare.
+
+Layout, as on the page: per-head tensors are [num_tokens, num_heads, head_dim], `positions` is
+[num_tokens] int64, and a projection weight is [out_features, in_features] (`torch.nn.Linear`).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich, 2019) over the last dimension, as Llama applies it.
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE in Meta's interleaved layout: channels 2j and 2j + 1 of each head form pair j.
 
-        out = weight * x / sqrt(mean(x^2 over the last dim) + eps)
+    For a token at position p, pair j turns by the angle p * theta ** (-2 * j / head_dim),
+    j = 0 .. head_dim/2 - 1, the same angle for every head:
 
-    Compute the normalisation in float32 (`x.float()`) even for bf16/fp16 input, cast the
-    normalised values back to x's dtype, then multiply by `weight` (this is the order HF Llama
-    and `kvlab.model.RMSNorm` use, so the results match bit for bit).
+        out[2j]     = x[2j] * cos(angle) - x[2j + 1] * sin(angle)
+        out[2j + 1] = x[2j + 1] * cos(angle) + x[2j] * sin(angle)
 
-    Args:
-        x: [..., hidden_size], any float dtype.
-        weight: [hidden_size], the learned per-channel scale.
-        eps: small constant inside the square root (Llama: 1e-5 or 1e-6).
-
-    Returns:
-        [..., hidden_size], the dtype of `weight * x` (x's dtype when both match).
-    """
-    # BEGIN SOLUTION hint: scale each vector by 1 / its root mean square over the last dim (eps
-    # hint: inside the root); keep the docstring's order (float32, back to x's dtype, weight last)
-    # hint: to match bit for bit
-    x32 = x.float()
-    mean_square = x32.pow(2).mean(dim=-1, keepdim=True)
-    normed = x32 * torch.rsqrt(mean_square + eps)
-    return weight * normed.to(x.dtype)
-    # END SOLUTION
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (Su et al., 2021) in the "rotate half" layout of HF Llama.
-
-    Split each head's `head_dim` channels into a first and a second half. Channel i of the first
-    half and channel i of the second half form a pair, rotated by the angle
-
-        angle(p, i) = p * theta ** (-2 * i / head_dim),   i = 0 .. head_dim/2 - 1
-
-    for a token at position p:
-
-        out_first  = first * cos(angle) - second * sin(angle)
-        out_second = second * cos(angle) + first * sin(angle)
-
-    Every head of a token gets the same rotation. Compute in float32 and return x's dtype.
+    (x[2j] + i·x[2j+1] multiplied by e^(i·angle)). Compute in float64 and return x's dtype.
 
     Args:
-        x: [num_tokens, num_heads, head_dim] queries or keys; head_dim must be even.
+        x: [num_tokens, num_heads, head_dim] queries or keys, any float dtype; head_dim even.
         positions: [num_tokens] int64, the absolute position of each token.
-        theta: the RoPE base (`rope_theta` in config.json; Llama 2: 10,000, Llama 3: 500,000).
+        theta: the RoPE base (`rope_theta`; Llama 2: 10,000, Llama 3: 500,000).
 
     Returns:
         [num_tokens, num_heads, head_dim], dtype of x.
@@ -71,77 +52,51 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     Raises:
         ValueError: head_dim is odd (channels could not be paired).
     """
-    # BEGIN SOLUTION hint: each (first-half, second-half) channel pair turns by position x its own
-    # hint: frequency, slower for later pairs; a token's angles are the same for every head, so
-    # hint: broadcast them over heads
+    # BEGIN SOLUTION hint: take the even channels and the odd ones (slices with a step of 2), turn
+    # hint: each pair by its angle, and put the pair back side by side (channels 2j, 2j + 1), not
+    # hint: evens first then odds
     head_dim = x.shape[-1]
     if head_dim % 2:
         raise ValueError(f"head_dim must be even to pair channels, got {head_dim}")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)                        # [D/2]
-    angles = positions.float()[:, None] * inv_freq[None, :]      # [T, D/2]
-    cos = angles.cos()[:, None, :]                               # [T, 1, D/2], same for every head
-    sin = angles.sin()[:, None, :]
-    first, second = x.float().chunk(2, dim=-1)                   # [T, H, D/2] each
-    out_first = first * cos - second * sin
-    out_second = second * cos + first * sin
-    return torch.cat([out_first, out_second], dim=-1).to(x.dtype)
+    pair = torch.arange(head_dim // 2, dtype=torch.float64, device=x.device)
+    angles = positions.to(torch.float64)[:, None, None] * theta ** (-2 * pair / head_dim)
+    cos, sin = angles.cos(), angles.sin()                        # [T, 1, D/2]: every head alike
+    even, odd = x.double()[..., 0::2], x.double()[..., 1::2]    # [T, H, D/2]: pair j = (2j, 2j+1)
+    turned = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)  # [T, H, D/2, 2]
+    return turned.flatten(-2).to(x.dtype)                       # pair j back at 2j, 2j + 1
     # END SOLUTION
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention of one sequence, multi-head (a K/V head per query head).
+def permute_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder the rows of a Meta-layout q_proj or k_proj weight for rotate-half RoPE.
 
-    For every head h and query token i:
+    Each head owns head_dim consecutive rows (head h: rows h * head_dim ...). Reorder the rows
+    within each head so that, for any hidden states `h` and positions,
 
-        scores[i, j] = q[i, h] . k[j, h] / sqrt(head_dim)   for j <= i (j > i is masked out)
-        out[i, h]    = sum_j softmax_j(scores[i, :]) * v[j, h]
+        rotate-half RoPE of (h @ permute_to_halves(weight, num_heads).T)   [the page's layout]
 
-    Token i sees itself and the tokens before it, never later ones: that is what lets a decoder
-    generate left to right, and why a token's K and V never change once computed (stage 2 caches
-    them). Compute in the input dtype (the tests use float64).
-
-    Args:
-        q, k, v: [num_tokens, num_heads, head_dim], the same shape and dtype. Token i is at
-            position i.
-
-    Returns:
-        [num_tokens, num_heads, head_dim], dtype of q.
-    """
-    # BEGIN SOLUTION hint: scaled dot-product attention for each head: a query scores every key,
-    # hint: scaled by 1/sqrt(head_dim); causal: a later key must get zero weight, so mask it before
-    # hint: the softmax
-    num_tokens, _, head_dim = q.shape
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [H, T, D]
-    scores = qh @ kh.transpose(1, 2) / math.sqrt(head_dim)                  # [H, T, T]
-    future = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs @ vh).transpose(0, 1)                                     # [T, H, D]
-    # END SOLUTION
-
-
-def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
-               down_weight: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU feed-forward block of Llama (Shazeer, 2020):
-
-        out = down_proj( silu(gate_proj(x)) * up_proj(x) ),   silu(z) = z * sigmoid(z)
-
-    The weights are laid out as `torch.nn.Linear` stores them, [out_features, in_features], so
-    a projection is `x @ weight.T` (no biases).
+    equals interleaved RoPE of (h @ weight.T) with each head's channels in that new order: the
+    two rows that `rope_interleaved` turns together by θ_j must land where rotate-half turns a
+    pair by θ_j. Reorder q_proj and k_proj alike and every q·k score is unchanged.
 
     Args:
-        x: [num_tokens, hidden_size].
-        gate_weight, up_weight: [intermediate_size, hidden_size].
-        down_weight: [hidden_size, intermediate_size].
+        weight: [num_heads * head_dim, hidden_size], rows in Meta's (interleaved) order.
+        num_heads: the heads the rows split into: num_attention_heads for q_proj,
+            num_key_value_heads for k_proj.
 
     Returns:
-        [num_tokens, hidden_size], dtype of x.
+        A new tensor, the shape and dtype of `weight`, with its rows reordered (weight untouched).
+
+    Raises:
+        ValueError: the rows do not split into num_heads heads of an even head_dim.
     """
-    # BEGIN SOLUTION hint: SwiGLU: the SiLU of the gate projection gates the up projection
-    # hint: elementwise, and the down projection maps back to hidden_size; an nn.Linear weight is
-    # hint: [out_features, in_features]
-    gate = x @ gate_weight.T
-    up = x @ up_weight.T
-    return (torch.nn.functional.silu(gate) * up) @ down_weight.T
+    # BEGIN SOLUTION hint: rotate-half pairs channel j with j + head_dim/2, interleaved pairs 2j
+    # hint: with 2j + 1: find where each row must go in one head, then do it for all heads at once
+    # hint: with reshape and transpose (no loop)
+    rows = weight.shape[0]
+    if rows % num_heads or (rows // num_heads) % 2:
+        raise ValueError(f"{rows} rows do not split into {num_heads} heads of an even head_dim")
+    head_dim = rows // num_heads
+    by_pair = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])  # [H, j, 2j or 2j+1, ..]
+    return by_pair.transpose(1, 2).reshape(weight.shape)  # per head: rows 2j first, then rows 2j+1
     # END SOLUTION

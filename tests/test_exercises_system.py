@@ -19,47 +19,110 @@ ROOT = Path(__file__).resolve().parents[1]
 MAKE = runpy.run_path(str(ROOT / "scripts" / "make_exercises.py"))
 ZEROS = torch.zeros(2, 3)
 STAGES = sorted(int(p.stem[10:]) for p in ROOT.glob("tests/exercises/test_stage*.py"))
-# Stage 5's online softmax with exp(score) as it is: right on small scores, NaN on large ones.
-NO_RUNNING_MAX = ("alpha = tl.exp(m - m_new)\n    p = tl.exp(scores - m_new[:, None])\n"
-                  "    l = l * alpha + tl.sum(p, axis=1)\n    acc = acc * alpha[:, None] +",
-                  "p = tl.exp(scores)\n    l = l + tl.sum(p, axis=1)\n    acc = acc +")
+# Stage 5's split-KV combine weighing each split by exp(m) as it is: right on small scores, NaN
+# on large ones.
+NO_LARGEST_MAX = ("weights = tl.exp(m - tl.max(m, axis=0))", "weights = tl.exp(m)")
+# Stage 5's combine adding the splits' sums as they are, each under its own max: a plausible
+# wrong answer that runs, and gives numbers, wrong ones.
+SUMS_AS_THEY_ARE = ("tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)",
+                    "tl.sum(acc, axis=0) / tl.sum(l, axis=0)")
 MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check prints)
     (0, "max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)",
      r"FAIL  test_max_concurrent_requests_rounds_down: .*: expected int 3, got float 3\.0$"),
-    (1, "return weight * normed.to(x.dtype)", "return weight.double() * normed.double()",
-     r"FAIL  test_rms_norm_matches_kvlab \(3 of 3 cases\): .*, got tensor \[5, 16\] float64$"),
-    (1, "return torch.cat([out_first, out_second], dim=-1).to(x.dtype)", "return x / 0 * 0",
-     r"FAIL  test_apply_rope_any_positions: apply_rope\(.*: 64 of 64 values differ; .* got nan "),
-    (2, "import torch\n", "import torch\nfrom torch import\n",
-     r"ERROR test_check_reservation_fits: SyntaxError: .* \(stage2_\w+\.py, line \d+\)$"),
-    (3, "return h // group", "return h.floordiv(group)", r"ERROR test_kv_head_for_query_head "
-     r"\(\d of 8 cases\): AttributeError: .* \(stage3_\w+\.py line \d+: return h\.floordiv"),
-    (5, *NO_RUNNING_MAX, r"FAIL  test_online_softmax_large_scores_need_the_running_max: online "
-     r"softmax of scores up to \d+ in 3 tiles of 16, .* got nan \(tolerance "),
+    (1, "return by_pair.transpose(1, 2).reshape(weight.shape)",
+     "return by_pair.transpose(1, 2).reshape(weight.shape).double()",
+     r"FAIL  test_permute_to_halves_matches_kvlab_gguf_loader \(3 of 3 cases\): permute_to_halves\("
+     r"weight \[32, 20\] float32, num_heads=4\) .*: expected tensor \[32, 20\] float32, got tensor "
+     r"\[32, 20\] float64$"),
+    (1, "return turned.flatten(-2).to(x.dtype)", "return x / 0 * 0",
+     r"FAIL  test_rope_interleaved_matches_complex_float64 \(3 of 3 cases\): rope_interleaved\(x "
+     r"\[6, 3, 16\] float64, .*: 288 of 288 values differ; .* got nan "),
+    (2, "from typing import Protocol, Sequence\n",
+     "from typing import Protocol, Sequence\nfrom torch import\n",
+     r"ERROR test_reservation_tokens_paper_example \(3 of 3 cases\): SyntaxError: .* "
+     r"\(stage2_\w+\.py, line \d+\)$"),
+    (5, *NO_LARGEST_MAX, r"FAIL  test_combine_splits_of_large_scores_needs_the_largest_max: "
+     r"combine_splits of 3 splits whose maxima reach \d+ .* got nan \(tolerance "),
 ]
-# The online-softmax mistakes that small random scores let through: (the mistake, edits of
-# solutions/stage5's answer, {check: the start of its one-line message}).
-SOFTMAX_MISTAKES = [
-    ("exp(score) without subtracting the running max", [NO_RUNNING_MAX], {
-        "test_online_softmax_large_scores_need_the_running_max":
-            r"online softmax of scores up to \d+ .* got nan ",
-        "test_decode_with_large_scores_matches_float64_sdpa":
-            r"paged_decode\(seq_lens=\[70, 23, 1\], .* vs float64 SDPA .* got nan "}),
-    ("l and acc not rescaled when the max grows",
-     [("l = l * alpha +", "l = l +"), ("acc = acc * alpha[:, None] +", "acc = acc +")], {
-        "test_online_softmax_rescales_when_the_max_grows_late":
-            r"online softmax over 40 keys whose max grows in tiles 2 and 3 \[when the max grows, "
-            r"rescale both l and acc by exp\(old max - new max\)\]: \d+ of 256 values differ",
-        "test_decode_with_large_scores_matches_float64_sdpa": r"paged_decode\(.* values differ"}),
-    ("the wrong rescale factor, 2^(old max - new max)",
-     [("alpha = tl.exp(m - m_new)", "alpha = tl.exp2(m - m_new)")], {
-        "test_online_softmax_rescales_when_the_max_grows_late": r"online softmax over 40 keys .* "
-                                                                r"values differ"}),
-    ("the tile's max instead of max(old max, tile max)",
-     [("m_new = tl.maximum(m, tl.max(scores, axis=1))", "m_new = tl.max(scores, axis=1)")], {
-        "test_online_softmax_large_scores_need_the_running_max": r"online softmax .* got nan ",
-        "test_decode_with_large_scores_matches_float64_sdpa": r"paged_decode\(.* got nan "}),
+# The split-KV mistakes (scripts/common_mistakes.py, stage 5), each with the checks it must fail:
+# (the mistake, edits of solutions/stage5's answer, {check, or (check, *its case; a list as a
+# tuple): the start of its one-line message}). Most of them run and give numbers, wrong ones.
+SPLIT_KV_MISTAKES = [
+    ("a split's end not clipped to seq_len",
+     [("return start, tl.minimum(start + split_len, seq_len)", "return start, start + split_len")], {
+        ("test_split_range_by_hand", 40, 16, 3):
+            r"split_range\(seq_len=40, split=s, split_len=16\) for s = 0\.\.2, split 2 .* "
+            r"expected tuple \(32, 40\), got tuple \(32, 48\)",
+        ("test_split_decode_matches_float64_attention", (1, 16, 17, 40), 8, 2, 4, 3):
+            r"paged_decode_split\(seq_lens=\[1, 16, 17, 40\], .* got nan "}),
+    ("every split runs to the sequence's end",
+     [("return start, tl.minimum(start + split_len, seq_len)", "return start, seq_len")], {
+        ("test_split_range_by_hand", 48, 16, 3):
+            r"split_range\(.*, split 0 .* expected tuple \(0, 16\), got tuple \(0, 48\)",
+        ("test_split_decode_matches_float64_attention", (33, 2), 16, 2, 1, 4):
+            r"paged_decode_split\(seq_lens=\[33, 2\], .* values differ; .* got \d"}),
+    ("exp(m) without subtracting the largest m", [NO_LARGEST_MAX], {
+        "test_combine_splits_of_large_scores_needs_the_largest_max":
+            r"combine_splits of 3 splits whose maxima reach \d+ .* got nan ",
+        "test_split_decode_with_large_scores_matches_float64_attention":
+            r"paged_decode_split\(seq_lens=\[70, 23, 1\], .* vs float64 SDPA .* got nan "}),
+    ("the splits' sums added as they are, each under its own max", [SUMS_AS_THEY_ARE], {
+        "test_combine_splits_equals_softmax":
+            r"combine_splits of 3 splits .* \[each split's l and acc are sums under its own max: "
+            r"scale both by exp\(m_split - common max\) before adding them up\]: \d+ of 64 values "
+            r"differ; worst at \[\d+, \d+\]: expected -?\d\S*, got -?\d",
+        "test_split_decode_with_large_scores_matches_float64_attention":
+            r"paged_decode_split\(.* values differ"}),
+    ("acc weighted, l not", [("tl.sum(weights * l, axis=0)", "tl.sum(l, axis=0)")], {
+        "test_combine_splits_equals_softmax": r"combine_splits of 3 splits .* values differ"}),
+    ("each split's acc / l weighted by exp(m - max) alone",
+     [("tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)",
+       "tl.sum(weights[:, None] * acc / l[:, None], axis=0) / tl.sum(weights, axis=0)")], {
+        "test_combine_splits_equals_softmax": r"combine_splits of 3 splits .* values differ",
+        "test_combine_splits_with_empty_splits":
+            r"combine_splits of 4 splits of which the last 2 are empty .* got nan "}),
+    ("weighted by 2^(m - max) instead of e^(m - max)",
+     [("weights = tl.exp(m - tl.max(m, axis=0))", "weights = tl.exp2(m - tl.max(m, axis=0))")], {
+        "test_combine_splits_equals_softmax": r"combine_splits of 3 splits .* values differ"}),
 ]
+
+
+# One plausible wrong answer per stage that *runs* and gives numbers, wrong ones (not a crash): the
+# grader must fail it with a line that says what is wrong. A tolerance loosened until a wrong
+# figure passes (stage 3's, once, at 1e9) fails this test. (stage: answer text, the learner's
+# version, the line kvlab check prints)
+WRONG_ANSWERS = {
+    0: ("max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)",
+        r"FAIL  test_max_concurrent_requests_rounds_down: .*: expected int 3, got float 3\.0$"),
+    1: ("even * cos - odd * sin, odd * cos + even * sin",
+        "even * cos + odd * sin, odd * cos - even * sin",
+        r"FAIL  test_rope_interleaved_matches_complex_float64 \(3 of 3 cases\): rope_interleaved\("
+        r"x \[6, 3, 16\] float64, .* values differ; worst at .* -- your output turns each pair the "
+        r"other way \(by -angle\); RoPE's is out\[2j\] = .*$"),
+    2: ("output_slots = 1 << (output_len - 1).bit_length() if output_len > 0 else 0\n"
+        "    return min(prompt_len + output_slots, max_model_len)",
+        "return min(1 << (prompt_len + output_len - 1).bit_length(), max_model_len)",
+        r"FAIL  test_reservation_tokens_paper_example \(1 of 3 cases\): reservation_tokens\("
+        r"prompt_len=100, output_len=25, policy='pow2', max_model_len=2048\): expected int 132, "
+        r"got int 128"),
+    3: ("per_kv_head, k_cache) / math.sqrt(head_dim)", "per_kv_head, k_cache)",
+        r"FAIL  test_decode_attention_matches_sdpa_float64 \(4 of 5 cases\): decode_attention\("
+        r"query \[3, 4, 8\] float64, .* \d+ of 96 values differ; worst at .* -- your output is "
+        r"attention without the 1/sqrt\(head_dim\) scale on the scores$"),
+    4: ("held % self.block_size != 0", "held > 0",
+        r"FAIL  test_a_full_shared_block_is_never_copied: ForkingKVCacheManager\(10, "
+        r"block_size=4\), allocate_slots\('a', 8\), fork\('a', 'b'\), allocate_slots\('b', 1\): "
+        r"the blocks taken .*: expected list of 1 \[2\], got list of 2 \[2, 3\]"),
+    5: (*SUMS_AS_THEY_ARE,
+        r"FAIL  test_combine_splits_equals_softmax: combine_splits of 3 splits .* values differ"),
+    6: ("matched += shared", "matched += len(run)",
+        r"FAIL  test_match_by_hand \(1 of 8 cases\): match\(tree of .*, \[1, 2, 7, 8, 0, 0\]\): "
+        r"expected int 4, got int 5$"),
+    7: ("budget += scheduled.pop(victim, 0)", "scheduled.pop(victim, 0)",
+        r"FAIL  test_one_step_decides_like_vllm_priority \(1 of 11 cases\): scenario 'the victim "
+        r"already ran this step: its tokens go back' .*: first difference at \['scheduled \(id, "
+        r"tokens\)'\]\[1\]\[1\]: expected int 2, got int 1$"),
+}
 
 
 def kvlab_check(*args: str, before: str = "pass", cwd: Path = ROOT) -> tuple[int, str]:
@@ -103,12 +166,29 @@ def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):
         assert code == 1 and re.search("^  " + line, output, re.M), f"no {line!r} in:\n{output}"
 
 
-@pytest.mark.parametrize("mistake, edits, failures", SOFTMAX_MISTAKES,
-                         ids=[mistake for mistake, *_ in SOFTMAX_MISTAKES])
+def test_every_grader_fails_a_plausible_wrong_answer_that_runs(tmp_path):
+    """Each stage's wrong answer runs to the end and gives numbers; its grader says FAIL (a wrong
+    value), not ERROR (a crash), on the check that names what is wrong."""
+    assert sorted(WRONG_ANSWERS) == STAGES, "one plausible wrong answer per stage"
+    for answer in ROOT.glob("solutions/stage*_*.py"):
+        (tmp_path / answer.name).write_text(answer.read_text())
+    for stage, (answer_text, learner_text, _) in WRONG_ANSWERS.items():
+        mine = next(tmp_path.glob(f"stage{stage}_*.py"))
+        text = mine.read_text()
+        assert answer_text in text, f"solutions/{mine.name} changed: update WRONG_ANSWERS"
+        mine.write_text(text.replace(answer_text, learner_text, 1))
+    code, output = kvlab_check("all", "--target", str(tmp_path))
+    assert code == 1 and "  ERROR " not in output, output
+    for stage, (*_, line) in WRONG_ANSWERS.items():
+        assert re.search("^  " + line, output, re.M), f"stage {stage}: no {line!r} in:\n{output}"
+
+
+@pytest.mark.parametrize("mistake, edits, failures", SPLIT_KV_MISTAKES,
+                         ids=[mistake for mistake, *_ in SPLIT_KV_MISTAKES])
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid:RuntimeWarning")
-def test_stage5_checks_catch_each_online_softmax_mistake(tmp_path, mistake, edits, failures):
-    # The checks called directly, in this process (Triton is imported once): a second or so for
-    # all four. The kvlab check line of the first mistake is in MISTAKES above.
+def test_stage5_checks_catch_each_split_kv_mistake(tmp_path, mistake, edits, failures):
+    # The checks called directly, in this process (Triton is imported once): a few seconds for
+    # all of them. The kvlab check line of the no-largest-max mistake is in MISTAKES above.
     pytest.importorskip("triton")
     mine = tmp_path / "stage5_paged_attention.py"
     text = (ROOT / "solutions" / mine.name).read_text()
@@ -119,8 +199,9 @@ def test_stage5_checks_catch_each_online_softmax_mistake(tmp_path, mistake, edit
     learner = types.SimpleNamespace(**runpy.run_path(str(mine)))
     checks = runpy.run_path(str(ROOT / "tests" / "exercises" / "test_stage5.py"))
     for check, message in failures.items():
+        name, *case = (check,) if isinstance(check, str) else check
         with pytest.raises(AssertionError, match=message):
-            checks[check](learner)
+            checks[name](learner, *(list(a) if isinstance(a, tuple) else a for a in case))
 
 
 @pytest.mark.parametrize("args, before, message", [

@@ -37,7 +37,7 @@ def test_readme_says_what_a_fresh_machine_needs_before_the_commands():
     """A venv, the CPU torch before kvlab, the disk the venv takes, the suite's time, chromium."""
     section = (ROOT / "README.md").read_text().split("## The two commands\n", 1)[1]
     section = " ".join(section.split("\n## ", 1)[0].split())
-    steps = ["python -m venv .venv && . .venv/bin/activate",
+    steps = ["python3 -m venv .venv && . .venv/bin/activate",
              "pip install torch --index-url https://download.pytorch.org/whl/cpu",
              "pip install -e . && kvlab report"]
     assert all(step in section for step in steps) and \

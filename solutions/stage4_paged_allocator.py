@@ -17,10 +17,12 @@ gets a fresh block holding a copy of the shared one, and the shared block's ref 
 The manager only decides; it records (source, destination) and the model runner copies the K/V of
 every layer before the forward pass (`take_copies`, vLLM v0's `blocks_to_copy`).
 
-`ForkingKVCacheManager` below starts as the page's manager; you write `fork` and the
-copy-on-write in `allocate_slots`. `kvlab check 4` replays the same calls on kvlab's
-`kvlab.paged.KVCacheManager` and compares block ids, tables, ref counts and copies after each one.
-Read `src/kvlab/paged/kv_cache_manager.py` afterwards and compare.
+`ForkingKVCacheManager` below is the page's manager with copy-on-write wired into
+`allocate_slots`, which counts the copy's block before it takes any. You write what it calls:
+`_must_copy_last_block` (when a copy is needed), `_copy_last_block` (the copy), and `fork`.
+`kvlab check 4` replays the same calls on kvlab's `kvlab.paged.KVCacheManager` and compares block
+ids, tables, ref counts and copies after each one. Read `src/kvlab/paged/kv_cache_manager.py`
+afterwards and compare.
 
 Units: token counts are numbers of tokens; block ids are ints 0 .. num_blocks - 1. A request is
 any object with a hashable `request_id` (kvlab.serving.Request, or types.SimpleNamespace).
@@ -87,13 +89,10 @@ class ForkingKVCacheManager:
     def allocate_slots(self, request, num_new_tokens: int) -> list[int] | None:
         """Slots for `num_new_tokens` more tokens of `request` (a new one is admitted).
 
-        As on the page: new blocks only past the last block's end, taken from the queue's head.
-        Now also: when the request's last block is partly filled *and* shared (ref count > 1), the
-        first new token would land in a block another request reads. Copy-on-write: before any
-        other new block, take a fresh block, put it in place of the shared one in this request's
-        table, drop the shared block's ref count by one, and record (shared, fresh) in `copies`.
-        A full last block is never copied (no token lands in it), nor is a block the request
-        holds alone, nor anything when num_new_tokens is 0.
+        The page's `allocate_slots`, plus copy-on-write: when the first new token would land in a
+        partly filled block that another request also holds (`_must_copy_last_block`), this
+        request first gets a private copy of it (`_copy_last_block`). The copy takes a free block
+        too, so it is counted before anything changes.
 
         Returns:
             The blocks taken, in the order taken (the copy's destination first), [] if none, or
@@ -104,29 +103,57 @@ class ForkingKVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if request.request_id not in self.block_tables and num_new_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} is admitted with no token")
-        # BEGIN SOLUTION hint: first decide everything (does the last block need a copy? how many
-        # hint: blocks past its end?) and refuse with None if the free blocks cannot cover both;
-        # hint: only then change state: the copy's fresh block replaces the shared one in this
-        # hint: table only (the siblings keep it: one owner fewer), then the new blocks follow
-        table = self.block_tables.get(request.request_id, [])
-        held = self.num_tokens.get(request.request_id, 0)
-        must_copy = (num_new_tokens > 0 and held % self.block_size != 0
-                     and self.ref_counts[table[-1]] > 1)
-        past_the_end = cdiv(held + num_new_tokens, self.block_size) - len(table)
+        request_id = request.request_id
+        if request_id not in self.block_tables and num_new_tokens == 0:
+            raise ValueError(f"request {request_id!r} is admitted with no token")
+        held = self.num_tokens.get(request_id, 0)
+        past_the_end = cdiv(held + num_new_tokens, self.block_size) - len(
+            self.block_tables.get(request_id, []))
+        must_copy = num_new_tokens > 0 and self._must_copy_last_block(request_id)
         if must_copy + past_the_end > len(self.free_block_queue):
-            return None
-        taken = []
-        if must_copy:
-            [fresh] = taken = self._take(1)
-            shared, table = table[-1], table[:-1] + [fresh]
-            self.ref_counts[shared] -= 1
-            self.copies.append((shared, fresh))
-        taken += self._take(past_the_end)
-        self.block_tables[request.request_id] = table + taken[must_copy:]
-        self.num_tokens[request.request_id] = held + num_new_tokens
-        return taken
+            return None  # the copy needs a free block as well; nothing has changed
+        copied = [self._copy_last_block(request_id)] if must_copy else []
+        new_blocks = self._take(past_the_end)  # as on the page: from the queue's head
+        self.block_tables[request_id] = self.block_tables.get(request_id, []) + new_blocks
+        self.num_tokens[request_id] = held + num_new_tokens
+        return copied + new_blocks
+
+    def _must_copy_last_block(self, request_id) -> bool:
+        """Would this request's next token land in a block another request also holds?
+
+        True when the request's last block is partly filled (a full block is never written
+        again: the next token opens a new one) and its ref count is above 1 (after a fork). False
+        for a request with no block table yet. Changes nothing.
+        """
+        # BEGIN SOLUTION hint: a request with no table has nothing to copy; otherwise look at
+        # hint: its token count (is the last block partly filled?) and at the ref count of the
+        # hint: table's last block (does another table hold it too?)
+        table = self.block_tables.get(request_id)
+        if not table:
+            return False
+        held = self.num_tokens[request_id]
+        return held % self.block_size != 0 and self.ref_counts[table[-1]] > 1
+        # END SOLUTION
+
+    def _copy_last_block(self, request_id) -> int:
+        """Copy-on-write: give the request a block of its own in place of its shared last block.
+
+        Take a fresh block (`_take`), put it in place of the shared block in *this* request's
+        table only (its siblings keep the shared one), drop the shared block's ref count by one,
+        and record (shared, fresh) in `copies` for the model runner, which copies the K/V. The
+        caller has checked that a block is free.
+
+        Returns:
+            The fresh block's id.
+        """
+        # BEGIN SOLUTION hint: one block from the free block queue's head; this table's last
+        # hint: entry becomes it; the shared block has one owner fewer; remember (shared, fresh)
+        [fresh] = self._take(1)
+        table = self.block_tables[request_id]
+        shared, table[-1] = table[-1], fresh
+        self.ref_counts[shared] -= 1
+        self.copies.append((shared, fresh))
+        return fresh
         # END SOLUTION
 
     def fork(self, parent, child) -> None:

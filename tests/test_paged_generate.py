@@ -86,9 +86,23 @@ def test_parallel_sampling_shares_the_prompt(model):
     result = generate_batch(model, prompts, NEW, block_size=4, n=4)
     expected = reference(model, prompts)
     assert result.completions == [[tokens] * 4 for tokens in expected]  # greedy siblings agree
-    # At the fork: 4 siblings x (2 + 2) prompt blocks in tables, 2 + 2 blocks stored.
-    assert result.stats.blocks_saved_by_sharing == 3 * (2 + 2)
+    # blocks_saved_by_sharing = block-table entries - physical blocks, at its largest: at the
+    # fork, 4 siblings x (2 + 2) prompt blocks in tables over 2 + 2 blocks stored.
+    assert result.stats.blocks_saved_by_sharing == 4 * (2 + 2) - (2 + 2)
     assert result.stats.num_cow_copies == 3  # only the 6-token prompt's partial block, 3 siblings
+
+
+def test_blocks_saved_by_sharing_is_table_entries_minus_blocks_at_its_largest(model):
+    engine = LLMEngine(model, num_blocks=16, block_size=4, max_model_len=24)
+    engine.add_request(make_prompts([6])[0], NEW, n=3)
+    saved = []
+    while engine.has_unfinished():
+        engine.step()
+        saved.append(engine.kv.num_logical_blocks - engine.kv.num_used_blocks)
+    # Right after the fork: 3 tables list the prompt's 2 blocks (6 entries) held once. Later a
+    # copy-on-write adds a block and no entry, a block past the prompt one of each: no larger.
+    assert saved[0] == 3 * 2 - 2
+    assert engine.stats.blocks_saved_by_sharing == max(saved) == 3 * 2 - 2
 
 
 def test_forced_first_tokens_make_siblings_diverge_without_seeing_each_other(model):

@@ -1,118 +1,109 @@
-"""Stage 0 exercise: size the KV cache, and see it outgrow the model.
+"""Stage 0 exercise: the KV calculator for three layouts the page did not size.
 
-You write four small functions of plain integer arithmetic. They are the same numbers
-`kvlab.sizing` computes (read it afterwards and compare), and `kvlab check 0` tests yours against
-published figures:
+The page sized the cache one way: every token a request holds costs, on one GPU,
 
-    Llama-3.1-70B in bf16 stores 2 x 80 x 8 x 128 x 2 = 327,680 bytes (320 KiB) of KV per token.
-    128 requests of 4,096 tokens hold 171,798,691,840 bytes (160 GiB) of KV cache,
-    more than the 141 GB of its 70,553,706,496 parameters in bf16.
+    2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes.
 
-Units: counts are plain ints (layers, heads, tokens, requests); every `*_bytes` value is a whole
-number of bytes (1 KiB = 1,024 B, 1 GiB = 2**30 B). Use integer arithmetic only (`*`, `//`), never
-floats, so the figures come out exact.
+Real deployments bend that formula in three places. You write each bend in plain integer
+arithmetic, and `kvlab check 0` tests it against `kvlab.sizing` and against published figures:
+
+1. **Tensor parallelism past the KV heads.** With `tp` GPUs, vLLM gives each GPU
+   num_key_value_heads / tp of the KV heads (the page's calculator: Llama-3.1-70B's 8 KV heads on
+   tp=8 GPUs, 1 each). On tp=16 GPUs a GPU cannot hold half a head: each keeps one whole head, and
+   every head is stored on tp / num_key_value_heads GPUs (vLLM's QKVParallelLinear replicates it;
+   vLLM refuses a tp that does not divide, or is not a multiple of, the KV heads).
+2. **A sliding window.** Mistral-7B v0.1 attends only to the last `sliding_window` = 4,096 tokens,
+   so its rolling buffer keeps at most 4,096 tokens per layer however long the request grows; at
+   32k tokens that is 8x less cache memory (Jiang et al., *Mistral 7B*, 2023, section 2). Its
+   config.json says `"sliding_window": 4096`; a model without a window says `null` (None).
+3. **A latent cache.** DeepSeek-V2's multi-head latent attention caches, per token and layer, one
+   compressed vector of `kv_lora_rank` numbers from which every head's key and value are rebuilt,
+   plus one RoPE key of `qk_rope_head_dim` numbers shared by all heads: no separate K and V, no
+   copy per head (DeepSeek-AI, *DeepSeek-V2*, 2024, section 2.1 and table 1: (d_c + d_h^R) x l
+   elements per token, about 4.5 head_dims a layer). vLLM caches it as one KV head of
+   kv_lora_rank + qk_rope_head_dim numbers, whole on every GPU.
+
+Units: counts are ints (layers, heads, tokens, GPUs); every `*_bytes` value is a whole number of
+bytes (1 KiB = 1,024 B). Integer arithmetic only (`*`, `//`, `min`): the figures come out exact.
 """
 
 from __future__ import annotations
 
-from kvlab.config import LlamaConfig
 
+def kv_bytes_per_token_per_gpu(num_hidden_layers: int, num_key_value_heads: int, head_dim: int,
+                               dtype_bytes: int, tp: int) -> int:
+    """KV-cache bytes one token takes on each of `tp` GPUs (tensor parallelism, tp >= 1).
 
-def kv_bytes_per_token(num_hidden_layers: int, num_key_value_heads: int, head_dim: int,
-                       dtype_bytes: int) -> int:
-    """Bytes of KV cache one token occupies, over the whole model.
-
-    Every layer stores, for every token, one key vector and one value vector per KV head; each
-    vector has `head_dim` elements of `dtype_bytes` bytes (bf16/fp16: 2, fp32: 4, fp8: 1).
+    tp <= num_key_value_heads: each GPU holds num_key_value_heads / tp KV heads, and tp must divide
+    num_key_value_heads. tp > num_key_value_heads: each GPU holds 1 whole KV head, and
+    num_key_value_heads must divide tp.
 
     Args:
         num_hidden_layers: decoder layers (Llama-3.1-70B: 80).
-        num_key_value_heads: KV heads per layer (Llama-3.1-70B: 8; with MHA it equals the number
-            of query heads).
-        head_dim: channels per head (Llama-3.1-70B: 128).
-        dtype_bytes: bytes per element of the cache dtype.
+        num_key_value_heads: KV heads per layer, over the whole model (Llama-3.1-70B: 8).
+        head_dim: channels per head (128).
+        dtype_bytes: bytes per element of the cache dtype (bf16: 2).
+        tp: tensor-parallel size, the GPUs one copy of the model is split over.
 
     Returns:
-        Bytes per token (int). Llama-3.1-70B, bf16: 327,680.
+        Bytes per token per GPU (int). Llama-3.1-70B in bf16: tp=1 327,680; tp=8 40,960;
+        tp=16 40,960 again (one whole head per GPU, each head on 2 GPUs).
+
+    Raises:
+        ValueError, its message naming tp and num_key_value_heads: tp=3 with 8 KV heads (no even
+        split), tp=12 with 8 KV heads (no even replication).
     """
-    # BEGIN SOLUTION hint: each token keeps one K and one V vector of head_dim numbers per KV head,
-    # hint: in every layer; count those numbers, then their bytes
-    return 2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes
+    # BEGIN SOLUTION hint: up to tp = num_key_value_heads the GPUs share the heads out evenly; past
+    # hint: it no GPU can hold part of a head: how many does each keep? Refuse the uneven cases
+    if tp <= num_key_value_heads:
+        if num_key_value_heads % tp:
+            raise ValueError(f"num_key_value_heads={num_key_value_heads} cannot be split evenly "
+                             f"over tp={tp} GPUs")
+        heads = num_key_value_heads // tp
+    else:
+        if tp % num_key_value_heads:
+            raise ValueError(f"tp={tp} is not a multiple of num_key_value_heads="
+                             f"{num_key_value_heads}: the heads cannot be replicated evenly")
+        heads = 1  # whole heads only: each one is kept on tp // num_key_value_heads GPUs
+    return 2 * num_hidden_layers * heads * head_dim * dtype_bytes
     # END SOLUTION
 
 
-def kv_cache_bytes(batch: int, seq_len: int, bytes_per_token: int) -> int:
-    """Bytes of KV cache `batch` requests of `seq_len` tokens each hold.
+def sliding_window_kv_bytes(seq_len: int, bytes_per_token: int, sliding_window: int | None) -> int:
+    """KV-cache bytes one request of `seq_len` tokens holds when each layer keeps only the last
+    `sliding_window` tokens (None: no window, every token is kept, as on the page).
 
     Args:
-        batch: concurrent requests.
-        seq_len: tokens per request (prompt + generated).
-        bytes_per_token: from `kv_bytes_per_token`.
+        seq_len: tokens the request holds (prompt + generated so far), >= 1.
+        bytes_per_token: KV bytes of one token in every layer (Mistral-7B, bf16: 131,072).
+        sliding_window: tokens each layer attends to, or None.
 
     Returns:
-        Bytes (int). 128 x 4,096 tokens of Llama-3.1-70B bf16: 171,798,691,840 (160 GiB).
+        Bytes (int). Mistral-7B v0.1 (window 4,096) in bf16: at 32,768 tokens 536,870,912 (512 MiB,
+        8x less than the 4 GiB without a window); at 1,000 tokens 131,072,000, as without one.
     """
-    # BEGIN SOLUTION hint: every token of every request costs bytes_per_token
-    return batch * seq_len * bytes_per_token
+    # BEGIN SOLUTION hint: a layer keeps the window's tokens, or fewer if the request is shorter;
+    # hint: None means no window
+    held = seq_len if sliding_window is None else min(seq_len, sliding_window)
+    return held * bytes_per_token
     # END SOLUTION
 
 
-def max_concurrent_requests(gpu_bytes: int, weights_bytes: int, seq_len: int,
-                            bytes_per_token: int) -> int:
-    """How many requests of `seq_len` tokens fit in the GPU memory the weights leave free.
-
-    The weights are loaded once; whatever memory remains holds KV cache, and each request of
-    `seq_len` tokens needs seq_len x bytes_per_token of it. Only whole requests count (round
-    down), and when the weights alone do not fit the answer is 0, never negative. (Activations
-    and the CUDA context are ignored here; vLLM measures them with a profiling run.)
+def mla_kv_bytes_per_token(num_hidden_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                           dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes with multi-head latent attention (the same on every GPU).
 
     Args:
-        gpu_bytes: memory the server may use, in bytes (an 80 GiB card: 80 * 2**30).
-        weights_bytes: bytes of the model's weights.
-        seq_len: tokens per request.
-        bytes_per_token: from `kv_bytes_per_token`.
+        num_hidden_layers: decoder layers (DeepSeek-V2: 60).
+        kv_lora_rank: numbers in the compressed KV latent, d_c (512).
+        qk_rope_head_dim: numbers in the decoupled RoPE key, d_h^R (64).
+        dtype_bytes: bytes per element of the cache dtype (bf16: 2).
 
     Returns:
-        Number of requests (int, >= 0). Llama-3.1-8B bf16 (16,060,522,496 B of weights) on
-        80 GiB at 4,096 tokens: 130.
+        Bytes per token (int). DeepSeek-V2 in bf16: 69,120 (67.5 KiB); DeepSeek-V3 (61 layers):
+        70,272.
     """
-    # BEGIN SOLUTION hint: what the card has left once the weights are loaded, in whole requests of
-    # hint: seq_len tokens; a model larger than the card fits 0 requests, never a negative count
-    free_bytes = gpu_bytes - weights_bytes
-    per_request = seq_len * bytes_per_token
-    return max(0, free_bytes // per_request)
-    # END SOLUTION
-
-
-def num_parameters(config: LlamaConfig) -> int:
-    """Parameters of a Llama-style decoder without biases, counted from its config.
-
-    Per layer: the q, k, v and o projections (q and o: hidden x num_attention_heads x head_dim
-    each; k and v: hidden x num_key_value_heads x head_dim each), the SwiGLU MLP's gate, up and
-    down projections (hidden x intermediate_size each) and two RMSNorm weights (hidden each).
-    Once per model: the token embedding (vocab_size x hidden), the final RMSNorm (hidden) and the
-    LM head (vocab_size x hidden) -- unless `config.tie_word_embeddings`, when the LM head *is*
-    the embedding and is counted once.
-
-    Args:
-        config: a `kvlab.config.LlamaConfig` (fields named as in HF config.json: hidden_size,
-            intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-            head_dim, vocab_size, tie_word_embeddings).
-
-    Returns:
-        Parameter count (int). Llama-3.1-70B: 70,553,706,496; Llama-3.1-8B: 8,030,261,248.
-    """
-    # BEGIN SOLUTION hint: per layer: q, k, v, o + 3 MLP matrices + 2 norms;
-    # hint: then the embedding, the final norm and the LM head (none if tied)
-    hidden, head_dim = config.hidden_size, config.head_dim
-    q_and_o = 2 * hidden * config.num_attention_heads * head_dim
-    k_and_v = 2 * hidden * config.num_key_value_heads * head_dim
-    mlp = 3 * hidden * config.intermediate_size
-    norms = 2 * hidden
-    per_layer = q_and_o + k_and_v + mlp + norms
-
-    embedding = config.vocab_size * hidden
-    lm_head = 0 if config.tie_word_embeddings else config.vocab_size * hidden
-    final_norm = hidden
-    return config.num_hidden_layers * per_layer + embedding + lm_head + final_norm
+    # BEGIN SOLUTION hint: count the numbers cached per token and layer (point 3 of the module
+    # hint: docstring lists them), then their bytes
+    return num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
     # END SOLUTION

@@ -1,5 +1,6 @@
 """kvlab.decode_speed: the work a KV cache saves, counted exactly, and its time measured; a batch
-of decode steps timed, its FLOPs counted, and the matmul peak they are set against."""
+of decode steps timed (the median step), its FLOPs counted, and the matmul peak they are set
+against; and notebook 00's batch limits, checked against the caches that admit them."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import pytest
 import torch
 
 from kvlab.config import PRESETS
+from kvlab.contiguous import ContiguousKVCache
 from kvlab.decode_speed import (decode_step_flops, matmul_peak, time_batched_decode,
                                 time_decoding, tokens_fed)
+from kvlab.errors import KVCacheOutOfMemory
 from kvlab.generate import generate
 from kvlab.gpus import Card
+from kvlab.paged import KVCacheManager, cdiv, kv_block_bytes, num_blocks_for_budget
 from kvlab.serving.cost_model import CostModel
+from kvlab.serving.request import Request
+from kvlab.sizing import kv_bytes_per_token
 
 
 def test_tokens_fed_by_hand():
@@ -93,6 +99,39 @@ def test_time_batched_decode_runs_real_greedy_steps(tiny_model):
         assert timing.flops == decode_step_flops(tiny_model.config, batch, timing.context_len)
         assert timing.tokens_per_s == batch / timing.seconds
         assert timing.flops_per_s == timing.flops / timing.seconds
+
+
+def test_time_batched_decode_keeps_the_median_of_its_timed_steps(tiny_model):
+    """Five timed steps by default (notebook 00's sweep), the median kept: the step whose time is
+    the middle one, with that step's context and FLOPs; an even count keeps the faster middle."""
+    for steps, timing in ((5, time_batched_decode(tiny_model, [2], context_len=4)[0]),
+                          (4, time_batched_decode(tiny_model, [2], context_len=4, steps=4)[0])):
+        assert len(timing.step_seconds) == steps and all(s > 0 for s in timing.step_seconds)
+        assert timing.seconds == sorted(timing.step_seconds)[(steps - 1) // 2]
+        # step i (1-based) ran after 4 + i tokens: the kept step's context is its own
+        assert timing.context_len == 4 + 1 + timing.step_seconds.index(timing.seconds)
+        assert timing.flops == decode_step_flops(tiny_model.config, 2, timing.context_len)
+
+
+def test_the_notebooks_batch_limits_are_what_the_allocators_admit(small_config):
+    """Notebook 00, section 6: in a KV budget, the naive limit is whole max_model_len slabs and the
+    paged limit whole blocks of each request; the real caches admit exactly that many."""
+    per_token = kv_bytes_per_token(small_config, "fp32")  # 2 x 2 x 2 x 8 x 4 = 256 B
+    budget, max_model_len, request_len, block_size = 100_000, 128, 40, 16
+    naive = budget // (max_model_len * per_token)  # the notebook's arithmetic
+    paged = budget // (cdiv(request_len, block_size) * block_size * per_token)
+    assert (naive, paged) == (3, 8)
+
+    ContiguousKVCache(small_config, naive, max_model_len, "fp32", "cpu", budget_bytes=budget)
+    with pytest.raises(KVCacheOutOfMemory, match="budget"):
+        ContiguousKVCache(small_config, naive + 1, max_model_len, "fp32", "cpu",
+                          budget_bytes=budget)
+
+    num_blocks = num_blocks_for_budget(budget, 0, kv_block_bytes(small_config, block_size, "fp32"))
+    manager = KVCacheManager(num_blocks, block_size)
+    admitted = [manager.allocate_slots(Request(i, 0.0, request_len, 1), request_len)
+                for i in range(paged + 1)]
+    assert all(admitted[:paged]) and admitted[paged] is None
 
 
 def test_time_batched_decode_rejects_bad_sizes(tiny_model):

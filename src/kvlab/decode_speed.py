@@ -159,13 +159,15 @@ def decode_step_flops(config: LlamaConfig, batch: int, context_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BatchDecodeTiming:
-    """The fastest timed decode step of `batch` requests that held `context_len` tokens before it:
-    its seconds and its FLOPs (`decode_step_flops`)."""
+    """The median timed decode step of `batch` requests (of an even count, the faster of the middle
+    two): the `context_len` tokens each held before it, its seconds and FLOPs
+    (`decode_step_flops`); step_seconds, every timed step in order, to show the spread."""
 
     batch: int
     context_len: int
     seconds: float
     flops: int
+    step_seconds: tuple[float, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -179,14 +181,16 @@ class BatchDecodeTiming:
 
 @torch.inference_mode()
 def time_batched_decode(model: LlamaForCausalLM, batch_sizes: Sequence[int],
-                        context_len: int = 32, steps: int = 2, block_size: int = 16,
+                        context_len: int = 32, steps: int = 5, block_size: int = 16,
                         seed: int = 0) -> list[BatchDecodeTiming]:
     """One BatchDecodeTiming per batch size, in order. For each: a paged cache on the model's
     device and dtype with `batch` requests of context_len tokens (a seeded random prompt
     prefilled once, its blocks copied to every request: the same K/V bytes as `batch` prompts,
-    at the cost of one prefill), then one warm-up and `steps` timed greedy decode steps. A step
-    is timed from its forward pass to its arg-max, on the device (synchronised), not the block
-    bookkeeping before it. ValueError: an empty batch_sizes, or a size or count < 1."""
+    at the cost of one prefill), then one warm-up and `steps` timed greedy decode steps, of which
+    the median is kept (on a shared machine the fastest is luck and the mean follows the worst
+    interruption). A step is timed from its forward pass to its arg-max, on the device
+    (synchronised), not the block bookkeeping before it. ValueError: an empty batch_sizes, or a
+    size or count < 1."""
     if not batch_sizes:
         raise ValueError("batch_sizes is empty: give at least one batch size")
     batch_sizes = [check_int("batch size", batch, 1) for batch in batch_sizes]
@@ -212,7 +216,7 @@ def _time_batch(model: LlamaForCausalLM, prompt: torch.Tensor, batch: int, steps
                    cache.batch_store([0], [context_len]), logits_indices=last)
     _copy_blocks(cache, source=0, targets=range(1, batch))
     tokens = logits.argmax(-1).repeat(batch)
-    best = None
+    timed = []  # (seconds, context held before the step), step 0 (the warm-up) left out
     for step in range(steps + 1):
         for request in requests:
             cache.manager.allocate_slots(request, 1)
@@ -222,11 +226,11 @@ def _time_batch(model: LlamaForCausalLM, prompt: torch.Tensor, batch: int, steps
         start = time.perf_counter()
         tokens = model(tokens, positions, store).argmax(-1)
         _synchronize(device)
-        seconds = time.perf_counter() - start
-        if step and (best is None or seconds < best.seconds):  # step 0 is the warm-up
-            best = BatchDecodeTiming(batch, context_len + step, seconds,
-                                     decode_step_flops(config, batch, context_len + step))
-    return best
+        if step:
+            timed.append((time.perf_counter() - start, context_len + step))
+    seconds, context = sorted(timed)[(len(timed) - 1) // 2]
+    return BatchDecodeTiming(batch, context, seconds, decode_step_flops(config, batch, context),
+                             tuple(s for s, _ in timed))
 
 
 def _copy_blocks(cache: PagedKVCache, source: int, targets: Sequence[int]) -> None:

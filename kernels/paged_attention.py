@@ -16,7 +16,7 @@ SOSP 2023, section 4.1). The kernel reads them in place instead of gathering a c
   buffer while this one is computed. That needs their addresses a tile early, so the block ids are
   loop-carried, each iteration loading the next tile's. Loaded in the same iteration, the K/V
   addresses would wait on that load, and the compiler would keep one buffer and wait for every
-  copy at the top of each tile (notebook 05b compiles both for sm_90).
+  copy at the top of each tile (notebook 05c compiles both for sm_90).
 * **Online softmax** (Milakov and Gimelshein, 2018; FlashAttention, Dao et al., 2022, section 3.1):
   running max `m`, sum `l` and output `acc` in float32, rescaled by exp(m_old - m_new); one pass.
 * **Masks on values as well as scores**: slots past seq_len and padded block-table entries belong
@@ -32,7 +32,7 @@ UPCAST, because the interpreter's `tl.dot` on bfloat16 multiplies the wrong numb
 `range` bound, which NumPy 2.4 refuses (Triton 3.7 and later run the `for`). Compiled, the loop
 stays a `for`: Triton software-pipelines only `scf.for` loops; compiled as a `while`, the same
 loop gets no shared-memory buffers and no asynchronous copies (`kvlab.tools.compiled` with
-`while_loop=True`; notebook 05b compiles both).
+`while_loop=True`; notebook 05c compiles both).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ MIN_DOT_ROWS = 16
 # A K tile's bytes. Compiled for sm_90 at batch 64 x 4,096 tokens with K and V double-buffered,
 # 64 tokens x head_dim 128 x bf16 (16 KiB) took 128 registers a thread under Triton 3.6 and 156
 # under 3.9 (3 programs per SM), 32 tokens 92 and 80; tests/test_triton_compile.py checks <= 128
-# (4 programs of 128 threads per SM), notebook 05b section 4 prints them.
+# (4 programs of 128 threads per SM), notebook 05c section 3 prints them.
 TILE_BYTES = 8 * 1024
 
 

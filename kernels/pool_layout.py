@@ -11,7 +11,7 @@ One decode program reads one KV head of one sequence. Token-major, that head's v
 are `num_kv_heads * head_dim` elements apart (`block_size` runs of `head_dim`); head-major, they
 are one run of `block_size * head_dim`. Runs are not what a GPU fetches, though: it moves 32-byte
 sectors of 128-byte lines, and a run of whole lines (head_dim 128 in bf16: 256 bytes) is fetched
-whole in either layout. The layout counts when a row is shorter than a line (notebook 05b, section
+whole in either layout. The layout counts when a row is shorter than a line (notebook 05c, section
 2, which also times both layouts); stage 5's benchmark (`kvlab.tools.bench_paged_attention`) times
 what it is worth in GB/s.
 No Triton here: the notebook's CPU picture uses this module.

@@ -190,3 +190,20 @@ def test_sdpa_backend_names_the_dispatchers_choice():
     query, keys = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 40, 16)
     names = {name for name in dir(SDPBackend) if name.isupper()}  # a pybind enum: no iteration
     assert sdpa_backend(query, keys, keys) in names - {"ERROR"}
+
+
+def test_cpu_caches_reads_linux_sysfs(tmp_path):
+    """The CPU's data caches, which notebooks 05b and 05c print beside their CPU timings."""
+    from kvlab.tools.machine import cpu_caches
+
+    for index, (kind, level, size, shared) in enumerate([("Data", 1, "48K", "0"),
+                                                          ("Instruction", 1, "32K", "0"),
+                                                          ("Unified", 2, "2048K", "0"),
+                                                          ("Unified", 3, "266240K", "0-1,4")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in dict(type=kind, level=level, size=size, shared_cpu_list=shared).items():
+            (folder / name).write_text(f"{value}\n")
+    assert cpu_caches(str(tmp_path)) == {"L1d": (48 * 1024, 1), "L2": (2 * 2**20, 1),
+                                         "L3": (260 * 2**20, 3)}
+    assert cpu_caches(str(tmp_path / "absent")) == {}

@@ -6,8 +6,8 @@
   most `BenchConfig.graph_max_bytes` are timed from a CUDA graph instead
   (`triton.testing.do_bench_cudagraph`, built on `torch.cuda.CUDAGraph`): the calls are captured
   once and replayed without Python, as vLLM replays its decode steps. On a CPU (toy mode) one
-  timed run after a warm-up: it only shows that the code runs. Notebook 05b times PyTorch on the
-  CPU with "cpu_best", the fastest of 5 runs after a warm-up: on a machine shared with other
+  timed run after a warm-up: it only shows that the code runs. Notebooks 05b and 05c time PyTorch
+  on the CPU with "cpu_best", the fastest of 5 runs after a warm-up: on a machine shared with other
   work, the slower runs time the other work too (the advice of Python's `timeit`).
 * SDPA's backend: `torch._fused_sdp_choice` is the dispatcher's own choice for these inputs. If it
   is MATH (the unfused reference, used when no fused kernel accepts them), "vs SDPA" would compare

@@ -25,6 +25,7 @@ import re
 import shutil
 import statistics
 import subprocess
+from pathlib import Path
 from time import perf_counter
 
 import torch
@@ -32,7 +33,8 @@ import torch
 from kvlab.device import default_dtype
 
 __all__ = ["card_name", "card_slug", "copy_bandwidth_gb_s", "read_bandwidth_gb_s",
-           "datasheet_bandwidth_gb_s", "gpu_clocks", "describe_environment", "GPU_COPY_BYTES"]
+           "datasheet_bandwidth_gb_s", "gpu_clocks", "describe_environment", "cpu_caches",
+           "GPU_COPY_BYTES"]
 
 # The copy a GPU's bandwidth is measured with: 2 GiB, so launch overhead is noise and no L2 cache
 # holds it (H100/H200: 50/60 MiB).
@@ -128,6 +130,26 @@ def card_name(device: torch.device | str) -> str:
 def card_slug(device: torch.device | str) -> str:
     """`card_name` as a folder name (each run of non-alphanumerics a dash): results/<card>/."""
     return "".join(c if c.isalnum() else "-" for c in card_name(device)).strip("-")
+
+
+def cpu_caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[str, tuple[int, int]]:
+    """The data caches CPU 0 sees, as Linux's sysfs describes them: {"L1d" or "L2" or "L3":
+    (bytes, how many logical CPUs share it)}; {} where sysfs does not say (macOS, Windows). A
+    figure timed on the CPU depends on whether its bytes fit in these."""
+    caches = {}
+    for folder in sorted(Path(root).glob("index*")):
+        try:
+            kind, level, size, shared = (
+                (folder / name).read_text().strip()
+                for name in ("type", "level", "size", "shared_cpu_list"))
+        except OSError:
+            continue
+        if kind == "Instruction" or not size.endswith("K"):
+            continue
+        cpus = sum(int(b) - int(a) + 1 if "-" in part else 1
+                   for part in shared.split(",") for a, _, b in [part.partition("-")])
+        caches[f"L{level}{'d' if kind == 'Data' else ''}"] = (int(size[:-1]) * 1024, cpus)
+    return caches
 
 
 def _cpu_model() -> str:

@@ -1,7 +1,8 @@
 """Stage 5: split-KV (flash-decoding) for the paged decode kernel, run in Triton's interpreter on CPU.
 
 Grades `stage5_paged_attention.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
-`kvlab check 5`. Each helper is tried alone through a small kernel of this file first, then the
+`kvlab check 5`. Each piece is tried alone first (`split_range` and `combine_splits` through small
+kernels of this file; the partials each split stores; the combine of hand-made partials), then the
 whole split decode against float64 attention (PyTorch SDPA, `kvlab.oracles`) on ragged sequences
 in shuffled blocks, padded with a block of NaN, with NaN in every slot a sequence does not own.
 
@@ -9,6 +10,8 @@ What small random scores hide:
 
 * split ranges that run past a sequence's end read slots that are not its own: only NaN there
   makes that visible, so the pools are NaN outside the sequences;
+* splits too short to cover the longest sequence (a split length rounded down) drop its last
+  positions: the partials are compared split by split, so the missing positions show;
 * a combine without the largest max (exp(m) as it is) is right while every m is small: the
   partials of `test_combine_splits_of_large_scores_needs_the_largest_max` have maxima of about
   1000 (exp overflows float32 above 88), and the last case of the decode uses integer queries
@@ -156,13 +159,69 @@ def test_combine_splits_of_large_scores_needs_the_largest_max(ex):
         f"largest m), never by exp(m_split) itself]"))
 
 
+def test_combine_loads_each_rows_splits(ex):
+    # 5 rows of 3 splits each, in tiles of 4 lanes: lane 3 is no split of its row (row r + 1's
+    # first split sits right after row r's last). Each row its own scores and values, around
+    # -200, 0 or +200: a padding lane loaded as m = 0 outweighs a row of scores far below 0.
+    gen = torch.Generator().manual_seed(4)
+    rows, bounds = 5, [0, 16, 32, 40]
+    offsets = torch.tensor([-200.0, 0.0, 200.0, -200.0, 0.0])[:, None]
+    scores = 3 * torch.randn(rows, 40, generator=gen) + offsets
+    values = torch.randn(rows, 40, 16, generator=gen)
+    parts = [partials(scores[r:r + 1], values[r], bounds) for r in range(rows)]
+    m, l, acc = (torch.cat([part[i] for part in parts]).contiguous().to(DEVICE) for i in range(3))
+    out = ex.combine(m, l, acc)
+    expected = torch.stack([(scores[r].double().softmax(-1) @ values[r].double()).float()
+                            for r in range(rows)])
+    assert_close(out.cpu(), expected, (
+        "combine(m, l, acc) of 5 rows x 3 splits (tiles of 4 lanes) vs softmax(scores) @ values, "
+        "row by row [row r's splits are entries r * num_splits + s; a lane past num_splits is "
+        "no split of row r: load it as an empty split, m = -inf, l = 0, acc = 0]"),
+        atol=TOLERANCE, rtol=TOLERANCE)
+
+
+# ---- the partials each split stores ----------------------------------------------------------
+
+@pytest.mark.parametrize("seq_lens, block_size, num_kv_heads, group, num_splits", [
+    ([40, 17, 1], 8, 2, 4, 3),   # splits of 14: 40 = 14 + 14 + 12; the short ones end early
+    ([33, 2], 16, 2, 1, 4),      # splits of 9: the 2-token sequence has 3 empty splits
+])
+def test_partials_split_by_split(ex, seq_lens, block_size, num_kv_heads, group, num_splits):
+    inputs, _, kv = decode_case(seq_lens, block_size, num_kv_heads, group, head_dim=16, seed=11)
+    got = ex.paged_decode_partials(*inputs, num_splits=num_splits)
+    query = inputs[0].cpu().double()
+    split_len = -(-max(seq_lens) // num_splits)
+    expected = [[], [], []]  # m, l, acc of every row (seq * num_heads + head), split by split
+    for seq, n in enumerate(seq_lens):
+        bounds = [min(s * split_len, n) for s in range(num_splits + 1)]
+        for head in range(num_kv_heads * group):
+            keys, values = (t[:, head // group].double() for t in kv[seq])
+            scores = (query[seq, head] @ keys.T / math.sqrt(16))[None, :]
+            for i, part in enumerate(partials(scores, values, bounds)):
+                expected[i].append(part[0])
+    what = (f"paged_decode_partials(seq_lens={seq_lens}, block_size={block_size}, "
+            f"{num_kv_heads} KV heads x group {group}, num_splits={num_splits}): split s holds "
+            f"{split_len} positions from s * {split_len}; ")
+    names = ("m", "l", "acc")
+    for name, mine, wanted in zip(names, got, expected):
+        wanted = torch.stack(wanted)
+        if name == "m":  # an empty split's max is -inf: compared as a number far below any score
+            mine, wanted = (torch.where(t == float("-inf"), -1e30, t)
+                            for t in (mine.cpu(), wanted))
+        assert_close(mine.cpu(), wanted, what + (
+            f"{name} [{', '.join(str(d) for d in wanted.shape)}] vs float64, row = seq * num_heads "
+            f"+ head, column = split (nan: no program stored there)"), atol=TOLERANCE,
+            rtol=TOLERANCE)
+
+
 # ---- the whole split decode --------------------------------------------------------------
 
 def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large=False):
-    """Query, token-major pools poisoned with NaN outside the sequences, block tables, lengths,
-    and the float64 answer (SDPA). `large`: integer queries in -16..16 and keys in -16..16 times
-    1, 2, 3 or 4 along the sequence, so scores reach about 1000 and each split's max differs
-    from the next one's by hundreds; integers this small multiply exactly in float32 (and TF32),
+    """Query, token-major pools poisoned with NaN outside the sequences, block tables, lengths;
+    the float64 answer (SDPA); each sequence's (keys, values) [n, num_kv_heads, head_dim].
+    `large`: integer queries in -16..16 and keys in -16..16 times 1, 2, 3 or 4 along the
+    sequence, so scores reach about 1000 and each split's max differs from the next one's by
+    hundreds; integers this small multiply exactly in float32 (and TF32),
     so only the softmax and the combine can be wrong."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 1
@@ -173,7 +232,7 @@ def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large
     shape = (len(seq_lens), num_kv_heads * group, head_dim)
     query = (torch.randint(-16, 17, shape, generator=gen).float() if large
              else torch.randn(shape, generator=gen))
-    tables, expected = [], []
+    tables, expected, kv = [], [], []
     for i, n in enumerate(seq_lens):
         count = math.ceil(n / block_size)
         table, free = free[:count], free[count:]
@@ -188,11 +247,12 @@ def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large
                                   query_positions=torch.tensor([n - 1]))  # sees all n keys
         expected.append(attended[0].float())
         tables.append(table)
+        kv.append((keys, values))
     width = max(map(len, tables)) + 1
     block_tables = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables],
                                 dtype=torch.int32)
     inputs = (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32))
-    return tuple(t.to(DEVICE) for t in inputs), torch.stack(expected)
+    return tuple(t.to(DEVICE) for t in inputs), torch.stack(expected), kv
 
 
 @pytest.mark.parametrize("seq_lens, block_size, num_kv_heads, group, num_splits", [
@@ -203,8 +263,8 @@ def decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, seed, large
 ])
 def test_split_decode_matches_float64_attention(ex, seq_lens, block_size, num_kv_heads, group,
                                                 num_splits):
-    inputs, expected = decode_case(seq_lens, block_size, num_kv_heads, group, head_dim=16,
-                                   seed=len(seq_lens) + block_size)
+    inputs, expected, _ = decode_case(seq_lens, block_size, num_kv_heads, group, head_dim=16,
+                                      seed=len(seq_lens) + block_size)
     out = ex.paged_decode_split(*inputs, num_splits=num_splits)
     assert_close(out.cpu(), expected, (
         f"paged_decode_split(seq_lens={seq_lens}, block_size={block_size}, {num_kv_heads} KV "
@@ -215,8 +275,8 @@ def test_split_decode_matches_float64_attention(ex, seq_lens, block_size, num_kv
 def test_split_decode_with_large_scores_matches_float64_attention(ex):
     # 70 tokens in blocks of 4, 3 splits of 24: scores up to about 1000, growing split by split.
     seq_lens, block_size = [70, 23, 1], 4
-    inputs, expected = decode_case(seq_lens, block_size, num_kv_heads=2, group=4, head_dim=16,
-                                   seed=8, large=True)
+    inputs, expected, _ = decode_case(seq_lens, block_size, num_kv_heads=2, group=4,
+                                      head_dim=16, seed=8, large=True)
     out = ex.paged_decode_split(*inputs, num_splits=3)
     assert_close(out.cpu(), expected, (
         f"paged_decode_split(seq_lens={seq_lens}, block_size={block_size}, num_splits=3; "

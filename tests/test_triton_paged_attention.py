@@ -183,8 +183,9 @@ def test_large_scores_whose_max_grows_late_with_and_without_split(case_index):
 
 @pytest.mark.parametrize("prefetch_ids", [True, False], ids=["ids-ahead", "ids-same-tile"])
 def test_both_loops_of_the_compile_comparison_match_reference(prefetch_ids):
-    # plan_decode's prefetch_ids=False is the loop notebook 05 compiles as "before": the same
-    # arithmetic, so both must match. Block size 12 and 20 (not powers of two; 20 > the tile).
+    # plan_decode's prefetch_ids=False is the loop notebook 05c compiles beside the library's:
+    # the same arithmetic, so both must match. Block size 12 and 20 (not powers of two; 20 >
+    # the tile).
     for block_size in (12, 20):
         query, k_pool, v_pool, block_tables, lens, tables = scatter_case(
             [70, 3, 41], block_size, 2, 4, 64, torch.float32, seed=8)

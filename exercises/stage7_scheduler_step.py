@@ -22,17 +22,14 @@ Everything else is the page's step. Running requests first, in `running` order (
 order), while token budget is left, each given min(num_tokens - num_computed_tokens, budget) new
 tokens; a failed `kv.allocate_slots(request, n)` (None) preempts a victim and retries, and if the
 victim is `request` itself, the running pass ends. Then, only in a step that preempted nobody,
-waiting requests are admitted, best key first, while budget is left and fewer than max_num_seqs
-run: `blocks, cached = kv.get_computed_blocks(request)` (a prefix-cache hit: tokens it need not
-compute), num_new = min(num_tokens - cached, budget), and `kv.allocate_slots(request, num_new,
-cached, blocks, full_sequence_must_fit=True)`: vLLM admits a request only if its whole input
-(here its prompt; after a preemption, prompt and outputs so far) fits in the free blocks now,
-not just the chunk it computes this step (`scheduler_reserve_full_isl`, on by default). A head
-that does not fit waits, and nobody overtakes it. An admitted request leaves the queue, joins
-the end of `running` with num_computed_tokens = cached, and computes num_new tokens.
+waiting requests are admitted from the head of the queue with vLLM's whole-input gate
+(`full_sequence_must_fit=True`), as on the page, after a prefix-cache lookup
+(`kv.get_computed_blocks`), as kvlab's `Scheduler.admit_waiting` does.
 
-You write `priority_key`, the queue and `schedule_step`; `preempt` (given) does the page's
-recompute preemption. In the checks no two requests arrive at the same instant, so keys never tie.
+You write `priority_key`, the queue and rule 1 of `schedule_step` (the running pass and its
+victims); `preempt` (the page's recompute preemption) and rule 2 (admission, which takes the
+queue's order from your `peek_request` and `pop_request`) are given. In the checks no two
+requests arrive at the same instant, so keys never tie.
 `kvlab check 7` runs yours beside a reference written after vLLM's code, on states where priority
 and FCFS decide differently, then on whole random replays. Read vLLM's `schedule()` afterwards.
 """
@@ -112,6 +109,18 @@ def schedule_step(running: list, waiting: PriorityRequestQueue, kv: Any, max_num
 
     if preempted:  # memory is already short for those running: admit nobody
         return list(scheduled.items()), [], preempted
+    # Rule 2, given: the page's admission plus the prefix-cache lookup of kvlab's Scheduler
+    # (`admit_waiting`), taking requests in the queue's order.
     num_running = len(running)  # the requests admitted below join `running` after these
-    raise NotImplementedError("TODO(stage 7): rule 2: while the queue, the budget and max_num_seqs allow, try the request served next: its prefix-cache hit, then room for the rest with vLLM's gate (its whole input must fit now, not only this step's chunk); a refusal stops admission")
+    while waiting and budget > 0 and len(running) < max_num_seqs:
+        request = waiting.peek_request()
+        blocks, cached = kv.get_computed_blocks(request)  # tokens it need not compute
+        num_new = min(request.num_tokens - cached, budget)
+        if kv.allocate_slots(request, num_new, cached, blocks, full_sequence_must_fit=True) is None:
+            break  # the head waits for memory (its whole input must fit); nobody overtakes it
+        waiting.pop_request()
+        request.num_computed_tokens = cached
+        running.append(request)
+        scheduled[request] = num_new
+        budget -= num_new
     return list(scheduled.items()), running[num_running:], preempted

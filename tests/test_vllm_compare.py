@@ -266,3 +266,16 @@ def test_speed_summary_takes_medians_over_repeats(tmp_path, capsys):
     assert row[7] == "2.0 [1.0-3.0]"
     assert main([str(tmp_path)]) == 0 and f"| {name} | 3 |" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_a_run_records_the_machine_it_ran_on():
+    """Speed figures name their machine: the architecture, the CPU model, how many CPUs and the
+    widest vector extension (runs stored before 7 December 2026 recorded only 'x86_64, cpu')."""
+    import os
+    import platform
+
+    from kvlab.tools.machine import cpu_model
+    from kvlab.tools.vllm_compare.comparison import machine
+
+    recorded = machine()
+    assert recorded.startswith(f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs")

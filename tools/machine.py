@@ -34,7 +34,7 @@ from kvlab.device import default_dtype
 
 __all__ = ["card_name", "card_slug", "copy_bandwidth_gb_s", "read_bandwidth_gb_s",
            "datasheet_bandwidth_gb_s", "gpu_clocks", "describe_environment", "cpu_caches",
-           "GPU_COPY_BYTES"]
+           "cpu_model", "GPU_COPY_BYTES"]
 
 # The copy a GPU's bandwidth is measured with: 2 GiB, so launch overhead is noise and no L2 cache
 # holds it (H100/H200: 50/60 MiB).
@@ -152,7 +152,7 @@ def cpu_caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[str, tu
     return caches
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` says."""
     try:
         with open("/proc/cpuinfo") as info:
@@ -226,7 +226,7 @@ def describe_environment(device: torch.device | str, mode: str,
         mode=mode, device=str(device), card=card_name(device),
         dtype=str(default_dtype(device)).replace("torch.", ""),
         python=platform.python_version(), torch=torch.__version__, triton=_version("triton"),
-        numpy=_version("numpy"), cuda=torch.version.cuda, cpu=_cpu_model(),
+        numpy=_version("numpy"), cuda=torch.version.cuda, cpu=cpu_model(),
         cpu_count=os.cpu_count(), triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
     )
     if device.type == "cuda":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import platform
 from pathlib import Path
 
@@ -17,9 +18,27 @@ from .table import Row, compare
 from .vllm_process import VLLMUnavailable, check_vllm_python, run_vllm
 from .workloads import Workload, chat_workload, mooncake_workload
 
-__all__ = ["WORKLOADS", "Comparison", "build_workload", "run_comparison", "export_dir"]
+__all__ = ["WORKLOADS", "Comparison", "build_workload", "run_comparison", "export_dir",
+           "machine"]
 
 WORKLOADS = ("chats", "mooncake")
+
+
+def machine() -> str:
+    """This machine as a run records it: 'x86_64, Intel(R) Xeon(R) Processor, 2 CPUs, AVX-512'
+    (the CPU model as `kvlab.tools.machine` reads it, and the widest x86 vector extension the
+    kernels of both engines may use; runs stored before 7 December 2026 recorded 'x86_64, cpu')."""
+    from ..machine import cpu_model
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info
+                          if line.startswith("flags")), [])
+    except OSError:  # not Linux: no flags to read
+        flags = []
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    return ", ".join(part for part in (platform.machine(), cpu_model(), f"{os.cpu_count()} CPUs",
+                                       vector) if part)
 
 
 @dataclasses.dataclass
@@ -36,7 +55,7 @@ class Comparison:
 
     def to_json(self) -> dict:
         return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+                "machine": machine(),
                 "workload": {"name": self.workload.name, **self.workload.parameters,
                              "prompt_lengths": [len(p) for p in self.workload.prompts],
                              "max_tokens": self.workload.max_tokens},

@@ -7,10 +7,11 @@ kvlab (kvlab's venv does not need vLLM, and vLLM pins its own torch and transfor
 holds the exported model folder, the workload (token ids, max_tokens) and `EngineSettings`.
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a subclass of vLLM
-v1's `Scheduler`, passed as the `scheduler_cls` engine argument, sees every step: after
-`schedule()` it records its request counts (`get_request_counts()`, what its stat loggers read),
-after `update_from_output()` the time of each token sampled. vLLM's log goes to stderr; stdout
-carries the JSON alone.
+v1's `Scheduler` (`recording_scheduler`), passed as the `scheduler_cls` engine argument, sees
+every step: after `schedule()` it records its request counts (`get_request_counts()`, what its
+stat loggers read), after `update_from_output()` the time of each token sampled. vLLM's log goes
+to stderr; stdout carries the JSON alone. Importing this module imports neither vLLM nor torch
+(notebook 07b prints `recording_scheduler`'s source from kvlab's venv).
 """
 
 import json
@@ -18,8 +19,45 @@ import os
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 OVERRIDE_POOL_BYTES = 256 * 2**20  # see `run`: a placeholder the block-count override replaces
+
+
+class Record:
+    """What the subclass records, per engine step and per request."""
+
+    def __init__(self) -> None:
+        self.running, self.waiting, self.batched = [], [], []  # per step, after schedule()
+        self.token_times = {}  # vLLM request id -> when each of its tokens was sampled (s)
+        self.capacity = self.threads = self.start = self.cpu_start = None
+
+
+def recording_scheduler(scheduler_cls, record, get_num_threads):
+    """A subclass of vLLM v1's `Scheduler` that decides exactly as it does and writes each step
+    into `record` (a `Record`); vLLM runs it when passed as `scheduler_cls`."""
+
+    class RecordingScheduler(scheduler_cls):
+        def schedule(self, *args, **kwargs):
+            if record.start is None:  # the first step: the pool as it starts, then the clocks
+                record.capacity = self.kv_cache_manager.block_pool.get_num_free_blocks()
+                record.threads = get_num_threads()  # vLLM's CPU worker may bind its own
+                record.start, record.cpu_start = time.perf_counter(), time.process_time()
+            output = super().schedule(*args, **kwargs)
+            running, waiting = self.get_request_counts()  # what vLLM's stat loggers read
+            record.running.append(running)
+            record.waiting.append(waiting)
+            record.batched.append(output.total_num_scheduled_tokens)
+            return output
+
+        def update_from_output(self, *args, **kwargs):
+            outputs = super().update_from_output(*args, **kwargs)
+            now = time.perf_counter() - record.start
+            for engine_outputs in outputs.values():
+                for out in engine_outputs.outputs:
+                    record.token_times.setdefault(out.request_id, []).extend(
+                        [now] * len(out.new_token_ids))
+            return outputs
+
+    return RecordingScheduler
 
 
 def run(spec: dict) -> dict:
@@ -34,33 +72,7 @@ def run(spec: dict) -> dict:
     import torch
 
     settings, workload = spec["settings"], spec["workload"]
-    running, waiting, batched, start, capacity, threads, cpu_start = [], [], [], [], [], [], []
-    times = {}  # vLLM request id -> token times
-
-    class RecordingScheduler(Scheduler):
-        """vLLM's scheduler, unchanged, with its queue lengths and sampled tokens recorded."""
-
-        def schedule(self, *args, **kwargs):
-            if not start:
-                capacity.append(self.kv_cache_manager.block_pool.get_num_free_blocks())
-                threads.append(torch.get_num_threads())  # vLLM's CPU worker may bind its own
-                start.append(time.perf_counter())
-                cpu_start.append(time.process_time())
-            output = super().schedule(*args, **kwargs)
-            now_running, now_waiting = self.get_request_counts()  # what its stat loggers read
-            running.append(now_running)
-            waiting.append(now_waiting)
-            batched.append(output.total_num_scheduled_tokens)
-            return output
-
-        def update_from_output(self, *args, **kwargs):
-            outputs = super().update_from_output(*args, **kwargs)
-            now = time.perf_counter() - start[0]
-            for engine_outputs in outputs.values():
-                for out in engine_outputs.outputs:
-                    times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
-            return outputs
-
+    record = Record()
     if settings.get("kv_cache_memory_bytes"):  # vLLM sizes the pool from the bytes
         pool = {"kv_cache_memory_bytes": settings["kv_cache_memory_bytes"]}
     else:
@@ -77,12 +89,12 @@ def run(spec: dict) -> dict:
               max_num_batched_tokens=settings["max_num_batched_tokens"],
               max_model_len=settings["max_model_len"],
               enable_prefix_caching=settings["enable_prefix_caching"],
-              scheduler_cls=RecordingScheduler)
+              scheduler_cls=recording_scheduler(Scheduler, record, torch.get_num_threads))
     prompts = [{"prompt_token_ids": ids} for ids in workload["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload["max_tokens"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    cpu_s = time.process_time() - cpu_start[0] if cpu_start else None
+    cpu_s = None if record.cpu_start is None else time.process_time() - record.cpu_start
     metrics = {m.name: m for m in llm.get_metrics()}
 
     def counter(name):
@@ -92,19 +104,21 @@ def run(spec: dict) -> dict:
     # Engine request ids may carry a suffix; each output names its own.
     token_times = []
     for out in outputs:
-        match = [key for key in times
+        match = [key for key in record.token_times
                  if key == out.request_id or key.startswith(out.request_id + "-")]
-        token_times.append(times[match[0]] if match else [])
+        token_times.append(record.token_times[match[0]] if match else [])
+    capacity = record.capacity or 0
     return {"engine": "vllm", "version": vllm.__version__,
-            "kv_capacity_blocks": capacity[0] if capacity else 0,
-            "kv_capacity_tokens": (capacity[0] if capacity else 0) * settings["block_size"],
+            "kv_capacity_blocks": capacity,
+            "kv_capacity_tokens": capacity * settings["block_size"],
             "outputs": [list(out.outputs[0].token_ids) for out in outputs],
             "num_cached_tokens": [int(out.num_cached_tokens or 0) for out in outputs],
             "prefix_cache_queries": counter("vllm:prefix_cache_queries") or 0,
             "prefix_cache_hits": counter("vllm:prefix_cache_hits") or 0,
             "num_preemptions": counter("vllm:num_preemptions") or 0,
-            "steps": {"running": running, "waiting": waiting, "batched_tokens": batched}, "token_times_s": token_times,
-            "torch_threads": threads[0] if threads else None, "cpu_s": cpu_s}
+            "steps": {"running": record.running, "waiting": record.waiting,
+                      "batched_tokens": record.batched}, "token_times_s": token_times,
+            "torch_threads": record.threads, "cpu_s": cpu_s}
 
 
 def main() -> int:
@@ -115,6 +129,7 @@ def main() -> int:
         spec = json.load(handle)
     threads = str(spec["settings"].get("threads", 1))
     os.environ.setdefault("OMP_NUM_THREADS", threads)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
     stdout = os.dup(1)
     os.dup2(2, 1)  # vLLM's log and prints go to stderr
     try:

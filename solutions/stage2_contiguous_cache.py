@@ -6,27 +6,42 @@ when it is admitted (Kwon et al., SOSP 2023, section 6.1 and figure 2):
 
 * Orca (Pow2): the prompt plus the output rounded up to a power of two (an output of 25 tokens
   reserves 32 slots): at most twice what the output needs;
-* Orca (Oracle): exactly prompt + output, as if the server knew every output's length in advance
-  (no server does: it is the upper bound of reserving up front).
+* Orca (Oracle): exactly prompt + output, as if the server knew every output's length in advance.
 
-You write:
+Both need the output's length before the request runs, which no server knows. A fourth policy
+needs nothing: a *growing slab* starts at the prompt plus a few output slots and, whenever the next
+token would not fit, moves the request to a slab with twice the output slots, copying its K/V
+across (as a growable array does). You write:
 
-* `reservation_tokens`: the token slots a request reserves under each policy;
-* `memory_shares`: where the reserved memory goes over the requests' lives, split as the paper's
-  figure 2 splits it: **token states** (slots holding a token now), **reservation** (slots the
-  request will fill later) and **internal fragmentation** (slots it will never fill).
+* `reservation_tokens`: the slots a request reserves under Max, Pow2 or Oracle;
+* `growing_slab`: the slots a growing slab holds at each step of a request's life.
 
-Figure 2 measured 20.4 % (Max), 26.8 % (Pow2) and 38.2 % (Oracle) of KV memory holding token
-states, on the paper's traffic; the rest of its Pow2 and Oracle bars is mostly external
-fragmentation, free memory in pieces between slabs of different sizes, which this count leaves out
-(equal slabs have none; stage 4 measures it). Run yours on the notebook's Azure trace and compare.
+`memory_shares` (given: the notebook's closed form) splits the reserved memory as the paper's
+figure 2 does: **token states** (slots holding a token now), **later tokens** (slots the request
+will fill later; the paper calls them "reservation") and **internal fragmentation** (slots it
+never fills). Figure 2 measured 20.4 % (Max), 26.8 % (Pow2) and 38.2 % (Oracle) of KV memory
+holding token states, on the paper's traffic; most of the rest of its Pow2 and Oracle bars is
+external fragmentation, free memory in pieces between slabs of different sizes, which this count
+leaves out (equal slabs have none; stage 4 measures it).
 
-A request of P prompt tokens generating G tokens lives S = max(G, 1) scheduler steps, holds
-P + i tokens at step i (0 <= i < S) and P + G at its end (`kvlab.lifetime` says why: the last
-token's K/V is never written). Requests longer than max_model_len are rejected, never served.
+Once `kvlab check 2` passes, run all four on the notebook's trace. In a cell of notebook 02:
 
-`kvlab check 2` compares yours with `kvlab.report.replay` (the notebook's replay) and with a count
-step by step. Units: token counts and slots are ints; shares are floats that sum to 1.
+    import runpy
+    mine = runpy.run_path("../exercises/stage2_contiguous_cache.py")  # notebooks/ is the cwd
+    for policy in ("max", "pow2", "oracle", "grow"):
+        print(policy, mine["memory_shares"](requests, policy, server_max_model_len))
+
+How close does the growing slab come to Oracle without knowing a single length? How many tokens
+does it copy over the trace (a growth at step i copies the P + i - 1 tokens held), and what would a
+server pay for that?
+
+A request of P prompt tokens generating G tokens lives S = max(G, 1) scheduler steps and holds
+P + i tokens at step i (0 <= i < S): the last token is sampled and never fed back, so its K/V is
+never written (`kvlab.lifetime`). Requests longer than max_model_len are rejected, never served.
+
+`kvlab check 2` compares yours with the paper's definitions, with a growing slab simulated step by
+step, and through `memory_shares` with `kvlab.report.replay`. Units: token counts and slots are
+ints; shares are floats that sum to 1.
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 POLICIES = ("max", "pow2", "oracle")
-SHARES = ("token states", "reservation", "internal fragmentation")
+SHARES = ("token states", "later tokens", "internal fragmentation")
 
 
 class RequestSizes(Protocol):
@@ -63,7 +78,8 @@ def reservation_tokens(prompt_len: int, output_len: int, policy: str, max_model_
 
     Raises:
         ValueError: an unknown policy; prompt_len < 1 or output_len < 0; prompt_len + output_len >
-            max_model_len (the message gives the three numbers: the request is rejected).
+            max_model_len (the request is rejected: the message gives its length,
+            prompt_len + output_len, and max_model_len).
     """
     # BEGIN SOLUTION hint: refuse what no policy can reserve (an unknown policy, impossible sizes, a
     # hint: request longer than max_model_len); then Max is the whole slab, Oracle exactly what the
@@ -86,40 +102,81 @@ def reservation_tokens(prompt_len: int, output_len: int, policy: str, max_model_
     # END SOLUTION
 
 
+def growing_slab(prompt_len: int, output_len: int, max_model_len: int,
+                 first_output_slots: int = 16) -> list[int]:
+    """Slots the request's slab holds at each of its S = max(output_len, 1) steps, when the server
+    does not know output_len.
+
+    Admitted with prompt_len + first_output_slots slots; whenever the tokens held at a step
+    (prompt_len + i at step i) would not fit, the output slots double (as often as needed), and
+    the slab never exceeds max_model_len slots. So with prompt_len 10, output_len 40 and 16 first
+    output slots: 26 slots at steps 0-16, 42 at steps 17-32, 74 at steps 33-39.
+
+    Args:
+        prompt_len, output_len, max_model_len: as `reservation_tokens`.
+        first_output_slots: output slots at admission, >= 1.
+
+    Returns:
+        A list of S ints, never decreasing; at step i, >= prompt_len + i.
+
+    Raises:
+        ValueError: first_output_slots < 1; prompt_len < 1 or output_len < 0; prompt_len +
+            output_len > max_model_len (the message gives both numbers, as `reservation_tokens`).
+    """
+    # BEGIN SOLUTION hint: check the sizes as reservation_tokens does; then walk the steps, keeping
+    # hint: the output slots: at step i the slab must hold prompt_len + i tokens (double the output
+    # hint: slots until it does), and record the slab, capped at max_model_len
+    if first_output_slots < 1:
+        raise ValueError(f"first_output_slots must be >= 1, got {first_output_slots}")
+    reservation_tokens(prompt_len, output_len, "oracle", max_model_len)  # the same size checks
+    output_slots, slabs = first_output_slots, []
+    for step in range(max(output_len, 1)):
+        while step > output_slots:  # prompt_len + step tokens, prompt_len + output_slots slots
+            output_slots *= 2
+        slabs.append(min(prompt_len + output_slots, max_model_len))
+    return slabs
+    # END SOLUTION
+
+
 def memory_shares(requests: Sequence[RequestSizes], policy: str,
                   max_model_len: int) -> dict[str, float]:
-    """Shares of the reserved token slots, summed over every step of every served request.
+    """Shares of the reserved token slots, summed over every step of every served request (given).
 
-    At each step a request reserves `reservation_tokens(...)` slots, of which P + i hold a token
-    (token states), P + G - (P + i) will hold one later (reservation), and the rest never will
-    (internal fragmentation). Requests longer than max_model_len are skipped (rejected).
+    At step i a request's slab has `reservation_tokens(...)` slots (under "grow",
+    `growing_slab(...)[i]`): P + i of them hold a token (token states); up to P + G, the slab's
+    empty slots the request will fill later (later tokens); the rest it never fills (internal
+    fragmentation). A fixed slab holds P + G or more, so its later tokens are P + G - (P + i), and
+    over the request's S steps the tokens held sum to P + (P + 1) + ... + (P + S - 1) =
+    S * P + S * (S - 1) / 2, as in the notebook. Requests longer than max_model_len are skipped
+    (rejected).
 
     Args:
         requests: anything with prompt_len and output_len (e.g. `azure_trace("conv")`).
-        policy: one of POLICIES.
+        policy: one of POLICIES, or "grow" (`growing_slab` with its 16 first output slots).
         max_model_len: as `reservation_tokens`.
 
     Returns:
-        {"token states": float, "reservation": float, "internal fragmentation": float}, the keys of
-        SHARES, summing to 1 (1 - "token states" is the notebook's waste).
+        {"token states": float, "later tokens": float, "internal fragmentation": float}, the keys
+        of SHARES, summing to 1 (1 - "token states" is the notebook's waste).
 
     Raises:
         ValueError: no request fits max_model_len (nothing is reserved), or an unknown policy.
     """
-    # BEGIN SOLUTION hint: sum three totals over the served requests' steps: slots reserved, slots
-    # hint: holding a token, and slots the request holds at its end (its final length); the
-    # hint: closed form of P + (P + 1) + ... + (P + S - 1) avoids a loop over the steps
-    reserved = held = final = 0
+    reserved = held = filled = 0  # filled: slots holding a token by the time the slab is left
     for request in requests:
         prompt, output = request.prompt_len, request.output_len
         if prompt + output > max_model_len:
             continue  # rejected, never served
         steps = max(output, 1)
-        reserved += steps * reservation_tokens(prompt, output, policy, max_model_len)
         held += steps * prompt + steps * (steps - 1) // 2
-        final += steps * (prompt + output)
+        if policy == "grow":
+            slabs = growing_slab(prompt, output, max_model_len)
+            reserved += sum(slabs)
+            filled += sum(min(slots, prompt + output) for slots in slabs)
+        else:
+            reserved += steps * reservation_tokens(prompt, output, policy, max_model_len)
+            filled += steps * (prompt + output)
     if reserved == 0:
         raise ValueError(f"no request fits max_model_len={max_model_len}; nothing is reserved")
-    return {"token states": held / reserved, "reservation": (final - held) / reserved,
-            "internal fragmentation": (reserved - final) / reserved}
-    # END SOLUTION
+    return {"token states": held / reserved, "later tokens": (filled - held) / reserved,
+            "internal fragmentation": (reserved - filled) / reserved}

@@ -1,4 +1,5 @@
-"""Stage 2: Orca's three reservations (Max, Pow2, Oracle) and where their memory goes, against
+"""Stage 2: Orca's three reservations (Max, Pow2, Oracle) and a growing slab, against the paper's
+definitions, a growing slab simulated step by step, and, through `memory_shares`, against
 `kvlab.report.replay` and a count step by step.
 
 Grades `stage2_contiguous_cache.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it with
@@ -15,7 +16,7 @@ from kvlab.tools.grading import assert_equal, expect_raises
 from kvlab.traces import azure_trace
 from kvlab.workload import Request
 
-KEYS = ("token states", "reservation", "internal fragmentation")
+KEYS = ("token states", "later tokens", "internal fragmentation")
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,34 @@ def reference_slots(request, policy, max_model_len):
     return min(request.prompt_len + (power if request.output_len else 0), max_model_len)
 
 
+def reference_growth(request, max_model_len, first=16):
+    """The grader's growing slab, one step at a time: output slots first * 2**k, the smallest that
+    holds the tokens of the step, capped at max_model_len."""
+    slabs = []
+    for tokens in tokens_held(request):
+        output_slots = first
+        while request.prompt_len + output_slots < tokens:
+            output_slots += output_slots
+        slabs.append(min(request.prompt_len + output_slots, max_model_len))
+    return slabs
+
+
 def step_by_step(requests, policy, max_model_len):
     """Every step of every served request, one at a time (`kvlab.lifetime.tokens_held`)."""
-    reserved = held = final = 0
+    reserved = held = filled = 0
     for request in requests:
         if request.total_len > max_model_len:
             continue
-        for tokens in tokens_held(request):
-            reserved += reference_slots(request, policy, max_model_len)
+        if policy == "grow":
+            slabs = reference_growth(request, max_model_len)
+        else:
+            slabs = [reference_slots(request, policy, max_model_len)] * len(tokens_held(request))
+        for tokens, slots in zip(tokens_held(request), slabs):
+            reserved += slots
             held += tokens
-            final += request.total_len
-    return {"token states": held / reserved, "reservation": (final - held) / reserved,
-            "internal fragmentation": (reserved - final) / reserved}
+            filled += min(slots, request.total_len)
+    return {"token states": held / reserved, "later tokens": (filled - held) / reserved,
+            "internal fragmentation": (reserved - filled) / reserved}
 
 
 def assert_shares(got, expected, what, tolerance=1e-12):
@@ -124,6 +141,86 @@ def test_reservation_tokens_rejects_bad_input(ex, args):
                   f"policy={policy!r}, max_model_len={max_model_len})")
 
 
+# ---- growing_slab -----------------------------------------------------------------------------
+
+def growth_hint(got, prompt_len, output_len, max_model_len, first):
+    """What a wrong growing slab resembles, when it is one of the common slips."""
+    if not isinstance(got, list) or not got:
+        return ""
+    steps = max(output_len, 1)
+    early, whole, uncapped, slots = [], [], [], first
+    for step in range(steps):  # grows when the slab is full, before the step needs the slot
+        while step >= slots:
+            slots *= 2
+        early.append(min(prompt_len + slots, max_model_len))
+    size = prompt_len + first
+    for step in range(steps):  # doubles the whole slab, prompt included
+        while prompt_len + step > size:
+            size *= 2
+        whole.append(min(size, max_model_len))
+    slots = first
+    for step in range(steps):
+        while step > slots:
+            slots *= 2
+        uncapped.append(prompt_len + slots)
+    if got == early:
+        return (" -- your slab grows one step early: it grows when the slab is full, but at step i "
+                "it must only hold prompt_len + i tokens (grow when that does not fit)")
+    if got == whole:
+        return (" -- you doubled the whole slab, prompt included; only the output slots double "
+                "(prompt_len + 2 x output slots)")
+    if got == uncapped:
+        return f" -- your slab grows past max_model_len={max_model_len}; cap it there"
+    return ""
+
+
+def check_growth(ex, prompt_len, output_len, max_model_len, expected, first=None):
+    args = (prompt_len, output_len, max_model_len) + (() if first is None else (first,))
+    shown = f", first_output_slots={first}" if first is not None else ""
+    what = (f"growing_slab(prompt_len={prompt_len}, output_len={output_len}, max_model_len="
+            f"{max_model_len}{shown}) [slots at each step; step i holds prompt_len + i tokens]")
+    got = ex.growing_slab(*args)
+    try:
+        assert_equal(got, expected, what)
+    except AssertionError as error:
+        hint = growth_hint(got, prompt_len, output_len, max_model_len, first or 16)
+        raise AssertionError(f"{error}{hint}") from None
+
+
+@pytest.mark.parametrize("prompt_len, output_len, max_model_len, first, expected", [
+    (10, 40, 4096, None, [26] * 17 + [42] * 16 + [74] * 7),  # the docstring's example
+    (5, 6, 64, 1, [6, 6, 7, 9, 9, 13]),                      # one output slot at first
+    (7, 0, 64, None, [23]),                                  # prefill only: one step
+    (30, 16, 64, 16, [46] * 16),                             # the first slab is just enough
+    (30, 17, 64, 16, [46] * 17),                             # 17 steps hold at most 30 + 16
+    (30, 34, 64, 16, [46] * 17 + [62] * 16 + [64]),          # the last growth capped
+], ids=["docstring", "first-1", "no-output", "exact", "one-more", "capped"])
+def test_growing_slab_by_hand(ex, prompt_len, output_len, max_model_len, first, expected):
+    check_growth(ex, prompt_len, output_len, max_model_len, expected, first)
+
+
+def test_growing_slab_agrees_with_the_trace(ex, trace):
+    for request in trace[:2000:7]:
+        if request.total_len <= 4096:
+            check_growth(ex, request.prompt_len, request.output_len, 4096,
+                         reference_growth(request, 4096))
+
+
+@pytest.mark.parametrize("args", [(4000, 200, 4096, 16), (100, 25, 2048, 0),
+                                  (0, 25, 2048, 16), (100, -1, 2048, 16)],
+                         ids=["longer-than-max_model_len", "no-first-slots", "no-prompt",
+                              "negative-output"])
+def test_growing_slab_rejects_bad_input(ex, args):
+    prompt_len, output_len, max_model_len, first = args
+    what = (f"growing_slab(prompt_len={prompt_len}, output_len={output_len}, "
+            f"max_model_len={max_model_len}, first_output_slots={first})")
+    error = expect_raises(ValueError, lambda: ex.growing_slab(*args), what)
+    if prompt_len + output_len > max_model_len:
+        missing = [n for n in ("4200", "4096") if n not in str(error).replace(",", "")]
+        assert not missing, (f"{what}: the ValueError should give the request's length and "
+                             f"max_model_len; it lacks {missing}. Got: {str(error)!r}")
+
+
 # ---- memory_shares ----------------------------------------------------------------------------
 
 # (prompt_len, output_len): a one-token output, a prefill-only request, a power of two exactly,
@@ -131,7 +228,7 @@ def test_reservation_tokens_rejects_bad_input(ex, args):
 SMALL = [Request(10, 1), Request(7, 0), Request(20, 16), Request(5, 17), Request(60, 10)]
 
 
-@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle", "grow"])
 def test_memory_shares_step_by_step(ex, policy):
     assert_shares(ex.memory_shares(SMALL, policy, 64), step_by_step(SMALL, policy, 64),
                   f"memory_shares(requests (prompt_len, output_len) = (10, 1), (7, 0), (20, 16), "
@@ -150,15 +247,9 @@ def test_memory_shares_max_is_the_notebooks_replay(ex, trace):
         f"{what}: expected {expected:.6f}, got {got['token states']!r}")
 
 
-@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle", "grow"])
 def test_memory_shares_on_the_trace(ex, trace, policy):
     sample = trace[::20]  # 969 requests: every step of each counted by the grader, one by one
     assert_shares(ex.memory_shares(sample, policy, 4096), step_by_step(sample, policy, 4096),
                   f"memory_shares(azure_trace('conv')[::20], policy={policy!r}, "
                   f"max_model_len=4096)", tolerance=1e-9)
-
-
-def test_memory_shares_refuses_when_nothing_fits(ex):
-    expect_raises(ValueError, lambda: ex.memory_shares([Request(100, 50)], "max", 64),
-                  "memory_shares(requests (prompt_len, output_len) = (100, 50), policy='max', "
-                  "max_model_len=64) [no request fits: nothing is reserved]")

@@ -1,44 +1,65 @@
 # Stage 3 exercise, generated from solutions/stage3_grouped_query_attention.py by scripts/make_exercises.py.
 # Replace each `raise NotImplementedError("TODO...")` with your code, then run `kvlab check 3`.
 
-"""Stage 3 exercise: grouped-query attention at decode time, and a second way to convert MHA.
+"""Stage 3 exercise: grouped-query attention at decode time, and MHA -> GQA with any grouping.
 
 Notebook 03 wrote GQA for one whole sequence (each group of G = num_attention_heads /
 num_key_value_heads query heads reads one KV head, without copying K and V) and the MHA -> GQA
-conversion by mean-pooling (Ainslie et al., EMNLP 2023, "GQA: Training Generalized Multi-Query
-Transformer Models from Multi-Head Checkpoints", section 2.1). Two steps further:
+conversion that mean-pools *adjacent* heads (Ainslie et al., EMNLP 2023, "GQA: Training
+Generalized Multi-Query Transformer Models from Multi-Head Checkpoints", section 2.1). Two steps
+further:
 
 * `decode_attention`: the step a server runs most. Each running request brings one new token and
   reads its own contiguous slab of cache (stage 2's layout, num_key_value_heads wide) up to its own
   length; the rest of the slab holds whatever an earlier request left there, NaN included. GQA's
   saving is here: at decode, attention reads the whole cache for one token of compute, so reading
-  num_key_value_heads heads instead of num_attention_heads is what makes it faster.
-* `pool_kv_heads`: a conversion by *weighted* pooling. New KV head j = sum over p of
-  mix[p] x old head j*P + p (P = heads per group). Uniform weights are the paper's mean-pooling;
-  a one-hot mix keeps one head of each group, the alternative the paper found worse (section 3.3,
-  figure 4). Once `kvlab check 3` passes, measure that in the notebook, after its section 3:
+  num_key_value_heads heads instead of num_attention_heads is what makes it faster. The grouping
+  of the query heads is given (`group_query_heads`, the notebook's view); the rest is yours.
+* `pool_groups`: a conversion in which *any* heads may share a KV head, not only adjacent ones.
+  Query head h reads KV head h // P, so the query heads of a group must first be made adjacent:
+  move each one's q_proj rows, and its o_proj columns with them (the layer then computes exactly
+  what it did), then mean-pool each group's K and V heads. Adjacent groups give back the
+  notebook's conversion.
 
-      from kvlab.gqa import convert_to_gqa
-      keep_first = lambda w, h, d, n: pool_kv_heads(w, h, d, n, torch.tensor([1.0, 0, 0, 0]))
-      model = convert_to_gqa(tiny_mha32, 2, pool=keep_first)
+Once `kvlab check 3` passes, try groupings in the notebook, after its section 3 (the notebook's
+folder is the working directory):
 
-  and its perplexity on `eval_ids` before and after `uptrain(model, train_ids, 30, 8, 128)`, next
-  to mean-pooling's. Does the paper's ranking hold? Which head of a group would you keep?
+    import runpy
+    from kvlab.gqa import convert_layers
+    mine = runpy.run_path("../exercises/stage3_grouped_query_attention.py")
+    groups = [[0, 4, 1, 5], [2, 6, 3, 7]]  # every layer; or a list per layer, by layer_index
+    model = convert_layers(tiny_mha32, 2, lambda layer_index, weights: mine["pool_groups"](
+        weights, groups, tiny_mha32.config.head_dim))
+
+and score it as section 3 scores mean-pooling, before and after `uptrain(model, train_ids, 48)`.
+Do heads whose keys look alike (say, the cosine similarity of the keys each head computes on
+`eval_ids`) pool with less damage than adjacent ones? Does uptraining erase the difference?
 
 `kvlab check 3` compares `decode_attention` with PyTorch's `scaled_dot_product_attention` over
 repeated K/V for each request on its own (`kvlab.oracles.sdpa_attention`, in float64), and
-`pool_kv_heads` with `kvlab.gqa.mean_pool_kv_heads`, with selecting rows, and with a loop.
+`pool_groups` with `kvlab.gqa.mean_pool_kv_heads` on adjacent groups, with the logits of the
+original model (a grouping of one head each moves heads and must change no output), and with a
+model whose heads the grader moved itself before mean-pooling them.
 
 Layout, as in the notebook: per-head tensors are [..., num_heads, head_dim]; query head
 h = kv * G + g is the g-th head of KV head kv's group (adjacent query heads share a KV head, as in
-HF Llama and vLLM).
+HF Llama and vLLM). nn.Linear weights are [out_features, in_features]: head h owns rows
+h*head_dim .. (h+1)*head_dim - 1 of q_proj, k_proj and v_proj, and the same columns of o_proj.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
+
+
+def group_query_heads(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[num_seqs, num_attention_heads, head_dim] -> [num_seqs, num_kv_heads, G, head_dim], a view
+    (given: the notebook's grouping): [:, k] holds the G query heads that read KV head k."""
+    num_seqs, num_heads, head_dim = query.shape
+    return query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,8 +71,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     The newest token is already written at slot context_lens[i] - 1, so it sees itself. Slots
     from context_lens[i] on belong to no one: they may hold anything, NaN and inf included, and
-    must not change the result (0 x NaN is NaN: masking the scores alone is not enough). Group the
-    query heads as the notebook did; do not copy K/V once per query head (no `repeat_kv`,
+    must not change the result (0 x NaN is NaN: masking the scores alone is not enough). Use
+    `group_query_heads`; do not copy K/V once per query head (no `repeat_kv`,
     `repeat_interleave`, `repeat`, `tile` or `expand` of the cache; `kvlab check 3` watches).
     Compute in the query's dtype (the tests use float64 and float32).
 
@@ -67,31 +88,34 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         ValueError: num_key_value_heads does not divide num_attention_heads, or a context length
             is outside [1, max_model_len] (the message names the numbers).
     """
-    raise NotImplementedError("TODO(stage 3): view each request's query heads as [num_kv_heads, G, head_dim] and score them against its slab's keys in one einsum; -inf past each request's length; zero the values no one may read (0 x NaN is NaN) before the weighted sum; undo the view")
+    raise NotImplementedError("TODO(stage 3): score each request's grouped query heads against its own slab's keys in one einsum (a batch index beside the notebook's); -inf past each request's length; zero the values no one may read (0 x NaN is NaN) before the weighted sum; undo the grouping")
 
 
-def pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int, new_num_kv_heads: int,
-                  mix: torch.Tensor) -> torch.Tensor:
-    """Convert a k_proj / v_proj weight to fewer KV heads by a weighted sum of each group's heads.
+def pool_groups(weights: dict[str, torch.Tensor], groups: Sequence[Sequence[int]],
+                head_dim: int) -> dict[str, torch.Tensor]:
+    """One MHA attention layer -> GQA with len(groups) KV heads, each shared by the heads of one
+    group (any heads, not only adjacent ones).
 
-    With P = num_kv_heads // new_num_kv_heads, new head j serves the query heads that old heads
-    j*P .. j*P + P - 1 served, and is sum_p mix[p] * old head (j*P + p). mix = [1/P] * P is the
-    paper's mean-pooling (`kvlab.gqa.mean_pool_kv_heads`); mix = [1, 0, ..., 0] keeps the first
-    head of each group.
+    With H heads and P = H // len(groups) heads per group, the new layer's query heads
+    j*P .. j*P + P - 1 are the old heads groups[j][0], ..., groups[j][P - 1], in that order
+    (q_proj's rows and o_proj's columns of each head move together), and its KV head j is the
+    mean of the old K (and V) heads in groups[j]. groups = [[0, 1, 2, 3], [4, 5, 6, 7]] is the
+    notebook's mean-pooling; groups of one head each only reorder the heads (same outputs).
 
     Args:
-        weight: [num_kv_heads * head_dim, hidden_size], an nn.Linear weight (rows are output
-            channels, head-major: rows j*head_dim .. (j+1)*head_dim - 1 belong to head j).
-        num_kv_heads: heads in `weight`.
+        weights: {"q_proj": [H*head_dim, hidden], "k_proj": [H*head_dim, hidden],
+            "v_proj": [H*head_dim, hidden], "o_proj": [hidden, H*head_dim]} (nn.Linear weights of
+            an MHA layer: as many KV heads as query heads).
+        groups: a partition of range(H) into groups of one size (lists or tuples of ints).
         head_dim: channels per head.
-        new_num_kv_heads: heads after pooling (1 gives MQA).
-        mix: [P] weights, any floating dtype (the same for every group).
 
     Returns:
-        [new_num_kv_heads * head_dim, hidden_size], dtype of weight.
+        The same keys: q_proj and o_proj the shapes they had; k_proj and v_proj
+        [len(groups)*head_dim, hidden]; every tensor in its input's dtype.
 
     Raises:
-        ValueError: new_num_kv_heads < 1 or it does not divide num_kv_heads, or mix does not hold
-            P weights (the message names the numbers).
+        ValueError: the layer is not MHA (k_proj's rows differ from q_proj's); groups is not a
+            partition of range(H) (a head missing, repeated or out of range) or its groups differ
+            in size (the message names the heads or sizes).
     """
-    raise NotImplementedError("TODO(stage 3): a head is head_dim consecutive rows; expose the P heads of each group as an axis of a view of the weight (which axis is which matters), weigh them by mix and sum")
+    raise NotImplementedError("TODO(stage 3): check the groups (a partition of the heads, one size); list the old heads in their new order; a view with a head axis lets one index move whole heads (q_proj's rows, o_proj's columns); then view the moved K/V heads as [groups, P, ...] and average")

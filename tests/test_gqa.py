@@ -7,7 +7,7 @@ import torch
 
 from kvlab.config import LlamaConfig
 from kvlab.evaluate import perplexity
-from kvlab.gqa import PackedSequences, convert_to_gqa, mean_pool_kv_heads, uptrain
+from kvlab.gqa import PackedSequences, convert_layers, convert_to_gqa, mean_pool_kv_heads, uptrain
 from kvlab.model import LlamaForCausalLM
 
 
@@ -153,3 +153,22 @@ def test_uptrain_rejects(change, message):
     with pytest.raises(ValueError, match=message):
         uptrain(model, text, **arguments)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # nothing changed
+
+
+def test_convert_layers_moves_whole_heads_and_rebuilds_the_model():
+    """A conversion that swaps two heads' q/k/v rows and o columns changes no logit; one whose
+    weights do not fit the new head count is a ValueError."""
+    model = mha_model()
+    swap = torch.tensor([1, 0, 2, 3, 4, 5])
+
+    def swap_heads(index, weights):
+        rows = {part: w.view(6, 8, -1)[swap].reshape(w.shape) for part, w in weights.items()
+                if part != "o_proj"}
+        return {**rows, "o_proj": weights["o_proj"].view(48, 6, 8)[:, swap].reshape(48, 48)}
+
+    ids = torch.randint(0, 61, (15,))
+    torch.testing.assert_close(convert_layers(model, 6, swap_heads)(ids), model(ids))
+    with pytest.raises(ValueError, match="3 KV heads"):
+        convert_layers(model, 3, lambda index, weights: weights)
+    with pytest.raises(ValueError, match="keys"):
+        convert_layers(model, 6, lambda index, weights: {"q_proj": weights["q_proj"]})

@@ -6,12 +6,17 @@ of each group of G adjacent heads, so new KV head j is the mean of old heads j*G
 pre-training continues, same recipe and data, for a fraction alpha of the original steps (alpha =
 5 % in the paper, section 3.1), which recovers most of what the pooling cost (table 1: T5-XXL
 uptrained to GQA-8 scores 47.1 against MHA's 47.2; figure 5: MQA needs it to be useful at all).
-`uptrain` is that continuation at the tiny model's scale, with scripts/train_tiny.py's optimiser
-(AdamW, betas 0.9/0.95, weight decay 0.1, clipping at 1.0, warm-up then cosine to a tenth) on
-random windows of its training text; its cost in tokens (steps x batch_size x seq_len) is what
-compares with the original training's. It trains in float32 on any device: bfloat16 keeps 8
-significant bits, so an update under about 0.2 % of a weight (most of AdamW's steps late in a
-schedule) rounds away to nothing.
+Adjacent groups are the paper's choice, not a necessity: any heads can share a KV head once their
+query heads are made adjacent, moving each query head's q_proj rows and o_proj columns together,
+which changes no output (`convert_layers` applies such a conversion layer by layer; stage 3's
+exercise writes one). `uptrain` is the continuation at the tiny model's scale, with
+scripts/train_tiny.py's optimiser (AdamW, betas 0.9/0.95, weight decay 0.1, clipping at 1.0,
+warm-up then cosine to a tenth) on random windows of its training text; its cost in tokens (steps x
+batch_size x seq_len) is what compares with the original training's. Continue at the rate
+pre-training ended at (scripts/train_tiny.py: 3e-4, a tenth of its 3e-3 peak): a rate warmed back
+up to the peak shakes a trained model out of the minimum it settled in. It trains in float32 on
+any device: bfloat16 keeps 8 significant bits, so an update under about 0.2 % of a weight (most of
+AdamW's steps late in a schedule) rounds away to nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import torch
 
 from .model import LlamaForCausalLM
 
-__all__ = ["mean_pool_kv_heads", "convert_to_gqa", "PackedSequences", "uptrain"]
+__all__ = ["mean_pool_kv_heads", "convert_to_gqa", "convert_layers", "ATTENTION_WEIGHTS",
+           "PackedSequences", "uptrain"]
+
+ATTENTION_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj")  # a layer's, for convert_layers
 
 
 def mean_pool_kv_heads(weight: torch.Tensor, num_kv_heads: int, head_dim: int,
@@ -62,6 +70,38 @@ def convert_to_gqa(model: LlamaForCausalLM, num_key_value_heads: int,
     return converted.eval()
 
 
+@torch.no_grad()
+def convert_layers(model: LlamaForCausalLM, num_key_value_heads: int,
+                   convert: Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                   ) -> LlamaForCausalLM:
+    """A copy with num_key_value_heads KV heads whose attention weights are, layer by layer,
+    convert(layer_index, {"q_proj": w, "k_proj": w, "v_proj": w, "o_proj": w}) (nn.Linear weights,
+    [out_features, in_features]; the same keys back), the rest unchanged: for a conversion that
+    also moves query heads, such as grouping heads that are not adjacent (moving q_proj's rows and
+    o_proj's columns together changes no output). `convert_to_gqa` pools K/V alone.
+    ValueError: convert returns other keys, or shapes that do not fit num_key_value_heads."""
+    config = model.config
+    new_config = config.with_changes(num_key_value_heads=num_key_value_heads)
+    state = copy.copy(model.state_dict())
+    for index in range(config.num_hidden_layers):
+        names = {part: f"model.layers.{index}.self_attn.{part}.weight"
+                 for part in ATTENTION_WEIGHTS}
+        new = convert(index, {part: state[name] for part, name in names.items()})
+        if sorted(new) != sorted(ATTENTION_WEIGHTS):
+            raise ValueError(f"layer {index}: convert returned the keys {sorted(new)}, expected "
+                             f"{sorted(ATTENTION_WEIGHTS)}")
+        state.update({names[part]: weight for part, weight in new.items()})
+    converted = LlamaForCausalLM(new_config).to(model.dtype).to(model.device)
+    try:
+        converted.load_state_dict(state)
+    except RuntimeError as error:  # a shape that does not fit: say so as a ValueError
+        raise ValueError(f"convert's weights do not fit {num_key_value_heads} KV heads: "
+                         f"{str(error).splitlines()[-1].strip()}") from None
+    if new_config.tie_word_embeddings:
+        converted.lm_head.weight = converted.model.embed_tokens.weight
+    return converted.eval()
+
+
 class PackedSequences:
     """A KV store for training: batch_size independent sequences of seq_len tokens laid out flat
     ([batch_size * seq_len] tokens); causal attention inside each one, by PyTorch SDPA, whose
@@ -80,7 +120,7 @@ class PackedSequences:
 
 
 def uptrain(model: LlamaForCausalLM, token_ids: Sequence[int], steps: int, batch_size: int = 8,
-            seq_len: int = 128, lr: float = 1e-3, warmup: int = 5, seed: int = 0) -> list[float]:
+            seq_len: int = 128, lr: float = 3e-4, warmup: int = 5, seed: int = 0) -> list[float]:
     """Continue training `model` in place on windows of token_ids (int, one long text), each step
     batch_size windows of seq_len + 1 tokens at offsets drawn from a CPU generator seeded with
     `seed` (the same windows on every device); returns the steps' training losses (float, nats per

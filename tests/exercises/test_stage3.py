@@ -1,5 +1,6 @@
-"""Stage 3: decode-time grouped-query attention vs SDPA over repeated K/V per request, weighted
-pooling of KV heads vs `kvlab.gqa` and row selection.
+"""Stage 3: decode-time grouped-query attention vs SDPA over repeated K/V per request; MHA -> GQA
+with any grouping of heads vs `kvlab.gqa` on adjacent groups, vs the original model's logits (a
+grouping that only moves heads), and vs heads the grader moved itself before mean-pooling them.
 
 Grades `stage3_grouped_query_attention.py` from $KVLAB_EXERCISES_DIR (default: solutions/). Run it
 with `kvlab check 3`. The tolerances are the precision of the dtype, not more: a float64 answer is
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from kvlab import gqa
+from kvlab.config import LlamaConfig
+from kvlab.model import LlamaForCausalLM
 from kvlab.oracles import sdpa_attention
 from kvlab.tools.grading import assert_close, expect_raises
 
@@ -207,88 +210,162 @@ def test_decode_attention_rejects(ex, lens, heads, kv_heads):
                   f"over {kv_heads} KV heads]")
 
 
-# ---- pool_kv_heads ----------------------------------------------------------------------------
+# ---- pool_groups ------------------------------------------------------------------------------
 
-def pooling_hint(got, weight, heads, head_dim, new_heads, mix):
-    """A note when `got` pooled heads j, j + new, j + 2 new, ... (strided, not adjacent)."""
-    if not isinstance(got, torch.Tensor) or heads == new_heads or new_heads == 1:
+PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def mha_layer(heads, head_dim, hidden, seed=0, dtype=torch.float64):
+    """One MHA layer's nn.Linear weights: q/k/v [heads*head_dim, hidden], o [hidden, ...]."""
+    return {part: randn(*((hidden, heads * head_dim) if part == "o_proj"
+                          else (heads * head_dim, hidden)), seed=seed + i, dtype=dtype)
+            for i, part in enumerate(PARTS)}
+
+
+def moved_by_hand(layer, order, head_dim):
+    """The grader's own reordering: head by head, in a loop (rows of q/k/v, columns of o)."""
+    rows = lambda w: torch.cat([w[h * head_dim:(h + 1) * head_dim] for h in order])  # noqa: E731
+    return {"q_proj": rows(layer["q_proj"]), "k_proj": rows(layer["k_proj"]),
+            "v_proj": rows(layer["v_proj"]),
+            "o_proj": torch.cat([layer["o_proj"][:, h * head_dim:(h + 1) * head_dim]
+                                 for h in order], dim=1)}
+
+
+def expected_layer(layer, groups, head_dim):
+    """Heads moved by hand, then the library's mean-pooling of adjacent heads."""
+    heads = len(layer["k_proj"]) // head_dim
+    moved = moved_by_hand(layer, [h for group in groups for h in group], head_dim)
+    return {**moved, **{part: gqa.mean_pool_kv_heads(moved[part], heads, head_dim, len(groups))
+                        for part in ("k_proj", "v_proj")}}
+
+
+def groups_hint(got, layer, groups, head_dim):
+    """What a wrong conversion resembles, when it is one of the common slips."""
+    if not isinstance(got, dict) or sorted(got) != sorted(PARTS):
         return ""
-    strided = torch.einsum("p,pjdh->jdh", mix.double(),
-                           weight.double().view(heads // new_heads, new_heads, head_dim, -1))
-    if got.shape == strided.reshape(new_heads * head_dim, -1).shape and torch.allclose(
-            got.double(), strided.reshape(new_heads * head_dim, -1), atol=1e-6):
-        return (" -- you pooled heads j, j + new, j + 2*new, ...; GQA pools the adjacent "
-                "heads j*P .. j*P + P - 1 (the ones whose query heads new head j serves)")
+    order = [h for group in groups for h in group]
+    moved = moved_by_hand(layer, order, head_dim)
+
+    def same(part, tensor):
+        return (isinstance(got[part], torch.Tensor) and got[part].shape == tensor.shape
+                and torch.allclose(got[part].double(), tensor.double(), atol=1e-9))
+    if order != sorted(order) and same("q_proj", moved["q_proj"]) and same("o_proj",
+                                                                           layer["o_proj"]):
+        return (" -- your q_proj's heads moved but o_proj's columns did not: each query head's "
+                "output must still meet its own columns of o_proj (move them with it)")
+    if order != sorted(order) and same("q_proj", layer["q_proj"]):
+        return (" -- your q_proj is the old one: a group's query heads must become adjacent "
+                "(query heads j*P .. j*P + P - 1 read new KV head j), so move their rows")
+    size = len(order) // len(groups)
+    expected = expected_layer(layer, groups, head_dim)
+    if size > 1 and same("k_proj", size * expected["k_proj"]):
+        return " -- your K/V heads are each group's sum; pooling takes the mean"
+    square = layer["o_proj"].shape[0] == layer["o_proj"].shape[1]
+    if square and same("o_proj", moved_by_hand({**layer, "q_proj": layer["o_proj"]}, order,
+                                               head_dim)["q_proj"]):
+        return (" -- you moved o_proj's rows; its columns are the heads' (o_proj is [hidden, "
+                "num_heads*head_dim])")
     return ""
 
 
-def pool_what(weight, heads, head_dim, new_heads, mix, against):
-    dtype = str(weight.dtype).replace("torch.", "")
-    return (f"pool_kv_heads(weight {list(weight.shape)} {dtype}, num_kv_heads={heads}, "
-            f"head_dim={head_dim}, new_num_kv_heads={new_heads}, mix={mix.tolist()}) vs {against}")
-
-
-def check_pool(ex, weight, heads, head_dim, new_heads, mix, expected, against, atol=1e-12):
-    got = ex.pool_kv_heads(weight.clone(), heads, head_dim, new_heads, mix.clone())
-    what = pool_what(weight, heads, head_dim, new_heads, mix, against)
+def check_groups(ex, layer, groups, head_dim, against, expected=None, atol=1e-12):
+    expected = expected or expected_layer(layer, groups, head_dim)
+    got = ex.pool_groups({part: w.clone() for part, w in layer.items()}, groups, head_dim)
+    dtype = str(layer["q_proj"].dtype).replace("torch.", "")
+    what = (f"pool_groups(an MHA layer of {len(layer['k_proj']) // head_dim} heads, head_dim "
+            f"{head_dim}, hidden {layer['q_proj'].shape[1]}, {dtype}; groups={groups})")
+    if not isinstance(got, dict) or sorted(got) != sorted(PARTS):
+        raise AssertionError(f"{what}: expected a dict with the keys {list(PARTS)}, got "
+                             f"{type(got).__name__} {sorted(got) if isinstance(got, dict) else ''}")
     try:
-        assert_close(got, expected, what, atol=atol, rtol=atol)
+        for part in PARTS:
+            assert_close(got[part], expected[part], f"{what}[{part!r}] vs {against}",
+                         atol=atol, rtol=atol)
     except AssertionError as error:
-        raise AssertionError(f"{error}{pooling_hint(got, weight, heads, head_dim, new_heads, mix)}"
-                             ) from None
+        raise AssertionError(f"{error}{groups_hint(got, layer, groups, head_dim)}") from None
 
 
-SHAPES = [(8, 4, 4, 6), (8, 2, 4, 6), (8, 1, 4, 6), (6, 2, 3, 5), (4, 4, 2, 3)]
-SHAPE_IDS = ["8-to-4", "8-to-2", "8-to-MQA", "6-to-2 (P=3)", "4-to-4 (unchanged)"]
+@pytest.mark.parametrize("heads, groups", [
+    (8, [[0, 1, 2, 3], [4, 5, 6, 7]]), (8, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    (6, [[0, 1, 2], [3, 4, 5]]), (4, [[0, 1, 2, 3]])], ids=["8-to-2", "8-to-4", "6-to-2", "MQA"])
+def test_adjacent_groups_are_mean_pooling(ex, heads, groups):
+    layer = mha_layer(heads, 4, 6, seed=heads + len(groups))
+    expected = {**layer, **{part: gqa.mean_pool_kv_heads(layer[part], heads, 4, len(groups))
+                            for part in ("k_proj", "v_proj")}}
+    check_groups(ex, layer, groups, 4, "kvlab.gqa.mean_pool_kv_heads; q_proj and o_proj as "
+                 "they were (adjacent groups: the notebook's conversion)", expected)
 
 
-@pytest.mark.parametrize("heads, new_heads, head_dim, hidden", SHAPES, ids=SHAPE_IDS)
-def test_uniform_mix_is_mean_pooling(ex, heads, new_heads, head_dim, hidden):
-    weight = randn(heads * head_dim, hidden, seed=heads + new_heads)
-    mix = torch.full((heads // new_heads,), 1 / (heads // new_heads), dtype=torch.float64)
-    check_pool(ex, weight, heads, head_dim, new_heads, mix,
-               gqa.mean_pool_kv_heads(weight, heads, head_dim, new_heads),
-               "kvlab.gqa.mean_pool_kv_heads (uniform weights are the paper's mean-pooling)")
+@pytest.mark.parametrize("heads, groups", [
+    (8, [[5, 0, 2, 7], [3, 1, 6, 4]]), (6, [[4, 1], [0, 5], [3, 2]]),
+    (6, [(2, 0, 4), (5, 3, 1)]), (8, [[1, 2, 3, 4, 5, 6, 7, 0]])],
+    ids=["8-to-2", "6-to-3", "tuples", "MQA-reordered"])
+def test_any_groups_are_the_moved_heads_mean_pooled(ex, heads, groups):
+    layer = mha_layer(heads, 4, heads * 4, seed=7 + heads)  # square o_proj: moving rows runs too
+    check_groups(ex, layer, groups, 4, "the old heads moved head by head, in the order the "
+                 "groups list them, then kvlab.gqa.mean_pool_kv_heads of adjacent heads")
 
 
-@pytest.mark.parametrize("keep", [0, 3])
-def test_one_hot_mix_keeps_one_head_per_group(ex, keep):
-    heads, new_heads, head_dim, hidden = 8, 2, 4, 6
-    weight = randn(heads * head_dim, hidden, seed=keep + 20)
-    mix = torch.zeros(4, dtype=torch.float64)
-    mix[keep] = 1.0
-    kept = [group * 4 + keep for group in range(new_heads)]  # old heads kept, one per group
-    rows = torch.cat([torch.arange(head * head_dim, (head + 1) * head_dim) for head in kept])
-    check_pool(ex, weight, heads, head_dim, new_heads, mix, weight[rows],
-               f"the rows of old heads {kept} (one-hot weights keep head {keep} of each group)")
+def small_mha(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                         max_position_embeddings=64)
+    return LlamaForCausalLM(config).to(torch.float64).eval()
 
 
-def test_any_mix_is_a_weighted_sum(ex):
-    heads, new_heads, head_dim, hidden = 6, 2, 3, 4
-    weight = randn(heads * head_dim, hidden, seed=31)
-    mix = torch.tensor([0.5, -0.25, 2.0], dtype=torch.float64)
-    expected = torch.zeros(new_heads * head_dim, hidden, dtype=torch.float64)
-    for j in range(new_heads):
-        for p in range(3):
-            old = j * 3 + p
-            expected[j * head_dim:(j + 1) * head_dim] += \
-                mix[p] * weight[old * head_dim:(old + 1) * head_dim]
-    check_pool(ex, weight, heads, head_dim, new_heads, mix, expected,
-               "sum over p of mix[p] x old head (j*3 + p), written as a loop")
+def convert(ex, model, kv_heads, groups_of_layer):
+    return gqa.convert_layers(model, kv_heads, lambda index, weights: ex.pool_groups(
+        weights, groups_of_layer[index], model.config.head_dim))
 
 
-def test_pool_kv_heads_keeps_the_weight_dtype(ex):
-    weight = randn(8 * 4, 6, seed=11, dtype=torch.float32)
-    mix = torch.full((4,), 0.25, dtype=torch.float64)
-    check_pool(ex, weight, 8, 4, 2, mix, gqa.mean_pool_kv_heads(weight, 8, 4, 2),
-               "kvlab.gqa.mean_pool_kv_heads, in the weight's dtype (float32)", atol=1e-6)
+def test_groups_of_one_head_only_move_heads(ex):
+    model = small_mha()
+    groups = [[[2], [0], [3], [1]], [[3], [2], [1], [0]]]  # per layer: heads moved, none pooled
+    ids = torch.randint(0, 53, (17,), generator=torch.Generator().manual_seed(1))
+    what = (f"a 2-layer MHA model (4 heads of 8, float64) through pool_groups with groups of one "
+            f"head each, {groups[0]} in layer 0 and {groups[1]} in layer 1 (heads reordered, "
+            f"none pooled): logits vs the original model's")
+    got = convert(ex, model, 4, groups)(ids)
+    try:
+        assert_close(got, model(ids), what, atol=1e-10, rtol=1e-10)
+    except AssertionError as error:
+        layer = {part: getattr(model.model.layers[0].self_attn, part).weight.detach()
+                 for part in PARTS}
+        hint = groups_hint(ex.pool_groups(layer, groups[0], 8), layer, groups[0], 8)
+        raise AssertionError(f"{error}{hint}") from None
 
 
-@pytest.mark.parametrize("new_heads, mix_len", [(3, 3), (0, 1), (2, 3)],
-                         ids=["3-does-not-divide-8", "no-heads", "3-weights-for-groups-of-4"])
-def test_pool_kv_heads_rejects(ex, new_heads, mix_len):
-    weight = randn(8 * 4, 6)
-    mix = torch.ones(mix_len, dtype=torch.float64) / mix_len
-    expect_raises(ValueError, lambda: ex.pool_kv_heads(weight, 8, 4, new_heads, mix),
-                  f"pool_kv_heads(weight [32, 6], num_kv_heads=8, head_dim=4, "
-                  f"new_num_kv_heads={new_heads}, mix of {mix_len} weights)")
+def test_a_regrouped_model_matches_heads_moved_then_pooled(ex):
+    model = small_mha(seed=3)
+    groups = [[[3, 0], [1, 2]], [[1, 3], [2, 0]]]
+    ids = torch.randint(0, 53, (21,), generator=torch.Generator().manual_seed(2))
+    reference = gqa.convert_layers(model, 2, lambda index, weights: expected_layer(
+        weights, groups[index], 8))
+    what = (f"a 2-layer MHA model (4 heads of 8, float64) converted to 2 KV heads through "
+            f"pool_groups, groups {groups[0]} in layer 0 and {groups[1]} in layer 1: logits vs the "
+            f"same model with its heads moved by the grader, then mean-pooled")
+    assert_close(convert(ex, model, 2, groups)(ids), reference(ids), what, atol=1e-10, rtol=1e-10)
+
+
+def test_pool_groups_keeps_the_weights_dtype(ex):
+    layer = mha_layer(4, 4, 6, seed=11, dtype=torch.float32)
+    check_groups(ex, layer, [[1, 3], [0, 2]], 4, "the moved heads, mean-pooled, in float32",
+                 atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [[[0, 1], [1, 2]], [[0, 1, 2], [3]], [[0, 1], [2, 4]],
+                                    [[0, 1]]],
+                         ids=["head-repeated", "sizes-differ", "head-out-of-range", "head-missing"])
+def test_pool_groups_rejects_groups_that_are_not_a_partition(ex, groups):
+    layer = mha_layer(4, 4, 6)
+    expect_raises(ValueError, lambda: ex.pool_groups(layer, groups, 4),
+                  f"pool_groups(an MHA layer of 4 heads, head_dim 4; groups={groups})")
+
+
+def test_pool_groups_rejects_a_layer_that_is_not_mha(ex):
+    layer = mha_layer(4, 4, 6)
+    layer["k_proj"], layer["v_proj"] = layer["k_proj"][:8], layer["v_proj"][:8]  # 2 KV heads
+    expect_raises(ValueError, lambda: ex.pool_groups(layer, [[0, 1], [2, 3]], 4),
+                  "pool_groups(a GQA layer: q_proj [16, 6], k_proj [8, 6]; groups=[[0, 1], "
+                  "[2, 3]]) [it converts MHA, as many KV heads as query heads]")

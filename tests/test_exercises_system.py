@@ -27,8 +27,11 @@ NO_LARGEST_MAX = ("weights = tl.exp(m - tl.max(m, axis=0))", "weights = tl.exp(m
 SUMS_AS_THEY_ARE = ("tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)",
                     "tl.sum(acc, axis=0) / tl.sum(l, axis=0)")
 MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check prints)
-    (0, "max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)",
-     r"FAIL  test_max_concurrent_requests_rounds_down: .*: expected int 3, got float 3\.0$"),
+    (0, "return num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes",
+     "return 2 * num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes",
+     r"FAIL  test_mla_published_configs \(4 of 4 cases\): mla_kv_bytes_per_token\(num_hidden_layers="
+     r"60, kv_lora_rank=512, qk_rope_head_dim=64, dtype_bytes=2\) .*: expected int 69,120, got int "
+     r"138,240 -- twice the answer: MLA caches no separate K and V; one latent rebuilds both$"),
     (1, "return by_pair.transpose(1, 2).reshape(weight.shape)",
      "return by_pair.transpose(1, 2).reshape(weight.shape).double()",
      r"FAIL  test_permute_to_halves_matches_kvlab_gguf_loader \(3 of 3 cases\): permute_to_halves\("
@@ -48,6 +51,29 @@ MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check
 # (the mistake, edits of solutions/stage5's answer, {check, or (check, *its case; a list as a
 # tuple): the start of its one-line message}). Most of them run and give numbers, wrong ones.
 SPLIT_KV_MISTAKES = [
+    ("the split length rounded down",
+     [("split_len = -(-int(seq_lens.max()) // num_splits)",
+       "split_len = int(seq_lens.max()) // num_splits")], {
+        ("test_partials_split_by_split", (40, 17, 1), 8, 2, 4, 3):
+            r"paged_decode_partials\(seq_lens=\[40, 17, 1\], .*: split s holds 14 positions from "
+            r"s \* 14; m \[24, 3\] vs float64, .* values differ; .* got \d",
+        ("test_split_decode_matches_float64_attention", (1, 16, 17, 40), 8, 2, 4, 3):
+            r"paged_decode_split\(seq_lens=\[1, 16, 17, 40\], .* values differ"}),
+    ("the grid without its third axis",
+     [("grid = (num_seqs, num_kv_heads, num_splits)", "grid = (num_seqs, num_kv_heads)")], {
+        ("test_partials_split_by_split", (33, 2), 16, 2, 1, 4):
+            r"paged_decode_partials\(seq_lens=\[33, 2\], .* \(nan: no program stored there\): .* "
+            r"got nan "}),
+    ("the split left out of the partials' index",
+     [("part = q_rows * num_splits + split", "part = q_rows * num_splits")], {
+        ("test_partials_split_by_split", (40, 17, 1), 8, 2, 4, 3):
+            r"paged_decode_partials\(seq_lens=\[40, 17, 1\], .* values differ"}),
+    ("padding lanes loaded as m = 0",
+     [('m = tl.load(m_ptr + parts, mask=real, other=float("-inf"))',
+       "m = tl.load(m_ptr + parts, mask=real, other=0.0)")], {
+        "test_combine_loads_each_rows_splits":
+            r"combine\(m, l, acc\) of 5 rows x 3 splits .* load it as an empty split, m = -inf, "
+            r"l = 0, acc = 0\]: \d+ of 80 values differ; .* got nan "}),
     ("a split's end not clipped to seq_len",
      [("return start, tl.minimum(start + split_len, seq_len)", "return start, start + split_len")], {
         ("test_split_range_by_hand", 40, 16, 3):
@@ -92,8 +118,11 @@ SPLIT_KV_MISTAKES = [
 # figure passes (stage 3's, once, at 1e9) fails this test. (stage: answer text, the learner's
 # version, the line kvlab check prints)
 WRONG_ANSWERS = {
-    0: ("max(0, free_bytes // per_request)", "max(0, free_bytes / per_request // 1)",
-        r"FAIL  test_max_concurrent_requests_rounds_down: .*: expected int 3, got float 3\.0$"),
+    0: ("return 2 * num_hidden_layers * heads * head_dim * dtype_bytes",
+        "return 2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes // tp",
+        r"FAIL  test_kv_bytes_per_gpu_by_hand \(2 of 5 cases\): kv_bytes_per_token_per_gpu\("
+        r"num_hidden_layers=80, num_key_value_heads=8, head_dim=128, dtype_bytes=2, tp=16\) .*: "
+        r"expected int 40,960, got int 20,480 -- your figure is the whole model's divided by tp"),
     1: ("even * cos - odd * sin, odd * cos + even * sin",
         "even * cos + odd * sin, odd * cos - even * sin",
         r"FAIL  test_rope_interleaved_matches_complex_float64 \(3 of 3 cases\): rope_interleaved\("
@@ -150,7 +179,8 @@ def test_checker_passes_the_solutions_and_fails_untouched_exercises_cleanly(tmp_
     code, output = kvlab_check("all", "--target", str(tmp_path))
     assert code == 1 and all(f"Stage {n}: NOT YET (0 of" in output for n in STAGES), output
     assert all(line.startswith(("Stage ", "  TODO  test_")) for line in output.splitlines())
-    assert "  TODO  test_kv_cache_bytes_70b: kv_cache_bytes(): every token of every" in output
+    assert ("  TODO  test_sliding_window_mistral_paper: sliding_window_kv_bytes(): a layer keeps "
+            "the window's tokens") in output
 
 
 def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):

@@ -142,3 +142,20 @@ def test_models_and_caches_default_to_the_course_device(monkeypatch):
     assert next(model.parameters()).dtype is default_dtype()
     for cache in (ContiguousKVCache(model.config, 1, 8), PagedKVCache(model.config, 2, 4)):
         assert (cache.device, cache.dtype) == (default_device(), default_dtype())
+
+
+def test_kvlab_device_cpu_gives_the_stored_outputs(tmp_path):
+    """On this machine (no GPU) KVLAB_DEVICE=cpu and an unset variable are the same device: a
+    notebook re-executed under KVLAB_DEVICE=cpu matches its stored outputs (nbval), as the suite's
+    own nbval run checks them with the variable unset. (On a GPU machine the variable keeps every
+    cell on the CPU, so the same stored outputs hold there too.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVLAB_DEVICE": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                          str(ROOT / "notebooks" / "01_a_tiny_llama.ipynb")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout

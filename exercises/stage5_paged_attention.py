@@ -63,7 +63,7 @@ def combine_splits(m, l, acc):
     """The attention output of one query head from its splits' partial results.
 
     Args:
-        m: [SPLITS] each split's max score (-inf for an empty split or a padding lane).
+        m: [SPLITS] each split's max score (-inf for a split that holds no position).
         l: [SPLITS] each split's sum of exp(score - m) over its positions (0 if empty).
         acc: [SPLITS, HEAD_DIM] each split's sum of exp(score - m) * value (0 if empty).
 
@@ -156,6 +156,25 @@ def combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor
     return out
 
 
+def nan_partials(num_rows: int, num_splits: int, head_dim: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """m, l [num_rows, num_splits] and acc [num_rows, num_splits, head_dim], float32, NaN until a
+    program stores there (a partial that no program wrote shows up in the checks).
+
+    Each is a view into a buffer with num_rows + 16 more rows of NaN on either side. Triton's CPU
+    interpreter loads and stores real memory, so a store past the partials would land in memory
+    Python owns and can crash it (on a GPU: an illegal memory access); here it lands in the
+    margin, where `kvlab check` looks (a group padded to 16 rows reaches 15 rows past its own).
+    """
+    margin = num_rows + 16
+
+    def inside_margin(*row_shape: int) -> torch.Tensor:
+        buffer = torch.full((2 * margin + num_rows, *row_shape), float("nan"), device=device)
+        return buffer[margin:margin + num_rows]
+
+    return inside_margin(num_splits), inside_margin(num_splits), inside_margin(num_splits, head_dim)
+
+
 def paged_decode_partials(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
                           tile: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,11 +198,7 @@ def paged_decode_partials(query: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_pool.shape
     group = num_heads // num_kv_heads
-    # NaN until a program stores there: a partial that no program wrote shows up in the checks
-    m = torch.full((num_seqs * num_heads, num_splits), float("nan"), device=query.device)
-    l = torch.full_like(m, float("nan"))
-    acc = torch.full((num_seqs * num_heads, num_splits, head_dim), float("nan"),
-                     device=query.device)
+    m, l, acc = nan_partials(num_seqs * num_heads, num_splits, head_dim, query.device)
     raise NotImplementedError("TODO(stage 5): how many positions must one split hold so that num_splits of them cover every sequence of the batch? And how many programs does the launch need now?")
     launch(paged_decode_split_kernel, grid, m, l, acc, query, k_pool, v_pool, block_tables,
            seq_lens, head_dim ** -0.5, block_tables.shape[1], split_len, num_splits,

@@ -127,6 +127,15 @@ MISTAKES = [
      "tl.sum(weights[:, None] * acc / l[:, None], axis=0) / tl.sum(weights, axis=0)"),
     (5, "combine: weighted by 2^(m - max) instead of e^(m - max)",
      "weights = tl.exp(m - tl.max(m, axis=0))", "weights = tl.exp2(m - tl.max(m, axis=0))"),
+    (5, "split-KV: the partials stored without the padding-row mask (rows past the group's)",
+     "tl.store(m_ptr + part, m, mask=real_row)\n    tl.store(l_ptr + part, l, mask=real_row)\n"
+     "    tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=real_row[:, None])",
+     "tl.store(m_ptr + part, m)\n    tl.store(l_ptr + part, l)\n"
+     "    tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc)"),
+    (5, "combine: acc loaded without the mask (the last row's padding lanes read past acc)",
+     "acc = tl.load(acc_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None],\n"
+     "                  other=0.0)",
+     "acc = tl.load(acc_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :])"),
     (6, "no n - 1 cap in the match", "return min(matched, len(token_ids) - 1)",
      "return matched"),
     (6, "a partly matched edge counted in full", "matched += shared", "matched += len(run)"),

@@ -110,6 +110,23 @@ SPLIT_KV_MISTAKES = [
     ("weighted by 2^(m - max) instead of e^(m - max)",
      [("weights = tl.exp(m - tl.max(m, axis=0))", "weights = tl.exp2(m - tl.max(m, axis=0))")], {
         "test_combine_splits_equals_softmax": r"combine_splits of 3 splits .* values differ"}),
+    # Triton's CPU interpreter stores and loads real memory: the partials sit inside NaN margins
+    # (nan_partials), so a stray store is found there, and a stray read brings in NaN.
+    ("the partials stored without the padding-row mask",
+     [("tl.store(m_ptr + part, m, mask=real_row)", "tl.store(m_ptr + part, m)"),
+      ("tl.store(l_ptr + part, l, mask=real_row)", "tl.store(l_ptr + part, l)"),
+      ("acc, mask=real_row[:, None])", "acc)")], {
+        ("test_partials_split_by_split", (40, 17, 1), 8, 2, 4, 3):
+            r"paged_decode_partials\(seq_lens=\[40, 17, 1\], .* m: your kernel wrote outside the "
+            r"partials, 12 row\(s\) past their last \(of 24 rows\): mask the group's padding rows$",
+        ("test_partials_split_by_split", (33, 2), 16, 2, 1, 4):
+            r"m: your kernel wrote outside the partials, 15 row\(s\) past their last \(of 4 rows\)"}),
+    ("acc loaded without the mask in the combine",
+     [("acc = tl.load(acc_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None],\n"
+       "                  other=0.0)", "acc = tl.load(acc_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :])")], {
+        "test_combine_loads_each_rows_splits":
+            r"combine\(m, l, acc\) of 5 rows x 3 splits .* mask its loads of m, l and acc .*: 16 of "
+            r"80 values differ; worst at \[4, \d+\]: expected -?\d\S*, got nan "}),
 ]
 
 
@@ -232,6 +249,27 @@ def test_stage5_checks_catch_each_split_kv_mistake(tmp_path, mistake, edits, fai
         name, *case = (check,) if isinstance(check, str) else check
         with pytest.raises(AssertionError, match=message):
             checks[name](learner, *(list(a) if isinstance(a, tuple) else a for a in case))
+
+
+def test_stage5_checker_turns_a_crash_into_one_fail_line(tmp_path):
+    # A kernel's stray store can kill Python in Triton's CPU interpreter ("Fatal Python error:
+    # Aborted"): kvlab check runs the tests in a child process, FAILs the test it was running in
+    # one line, and runs the rest in a new child. Here the learner's code aborts in one case.
+    pytest.importorskip("triton")
+    for answer in ROOT.glob("solutions/stage*_*.py"):
+        (tmp_path / answer.name).write_text(answer.read_text())
+    mine = tmp_path / "stage5_paged_attention.py"
+    text = mine.read_text()
+    launch = "    launch(paged_decode_split_kernel, grid,"
+    assert launch in text, "solutions/stage5_paged_attention.py changed: update this test"
+    mine.write_text(text.replace(launch, "    if num_splits == 4:\n        import os\n        os.abort()\n"
+                                 + launch, 1))
+    code, output = kvlab_check("5", "--target", str(tmp_path))
+    assert code == 1 and output.startswith("Stage 5: NOT YET (13 of 15 tests pass)\n"), output
+    assert re.search(r"^  FAIL  test_partials_split_by_split \(1 of 2 cases\): Python crashed "
+                     r"running this check \(Fatal Python error: Aborted\): a load or store outside "
+                     r"its tensor\? .* mask every lane that is not yours$", output, re.M), output
+    assert len(output.splitlines()) == 3, output
 
 
 @pytest.mark.parametrize("args, before, message", [

@@ -18,7 +18,12 @@ What small random scores hide:
   and keys whose scores reach about 1000;
 * a combine that ignores the maxima altogether is right only when every split has the same one:
   the hand-made partials have maxima several units apart, and empty and padding splits
-  (m = -inf, l = 0, acc = 0) that must weigh exactly 0.
+  (m = -inf, l = 0, acc = 0) that must weigh exactly 0;
+* Triton's CPU interpreter loads and stores real memory: a lane left unmasked reads or writes
+  past its tensor without an error (and a stray store can crash Python). So every partial a
+  kernel reads or writes is a view inside a margin of NaN (`nan_partials` in the learner's file
+  for the partials a split stores; `in_nan_margin` here for the combine's inputs): a stray read
+  brings NaN into the output, and a stray store leaves the margin changed, which is checked.
 """
 
 from __future__ import annotations
@@ -44,6 +49,33 @@ fix_interpreter_index()
 # TRITON_INTERPRET=1); with one, on the GPU, where tl.dot on float32 uses TF32 (about 1e-3).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = 2e-3 if DEVICE == "cuda" else 1e-5
+
+
+def in_nan_margin(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` copied into a buffer with as many rows of NaN again before and after it, and
+    returned as the view of its rows there: a read past either end of it gives NaN."""
+    rows = tensor.shape[0]
+    buffer = torch.full((3 * rows, *tensor.shape[1:]), float("nan"), dtype=tensor.dtype,
+                        device=tensor.device)
+    buffer[rows:2 * rows] = tensor
+    return buffer[rows:2 * rows]
+
+
+def assert_margin_untouched(partial: torch.Tensor, name: str, what: str) -> None:
+    """`partial` is a view of rows inside a NaN buffer (`nan_partials`): fails if a kernel
+    wrote to any row of that buffer outside the view. A learner's file that allocates its
+    partials without a margin is not checked here."""
+    buffer = partial._base
+    if buffer is None or not partial.is_contiguous():
+        return
+    row = partial[0].numel()
+    first = (partial.storage_offset() - buffer.storage_offset()) // row
+    rows = buffer.reshape(buffer.shape[0], -1).isnan().all(dim=1).logical_not().cpu()
+    before, after = int(rows[:first].sum()), int(rows[first + partial.shape[0]:].sum())
+    where = " and ".join(f"{count} row(s) {side}" for count, side in
+                         ((before, "before their first"), (after, "past their last")) if count)
+    assert not where, (f"{what}{name}: your kernel wrote outside the partials, {where} (of "
+                       f"{partial.shape[0]} rows): mask the group's padding rows")
 
 
 @pytest.fixture(scope="module")
@@ -169,14 +201,17 @@ def test_combine_loads_each_rows_splits(ex):
     scores = 3 * torch.randn(rows, 40, generator=gen) + offsets
     values = torch.randn(rows, 40, 16, generator=gen)
     parts = [partials(scores[r:r + 1], values[r], bounds) for r in range(rows)]
-    m, l, acc = (torch.cat([part[i] for part in parts]).contiguous().to(DEVICE) for i in range(3))
+    # Inside NaN margins: a lane past the last row's splits that is read reads NaN.
+    m, l, acc = (in_nan_margin(torch.cat([part[i] for part in parts]).to(DEVICE))
+                 for i in range(3))
     out = ex.combine(m, l, acc)
     expected = torch.stack([(scores[r].double().softmax(-1) @ values[r].double()).float()
                             for r in range(rows)])
     assert_close(out.cpu(), expected, (
         "combine(m, l, acc) of 5 rows x 3 splits (tiles of 4 lanes) vs softmax(scores) @ values, "
-        "row by row [row r's splits are entries r * num_splits + s; a lane past num_splits is "
-        "no split of row r: load it as an empty split, m = -inf, l = 0, acc = 0]"),
+        "row by row, each inside a margin of NaN [row r's splits are entries r * num_splits + "
+        "s; a lane past num_splits is no split of row r: mask its loads of m, l and acc (past "
+        "the last row lies NaN) and load it as an empty split, m = -inf, l = 0, acc = 0]"),
         atol=TOLERANCE, rtol=TOLERANCE)
 
 
@@ -203,6 +238,8 @@ def test_partials_split_by_split(ex, seq_lens, block_size, num_kv_heads, group, 
             f"{num_kv_heads} KV heads x group {group}, num_splits={num_splits}): split s holds "
             f"{split_len} positions from s * {split_len}; ")
     names = ("m", "l", "acc")
+    for name, mine in zip(names, got):
+        assert_margin_untouched(mine, name, what)
     for name, mine, wanted in zip(names, got, expected):
         wanted = torch.stack(wanted)
         if name == "m":  # an empty split's max is -inf: compared as a number far below any score

@@ -3,31 +3,29 @@
 
 """Stage 0 exercise: the KV calculator for three layouts the page did not size.
 
-The page sized the cache one way: every token a request holds costs, on one GPU,
+The page sized the cache for one GPU and one kind of attention: every layer keeps a key and a
+value vector per KV head for every token a request holds. Real deployments keep something else in
+three places. What each one keeps is below; the arithmetic is yours, and `kvlab check 0` tests it
+against `kvlab.sizing` and against published figures:
 
-    2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes.
-
-Real deployments bend that formula in three places. You write each bend in plain integer
-arithmetic, and `kvlab check 0` tests it against `kvlab.sizing` and against published figures:
-
-1. **Tensor parallelism past the KV heads.** With `tp` GPUs, vLLM gives each GPU
-   num_key_value_heads / tp of the KV heads (the page's calculator: Llama-3.1-70B's 8 KV heads on
-   tp=8 GPUs, 1 each). On tp=16 GPUs a GPU cannot hold half a head: each keeps one whole head, and
-   every head is stored on tp / num_key_value_heads GPUs (vLLM's QKVParallelLinear replicates it;
-   vLLM refuses a tp that does not divide, or is not a multiple of, the KV heads).
+1. **Tensor parallelism past the KV heads.** With `tp` GPUs, vLLM shares the KV heads out evenly
+   (the page's calculator: Llama-3.1-70B's 8 KV heads on tp=8 GPUs, 1 each). A GPU cannot hold
+   part of a head, so on more GPUs than KV heads each GPU keeps a whole head and every head is kept
+   by several GPUs (vLLM's QKVParallelLinear replicates it). vLLM refuses a tp that cannot share
+   the heads out evenly, either way.
 2. **A sliding window.** Mistral-7B v0.1 attends only to the last `sliding_window` = 4,096 tokens,
-   so its rolling buffer keeps at most 4,096 tokens per layer however long the request grows; at
-   32k tokens that is 8x less cache memory (Jiang et al., *Mistral 7B*, 2023, section 2). Its
-   config.json says `"sliding_window": 4096`; a model without a window says `null` (None).
-3. **A latent cache.** DeepSeek-V2's multi-head latent attention caches, per token and layer, one
-   compressed vector of `kv_lora_rank` numbers from which every head's key and value are rebuilt,
-   plus one RoPE key of `qk_rope_head_dim` numbers shared by all heads: no separate K and V, no
-   copy per head (DeepSeek-AI, *DeepSeek-V2*, 2024, section 2.1 and table 1: (d_c + d_h^R) x l
-   elements per token, about 4.5 head_dims a layer). vLLM caches it as one KV head of
-   kv_lora_rank + qk_rope_head_dim numbers, whole on every GPU.
+   so each layer keeps the K and V of those tokens only (a rolling buffer), however long the
+   request grows: at 32k tokens that is 8x less cache memory (Jiang et al., *Mistral 7B*, 2023,
+   section 2). Its config.json says `"sliding_window": 4096`; a model without a window says
+   `null` (None).
+3. **A latent cache.** DeepSeek-V2's multi-head latent attention keeps, per token and layer, one
+   compressed vector of `kv_lora_rank` numbers, from which every head's key and value are rebuilt
+   when needed, and one RoPE key of `qk_rope_head_dim` numbers that all heads share (DeepSeek-AI,
+   *DeepSeek-V2*, 2024, section 2.1 and table 1). Nothing else is cached, and every GPU keeps
+   all of it.
 
 Units: counts are ints (layers, heads, tokens, GPUs); every `*_bytes` value is a whole number of
-bytes (1 KiB = 1,024 B). Integer arithmetic only (`*`, `//`, `min`): the figures come out exact.
+bytes (1 KiB = 1,024 B). Integer arithmetic only: the figures come out exact.
 """
 
 from __future__ import annotations
@@ -35,11 +33,8 @@ from __future__ import annotations
 
 def kv_bytes_per_token_per_gpu(num_hidden_layers: int, num_key_value_heads: int, head_dim: int,
                                dtype_bytes: int, tp: int) -> int:
-    """KV-cache bytes one token takes on each of `tp` GPUs (tensor parallelism, tp >= 1).
-
-    tp <= num_key_value_heads: each GPU holds num_key_value_heads / tp KV heads, and tp must divide
-    num_key_value_heads. tp > num_key_value_heads: each GPU holds 1 whole KV head, and
-    num_key_value_heads must divide tp.
+    """KV-cache bytes one token takes on each of `tp` GPUs (tensor parallelism, tp >= 1; point 1
+    of the module docstring).
 
     Args:
         num_hidden_layers: decoder layers (Llama-3.1-70B: 80).
@@ -49,12 +44,12 @@ def kv_bytes_per_token_per_gpu(num_hidden_layers: int, num_key_value_heads: int,
         tp: tensor-parallel size, the GPUs one copy of the model is split over.
 
     Returns:
-        Bytes per token per GPU (int). Llama-3.1-70B in bf16: tp=1 327,680; tp=8 40,960;
-        tp=16 40,960 again (one whole head per GPU, each head on 2 GPUs).
+        Bytes per token per GPU (int). Llama-3.1-70B in bf16: tp=1 327,680; tp=8 40,960 (the
+        page's figures).
 
     Raises:
-        ValueError, its message naming tp and num_key_value_heads: tp=3 with 8 KV heads (no even
-        split), tp=12 with 8 KV heads (no even replication).
+        ValueError, its message naming tp and num_key_value_heads, when the heads cannot be shared
+        out evenly (e.g. tp=3 with 8 KV heads).
     """
     raise NotImplementedError("TODO(stage 0): up to tp = num_key_value_heads the GPUs share the heads out evenly; past it no GPU can hold part of a head: how many does each keep? Refuse the uneven cases")
 
@@ -69,15 +64,16 @@ def sliding_window_kv_bytes(seq_len: int, bytes_per_token: int, sliding_window: 
         sliding_window: tokens each layer attends to, or None.
 
     Returns:
-        Bytes (int). Mistral-7B v0.1 (window 4,096) in bf16: at 32,768 tokens 536,870,912 (512 MiB,
-        8x less than the 4 GiB without a window); at 1,000 tokens 131,072,000, as without one.
+        Bytes (int). Mistral-7B v0.1 (window 4,096) in bf16 at 32,768 tokens: 536,870,912 (512
+        MiB, 8x less than the 4 GiB without a window).
     """
-    raise NotImplementedError("TODO(stage 0): a layer keeps the window's tokens, or fewer if the request is shorter; None means no window")
+    raise NotImplementedError("TODO(stage 0): how many tokens does a layer keep for a request longer than the window, and for one shorter? None means no window")
 
 
 def mla_kv_bytes_per_token(num_hidden_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
                            dtype_bytes: int) -> int:
-    """KV-cache bytes one token takes with multi-head latent attention (the same on every GPU).
+    """KV-cache bytes one token takes with multi-head latent attention (point 3 of the module
+    docstring).
 
     Args:
         num_hidden_layers: decoder layers (DeepSeek-V2: 60).
@@ -86,7 +82,6 @@ def mla_kv_bytes_per_token(num_hidden_layers: int, kv_lora_rank: int, qk_rope_he
         dtype_bytes: bytes per element of the cache dtype (bf16: 2).
 
     Returns:
-        Bytes per token (int). DeepSeek-V2 in bf16: 69,120 (67.5 KiB); DeepSeek-V3 (61 layers):
-        70,272.
+        Bytes per token (int). DeepSeek-V2 in bf16: 69,120 (67.5 KiB).
     """
-    raise NotImplementedError("TODO(stage 0): count the numbers cached per token and layer (point 3 of the module docstring lists them), then their bytes")
+    raise NotImplementedError("TODO(stage 0): count the numbers kept per token and layer (point 3 of the module docstring names them), then their bytes")

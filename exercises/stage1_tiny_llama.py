@@ -36,13 +36,9 @@ import torch
 def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """RoPE in Meta's interleaved layout: channels 2j and 2j + 1 of each head form pair j.
 
-    For a token at position p, pair j turns by the angle p * theta ** (-2 * j / head_dim),
-    j = 0 .. head_dim/2 - 1, the same angle for every head:
-
-        out[2j]     = x[2j] * cos(angle) - x[2j + 1] * sin(angle)
-        out[2j + 1] = x[2j + 1] * cos(angle) + x[2j] * sin(angle)
-
-    (x[2j] + i·x[2j+1] multiplied by e^(i·angle)). Compute in float64 and return x's dtype.
+    For a token at position p, pair j turns by p·θ_j (the module docstring's θ_j; the same angle
+    for every head): read as the complex number x[2j] + i·x[2j+1], it is multiplied by
+    e^(i·p·θ_j). Compute in float64 and return x's dtype.
 
     Args:
         x: [num_tokens, num_heads, head_dim] queries or keys, any float dtype; head_dim even.
@@ -81,4 +77,4 @@ def permute_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     Raises:
         ValueError: the rows do not split into num_heads heads of an even head_dim.
     """
-    raise NotImplementedError("TODO(stage 1): rotate-half pairs channel j with j + head_dim/2, interleaved pairs 2j with 2j + 1: find where each row must go in one head, then do it for all heads at once with reshape and transpose (no loop)")
+    raise NotImplementedError("TODO(stage 1): rotate-half pairs channel j with j + head_dim/2, interleaved pairs 2j with 2j + 1: work out where each row of one head must go, then move every head's rows")

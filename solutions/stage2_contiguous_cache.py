@@ -31,9 +31,11 @@ Once `kvlab check 2` passes, run all four on the notebook's trace. In a cell of 
     for policy in ("max", "pow2", "oracle", "grow"):
         print(policy, mine["memory_shares"](requests, policy, server_max_model_len))
 
-How close does the growing slab come to Oracle without knowing a single length? How many tokens
-does it copy over the trace (a growth at step i copies the P + i - 1 tokens held), and what would a
-server pay for that?
+In this count the growing slab keeps token states in more of its memory than even Oracle, which
+knows every length: why, step by step? Then what the count leaves out: how many tokens does it copy
+over the trace (a growth at step i copies the P + i - 1 tokens held), and what becomes of the
+memory a request leaves behind each time it moves to a bigger slab (stage 4 measures external
+fragmentation)?
 
 A request of P prompt tokens generating G tokens lives S = max(G, 1) scheduler steps and holds
 P + i tokens at step i (0 <= i < S): the last token is sampled and never fed back, so its K/V is

@@ -208,7 +208,8 @@ def permute_hint(got_rows, num_rows, num_heads):
                                for i in within]
     if got_rows == per_head(inverse) and got_rows != per_head(order):
         return (" -- you moved the rows the other way (rotate-half to interleaved, llama.cpp's "
-                "direction): row 2j must go to j and row 2j + 1 to j + head_dim/2")
+                "direction): which Meta row must land at row j of a head, and which at j + "
+                "head_dim/2?")
     if num_heads > 1 and got_rows == evens_then_odds(num_rows).tolist():
         return (f" -- you reordered all {num_rows} rows as one head; reorder each head's "
                 f"{head_dim} rows on their own")

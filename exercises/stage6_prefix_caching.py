@@ -50,21 +50,21 @@ RadixTree = dict  # first token of an edge -> (run of token ids, child RadixTree
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading items a and b share: ([1, 2, 3], [1, 2, 7, 8]) -> 2; 0 if either is
     empty."""
-    raise NotImplementedError("TODO(stage 6): count from the front while both still have an item and the two agree")
+    raise NotImplementedError("TODO(stage 6): a position is shared when both runs have it, their items there are equal, and every position before it is shared")
 
 
 def insert(tree: RadixTree, token_ids: Sequence[int]) -> int:
     """Add `token_ids` to the tree in place; how many of its leading tokens were there already.
 
-    Walk down from the root: take the edge that starts with the next token; if the prompt leaves
-    the edge's run (or ends) part way along it, split the edge there into (shared part, a child
-    holding the rest); add what is left of the prompt as a new edge. Inserting an empty prompt, or
-    one already in the tree as a whole path, changes nothing.
+    Afterwards the prompt is spelled along a path from the root and the tree still keeps its rules
+    (the module docstring): no two edges leaving a node start with the same token, and every
+    inserted prompt ends at a node. Inserting an empty prompt, or one that already ends at a node,
+    changes nothing.
 
     Example: tree of [1, 2, 3, 4]; insert([1, 2, 7]) -> 2, and the tree becomes
     {1: ([1, 2], {3: ([3, 4], {}), 7: ([7], {})})}.
     """
-    raise NotImplementedError("TODO(stage 6): at each node, the edge starting with your next token (none: add the rest as a new edge and stop); compare its run with the rest of the prompt; a partial match splits the edge into the shared part and a child holding its own rest; then go down")
+    raise NotImplementedError("TODO(stage 6): the tree's rules decide everything: at a node at most one edge can continue the prompt; a prompt must end at a node, so where it leaves or ends inside an edge the edge is split there, and the part below the split keeps the old subtree")
 
 
 def match(tree: RadixTree, token_ids: Sequence[int]) -> int:
@@ -74,4 +74,4 @@ def match(tree: RadixTree, token_ids: Sequence[int]) -> int:
     Example: tree of [1, 2, 3, 4]: match([1, 2, 3, 4, 5]) -> 4; match([1, 2, 3, 4]) -> 3 (the
     cap); match([1, 2, 7]) -> 2 (part way along the edge counts); match([9]) -> 0.
     """
-    raise NotImplementedError("TODO(stage 6): refuse an empty prompt; walk down as insert does, adding the tokens each edge shares with the prompt, and stop where the prompt leaves an edge part way; then leave the last prompt token to compute")
+    raise NotImplementedError("TODO(stage 6): the hit is the longest prefix of the prompt spelled from the root (ending part way along an edge counts), never its last token; an empty prompt is a ValueError")

@@ -5,11 +5,22 @@ on Python 3.11; every tenth topic by name from the sixth is held out. Some topic
 others ("for" is inside "compound"), so the eval split keeps only held-out topics sharing no line of
 30+ characters with training: text never seen, for stage 3's perplexity. Other Python versions ship
 slightly different pages, so figures may move a little (the notebooks' come from Python 3.11).
+
+`unseen_texts` adds the docstrings of four standard-library modules to those pages, and
+`seen_in_training` is the leak check stage 3 asserts on all of it: no `window` characters in a row,
+at any offset, may appear in the training text (a line test alone misses a paragraph that one page
+quotes from another with its lines wrapped differently).
 """
 
 from __future__ import annotations
 
-__all__ = ["topic_names", "held_out_topics", "corpus_texts"]
+import functools
+
+__all__ = ["topic_names", "held_out_topics", "corpus_texts", "unseen_texts", "seen_in_training",
+           "UNSEEN_MODULES"]
+
+# Standard-library modules whose docstrings are unseen text: not in pydoc_data.topics.
+UNSEEN_MODULES = ("argparse", "json", "re", "statistics")
 
 
 def topic_names() -> list[str]:
@@ -40,3 +51,29 @@ def corpus_texts(split: str) -> list[str]:
         return train
     seen = set().union(*(_long_lines(text) for text in train))
     return [topics[name] for name in sorted(held_out) if not _long_lines(topics[name]) & seen]
+
+
+def unseen_texts() -> list[str]:
+    """Text the tiny models never trained on: the 'eval' split's pages, then the docstrings of
+    UNSEEN_MODULES, in that order."""
+    import importlib
+    import inspect
+
+    docstrings = [inspect.getdoc(importlib.import_module(name)) for name in UNSEEN_MODULES]
+    return corpus_texts("eval") + docstrings
+
+
+@functools.lru_cache(maxsize=4)
+def _training_windows(window: int) -> frozenset[int]:
+    text = "\n\n".join(corpus_texts("train"))
+    return frozenset(hash(text[i:i + window]) for i in range(len(text) - window + 1))
+
+
+def seen_in_training(text: str, window: int = 200) -> bool:
+    """True when some `window` characters of `text` in a row, at any offset, appear in the training
+    text (compared by hash; the first call for a window size hashes all of it, about a second).
+    ValueError: window < 1."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    seen = _training_windows(window)
+    return any(hash(text[i:i + window]) in seen for i in range(len(text) - window + 1))

@@ -62,7 +62,7 @@ MIN_DOT_ROWS = 16
 # A K tile's bytes. Compiled for sm_90 at batch 64 x 4,096 tokens with K and V double-buffered,
 # 64 tokens x head_dim 128 x bf16 (16 KiB) took 128 registers a thread under Triton 3.6 and 156
 # under 3.9 (3 programs per SM), 32 tokens 92 and 80; tests/test_triton_compile.py checks <= 128
-# (4 programs of 128 threads per SM), notebook 05c section 3 prints them.
+# (4 programs of 128 threads per SM); notebook 05c section 3 prints the 32-token tile's figures.
 TILE_BYTES = 8 * 1024
 
 

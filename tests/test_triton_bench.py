@@ -193,7 +193,7 @@ def test_sdpa_backend_names_the_dispatchers_choice():
 
 
 def test_cpu_caches_reads_linux_sysfs(tmp_path):
-    """The CPU's data caches, which notebooks 05b and 05c print beside their CPU timings."""
+    """The CPU's data caches, which notebook 05b prints beside its CPU timings."""
     from kvlab.tools.machine import cpu_caches
 
     for index, (kind, level, size, shared) in enumerate([("Data", 1, "48K", "0"),

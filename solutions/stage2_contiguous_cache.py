@@ -22,14 +22,16 @@ will fill later; the paper calls them "reservation") and **internal fragmentatio
 never fills). Figure 2 measured 20.4 % (Max), 26.8 % (Pow2) and 38.2 % (Oracle) of KV memory
 holding token states, on the paper's traffic; most of the rest of its Pow2 and Oracle bars is
 external fragmentation, free memory in pieces between slabs of different sizes, which this count
-leaves out (equal slabs have none; stage 4 measures it).
+leaves out (equal slabs have none; stage 4 measures it). Expect far higher shares for Pow2 and
+Oracle on the notebook's trace: its prompts are long and its answers short, so a slab sized to the
+request is mostly prompt, and rounding a short output up costs little.
 
 Once `kvlab check 2` passes, run all four on the notebook's trace. In a cell of notebook 02:
 
     import runpy
-    mine = runpy.run_path("../exercises/stage2_contiguous_cache.py")  # notebooks/ is the cwd
+    exercise = runpy.run_path("../exercises/stage2_contiguous_cache.py")  # notebooks/ is the cwd
     for policy in ("max", "pow2", "oracle", "grow"):
-        print(policy, mine["memory_shares"](requests, policy, server_max_model_len))
+        print(policy, exercise["memory_shares"](requests, policy, server_max_model_len))
 
 In this count the growing slab keeps token states in more of its memory than even Oracle, which
 knows every length: why, step by step? Then what the count leaves out: how many tokens does it copy
@@ -83,9 +85,10 @@ def reservation_tokens(prompt_len: int, output_len: int, policy: str, max_model_
             max_model_len (the request is rejected: the message gives its length,
             prompt_len + output_len, and max_model_len).
     """
-    # BEGIN SOLUTION hint: refuse what no policy can reserve (an unknown policy, impossible sizes, a
-    # hint: request longer than max_model_len); then Max is the whole slab, Oracle exactly what the
-    # hint: request will hold, and Pow2 rounds only the output up (int.bit_length), capped at the slab
+    # BEGIN SOLUTION hint: which inputs can no policy reserve for? Refuse them first, with the
+    # hint: numbers. Then, per policy: how many tokens will the request hold at its end, and how
+    # hint: many more slots does the policy set aside? Invariant: prompt_len + output_len <=
+    # hint: result <= max_model_len, and Pow2 rounds the output, never the prompt
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if prompt_len < 1 or output_len < 0:
@@ -125,9 +128,10 @@ def growing_slab(prompt_len: int, output_len: int, max_model_len: int,
         ValueError: first_output_slots < 1; prompt_len < 1 or output_len < 0; prompt_len +
             output_len > max_model_len (the message gives both numbers, as `reservation_tokens`).
     """
-    # BEGIN SOLUTION hint: check the sizes as reservation_tokens does; then walk the steps, keeping
-    # hint: the output slots: at step i the slab must hold prompt_len + i tokens (double the output
-    # hint: slots until it does), and record the slab, capped at max_model_len
+    # BEGIN SOLUTION hint: which sizes must be refused (as in reservation_tokens)? Then, step by
+    # hint: step: what must the slab hold at step i, and what happens to the output slots when it
+    # hint: does not? Invariants: one entry per step; room for prompt_len + i tokens; never
+    # hint: shrinks, never exceeds max_model_len; output slots = first_output_slots x a power of 2
     if first_output_slots < 1:
         raise ValueError(f"first_output_slots must be >= 1, got {first_output_slots}")
     reservation_tokens(prompt_len, output_len, "oracle", max_model_len)  # the same size checks

@@ -128,7 +128,7 @@ class ForkingKVCacheManager:
         again: the next token opens a new one) and its ref count is above 1 (after a fork). False
         for a request with no block table yet. Changes nothing.
         """
-        raise NotImplementedError("TODO(stage 4): a request with no table has nothing to copy; otherwise look at its token count (is the last block partly filled?) and at the ref count of the table's last block (does another table hold it too?)")
+        raise NotImplementedError("TODO(stage 4): a token may be written only into a block that this table alone holds (ref count = number of tables listing the block); a full block is never written again, and a request with no table holds nothing")
 
     def _copy_last_block(self, request_id) -> int:
         """Copy-on-write: give the request a block of its own in place of its shared last block.
@@ -141,7 +141,7 @@ class ForkingKVCacheManager:
         Returns:
             The fresh block's id.
         """
-        raise NotImplementedError("TODO(stage 4): one block from the free block queue's head; this table's last entry becomes it; the shared block has one owner fewer; remember (shared, fresh)")
+        raise NotImplementedError("TODO(stage 4): afterwards every block's ref count still equals the number of tables listing it, the siblings' tables are unchanged, and `copies` tells the model runner which block's K/V to duplicate into which")
 
     def fork(self, parent, child) -> None:
         """Start `child` as a copy of `parent` that shares all its blocks.
@@ -154,7 +154,7 @@ class ForkingKVCacheManager:
             KeyError: the parent holds no block table.
             ValueError: the child already holds one.
         """
-        raise NotImplementedError("TODO(stage 4): check both requests before changing anything; the child's table is a copy of the parent's list (appending to one must not change the other), and every block in it has one more owner")
+        raise NotImplementedError("TODO(stage 4): a refused call changes nothing; afterwards every block's ref count equals the number of tables listing it, and the two tables are separate lists (growing one never grows the other)")
 
     def free(self, request) -> None:
         """The request finished (or is preempted): each of its blocks loses one owner, and a block

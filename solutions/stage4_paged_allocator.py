@@ -125,9 +125,9 @@ class ForkingKVCacheManager:
         again: the next token opens a new one) and its ref count is above 1 (after a fork). False
         for a request with no block table yet. Changes nothing.
         """
-        # BEGIN SOLUTION hint: a request with no table has nothing to copy; otherwise look at
-        # hint: its token count (is the last block partly filled?) and at the ref count of the
-        # hint: table's last block (does another table hold it too?)
+        # BEGIN SOLUTION hint: a token may be written only into a block that this table alone
+        # hint: holds (ref count = number of tables listing the block); a full block is never
+        # hint: written again, and a request with no table holds nothing
         table = self.block_tables.get(request_id)
         if not table:
             return False
@@ -146,8 +146,9 @@ class ForkingKVCacheManager:
         Returns:
             The fresh block's id.
         """
-        # BEGIN SOLUTION hint: one block from the free block queue's head; this table's last
-        # hint: entry becomes it; the shared block has one owner fewer; remember (shared, fresh)
+        # BEGIN SOLUTION hint: afterwards every block's ref count still equals the number of
+        # hint: tables listing it, the siblings' tables are unchanged, and `copies` tells the
+        # hint: model runner which block's K/V to duplicate into which
         [fresh] = self._take(1)
         table = self.block_tables[request_id]
         shared, table[-1] = table[-1], fresh
@@ -167,9 +168,9 @@ class ForkingKVCacheManager:
             KeyError: the parent holds no block table.
             ValueError: the child already holds one.
         """
-        # BEGIN SOLUTION hint: check both requests before changing anything; the child's table is
-        # hint: a copy of the parent's list (appending to one must not change the other), and
-        # hint: every block in it has one more owner
+        # BEGIN SOLUTION hint: a refused call changes nothing; afterwards every block's ref count
+        # hint: equals the number of tables listing it, and the two tables are separate lists
+        # hint: (growing one never grows the other)
         blocks = self.block_tables[parent.request_id]
         if child.request_id in self.block_tables:
             raise ValueError(f"request {child.request_id!r} already has a block table")

@@ -63,9 +63,10 @@ def combine_splits(m, l, acc):
     """The attention output of one query head from its splits' partial results.
 
     Args:
-        m: [SPLITS] each split's max score (-inf for a split that holds no position).
-        l: [SPLITS] each split's sum of exp(score - m) over its positions (0 if empty).
-        acc: [SPLITS, HEAD_DIM] each split's sum of exp(score - m) * value (0 if empty).
+        m: [SPLITS] each split's max score.
+        l: [SPLITS] each split's sum of exp(score - m) over its positions.
+        acc: [SPLITS, HEAD_DIM] each split's sum of exp(score - m) * value.
+        A split that holds no position holds what the split kernel's loop starts from.
 
     Returns:
         [HEAD_DIM] float32: softmax over all the head's scores, times the values. Split 0 always
@@ -192,8 +193,8 @@ def paged_decode_partials(query: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     Returns:
         m, l [num_seqs * num_heads, num_splits] and acc [num_seqs * num_heads, num_splits,
         head_dim], float32, contiguous: row seq * num_heads + h is query head h of sequence seq
-        (it reads KV head h // (num_heads / num_kv_heads)); an empty split has m = -inf, l = 0,
-        acc = 0.
+        (it reads KV head h // (num_heads / num_kv_heads)); an empty split keeps the values its
+        loop starts from.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_pool.shape

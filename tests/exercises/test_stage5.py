@@ -209,9 +209,11 @@ def test_combine_loads_each_rows_splits(ex):
                             for r in range(rows)])
     assert_close(out.cpu(), expected, (
         "combine(m, l, acc) of 5 rows x 3 splits (tiles of 4 lanes) vs softmax(scores) @ values, "
-        "row by row, each inside a margin of NaN [row r's splits are entries r * num_splits + "
-        "s; a lane past num_splits is no split of row r: mask its loads of m, l and acc (past "
-        "the last row lies NaN) and load it as an empty split, m = -inf, l = 0, acc = 0]"),
+        "row by row, each inside a margin of NaN [two usual causes: weights exp(m), which "
+        "overflow (weigh by exp(m - the largest m)); or the loads: row r's splits are entries "
+        "r * num_splits + s; a lane past num_splits is no split of row r: mask its loads of m, "
+        "l and acc (past the last row lies NaN) and load it as an empty split, m = -inf, l = 0, "
+        "acc = 0]"),
         atol=TOLERANCE, rtol=TOLERANCE)
 
 

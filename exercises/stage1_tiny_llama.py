@@ -21,8 +21,9 @@ v_proj and o_proj are not touched: attention uses q and k only through their dot
 You write `rope_interleaved` and `permute_to_halves`. `kvlab check 1` compares the first with the
 complex-number formula above in float64, and checks the second by what it is for: q·k scores
 with rotate-half RoPE on your reordered weights equal those with interleaved RoPE on the original
-ones, and a Meta-layout copy of the tiny model gives kvlab's logits once converted. When you are
-done, read `unpermute_rows` in src/kvlab/gguf_loader.py and compare.
+ones, and a Meta-layout copy of the tiny model gives kvlab's logits once converted.
+`unpermute_rows` in src/kvlab/gguf_loader.py is a finished answer to `permute_to_halves` (the same
+reordering, line for line): read it after your check passes, not before, and compare.
 
 Layout, as on the page: per-head tensors are [num_tokens, num_heads, head_dim], `positions` is
 [num_tokens] int64, and a projection weight is [out_features, in_features] (`torch.nn.Linear`).

@@ -90,8 +90,9 @@ def schedule_step(running: list, waiting: PriorityRequestQueue, kv: Any, max_num
     """Decide one step under the priority policy; updates `running`, `waiting` and the requests.
 
     Args:
-        running: requests holding memory, in admission order (kvlab.serving.Request objects with
-            a `priority` attribute).
+        running: requests holding memory, in admission order: kvlab.serving.Request objects
+            that also carry an int `priority` (the library's Request has no such field; the
+            checks use a subclass with one; by hand, `request.priority = 1` on a Request works).
         waiting: arrived requests not running (a `PriorityRequestQueue`).
         kv: the KV cache manager (get_computed_blocks / allocate_slots / free).
         max_num_seqs: most requests running at once.
@@ -105,7 +106,7 @@ def schedule_step(running: list, waiting: PriorityRequestQueue, kv: Any, max_num
     budget = max_num_batched_tokens
     scheduled: dict = {}  # request -> its new tokens this step, in the order scheduled
     preempted: list = []
-    raise NotImplementedError("TODO(stage 7): rule 1 (the module docstring): running requests in list order while the budget lasts, each given what it still needs; when allocate_slots says None, the victim is the running request with the largest key: out of `running`, out of `scheduled` with its tokens back in the budget if it already ran, then `preempt` it; retry, and end the pass if the victim was the request itself. Iterate over a copy: victims leave `running`")
+    raise NotImplementedError("TODO(stage 7): rule 1 (the module docstring). What must hold when the pass ends: each request scheduled got min(tokens it still needs, budget left) and its blocks, in `running` order; each victim had the largest key among those still running when chosen, and is in neither `running` nor `scheduled`; the budget counts only scheduled tokens; nothing after a request that preempted itself is scheduled. `running` shrinks as you go.")
 
     if preempted:  # memory is already short for those running: admit nobody
         return list(scheduled.items()), [], preempted

@@ -4,16 +4,19 @@ One layer's pool holds `num_blocks` blocks of `block_size` token slots, in one o
 
 * token-major `[num_blocks, block_size, num_kv_heads, head_dim]`: what stage 4 allocates; the slot
   mapping indexes its flat `[num_blocks * block_size, num_kv_heads, head_dim]` view.
-* head-major `[num_blocks, num_kv_heads, block_size, head_dim]`: the order vLLM's original
-  PagedAttention kernel reads its value cache in (Kwon et al., SOSP 2023, section 4.1).
+* head-major `[num_blocks, num_kv_heads, block_size, head_dim]`: FlashInfer's "HND" order, one
+  KV head of a block stored together. vLLM's original PagedAttention kernel (Kwon et al., SOSP
+  2023) also kept a block's KV head together, but with the dimension before the token (its value
+  cache `[num_blocks, num_kv_heads, head_size, block_size]`), so neither layout here is its order.
 
 One decode program reads one KV head of one sequence. Token-major, that head's vectors in a block
 are `num_kv_heads * head_dim` elements apart (`block_size` runs of `head_dim`); head-major, they
-are one run of `block_size * head_dim`. Runs are not what a GPU fetches, though: it moves 32-byte
-sectors of 128-byte lines, and a run of whole lines (head_dim 128 in bf16: 256 bytes) is fetched
-whole in either layout. The layout counts when a row is shorter than a line (notebook 05c, section
-2, which also times both layouts); stage 5's benchmark (`kvlab.tools.bench_paged_attention`) times
-what it is worth in GB/s.
+are one run of `block_size * head_dim`. Runs are not what a GPU fetches, though: a warp's loads
+are served in 32-byte sectors (CUDA C++ Best Practices Guide, "Coalesced Access to Global
+Memory"), and a row of whole sectors (head_dim 128 in bf16: 256 bytes) costs the same sectors in
+either layout. The layout counts only for rows shorter than a sector (notebook 05c, section 2,
+which on a GPU also times both layouts); stage 5's benchmark (`kvlab.tools.bench_paged_attention`)
+times what it is worth in GB/s.
 No Triton here: the notebook's CPU picture uses this module.
 """
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -128,3 +129,40 @@ def test_reduce_and_write_kernels_compile_for_sm90_within_shared_memory():
         pytest.skip(report["skip"])
     for name, shared in report["results"]:
         assert shared <= SHARED_LIMIT[90], f"{name}: {shared} B of shared memory"
+
+
+# Notebook 05c times the compiled loop's variants on a GPU with kvlab.tools.compiled.decode_variant;
+# here, under the interpreter, each variant must compute what paged_attention_decode computes.
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_each_loop_variant_decodes_as_the_library_does(layout):
+    from kvlab.kernels.paged_attention import paged_attention_decode
+    from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
+    from kvlab.tools.bench_paged_attention import BenchConfig, make_point
+    from kvlab.tools.compiled import decode_variant
+
+    layout = {"token_major": TOKEN_MAJOR, "head_major": HEAD_MAJOR}[layout]
+    cfg = BenchConfig(num_heads=4, num_kv_heads=2, head_dim=16)
+    point = make_point(cfg, batch=2, context=40, block_size=16, layout=layout,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    expected = paged_attention_decode(point["query"], point["k_cache"], point["v_cache"],
+                                      point["shuffled"], point["seq_lens"], layout=layout)
+    for variant in ({}, {"prefetch_ids": False}, {"num_stages": 4}, {"while_loop": True}):
+        got = decode_variant(point, **variant)().clone()
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{variant}: {m}")
+
+
+def test_the_loop_timeline_draws_one_row_per_compile():
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlab.tools.compiled import plot_loop_timeline
+
+    compiles = {"ids ahead": {"kv_buffers": 2, "loop": "for"},
+                "same iteration": {"kv_buffers": 2, "loop": "for"},
+                "4 stages": {"kv_buffers": 3, "loop": "for"},
+                "while": {"kv_buffers": 0, "loop": "while"}}
+    axes = plot_loop_timeline(compiles, iterations=4)
+    assert len(axes) == 4
+    # each row: one bar per wait and per compute, the copies issued marked with triangles
+    assert all(len(ax.collections) >= 4 and len(ax.lines) >= 1 for ax in axes)
+    import matplotlib.pyplot as plt
+    plt.close("all")

@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = ["CompiledDecode", "HEADLINE", "compile_decode", "compile_launch", "loop_lines",
-           "cubin_resources", "compile_in_subprocess", "main"]
+           "cubin_resources", "compile_in_subprocess", "decode_variant", "plot_loop_timeline",
+           "main"]
 
 # The headline decode step: Llama-3.1-8B's attention (32 query / 8 KV heads, head_dim 128), bf16,
 # batch 64 x 4,096 tokens in blocks of 16.
@@ -190,6 +191,75 @@ def compile_in_subprocess(variants: list[dict], timeout: float = 600) -> list[di
         raise RuntimeError(f"compiling failed:\n{run.stderr[-3000:]}")
     report = json.loads(run.stdout.strip().splitlines()[-1])
     return report.get("skip") or report["results"]
+
+
+def decode_variant(point: dict, prefetch_ids: bool = True, num_stages: int | None = None,
+                   while_loop: bool = False):
+    """A function of no arguments that runs one decode step of `point`
+    (`bench_paged_attention.make_point`, its shuffled block table) with the kernel built as
+    `compile_decode` builds the variant (one split); it returns the output [num_seqs, num_heads,
+    head_dim]. To time the variants on a GPU; on the CPU it runs under the interpreter."""
+    from kvlab.kernels import paged_attention as pa
+
+    query = point["query"]
+    on_gpu = query.is_cuda and not pa.INTERPRETED
+    capability = torch.cuda.get_device_capability(query.device) if query.is_cuda else None
+    num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
+    launch = pa.plan_decode(query, point["k_cache"], point["v_cache"], point["shuffled"],
+                            point["seq_lens"], torch.empty_like(query), point["context"], 1,
+                            num_sms, capability, layout=point["layout"], prefetch_ids=prefetch_ids,
+                            while_loop=while_loop)
+    constants = dict(launch.constants)
+    if num_stages is not None and on_gpu:  # the interpreter has no pipeline to size
+        constants["num_stages"] = num_stages
+
+    def run() -> torch.Tensor:
+        pa._paged_decode_kernel[launch.grid](*launch.args, **constants)
+        return launch.args[0]
+    return run
+
+
+def plot_loop_timeline(compiles: dict, iterations: int = 5, latency: float = 3.0,
+                       compute: float = 1.0):
+    """A schematic timeline of one program's decode loop per compile (name -> `CompiledDecode`
+    dict): each iteration's wait (grey) and compute (blue), each tile's copy issued (triangle,
+    tile number) and the tiles in flight (number over each bar). A copy takes `latency`, a tile's
+    compute `compute` (arbitrary units). With N = kv_buffers >= 2 the prologue issues tiles 0 to
+    N - 1 and iteration i, after computing tile i, issues tile i + N into its buffer; with fewer
+    (one buffer, or the `while`'s registers) tile i + 1 is issued after tile i is computed."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(compiles), 1, figsize=(10, 1.1 * len(compiles) + 0.6),
+                             sharex=True, squeeze=False)
+    for ax, (name, c) in zip(axes[:, 0], compiles.items()):
+        ahead = max(c["kv_buffers"], 1)
+        issued = {tile: 0.0 for tile in range(ahead)}
+        now = 0.0
+        for i in range(iterations):
+            ready = issued[i] + latency
+            begin = max(now, ready)  # computing starts once tile i is in
+            for start, end, colour in ((now, ready, "0.8"), (begin, begin + compute, "tab:blue")):
+                if end > start:
+                    ax.broken_barh([(start, end - start)], (0, 1), color=colour, edgecolor="white")
+                    middle = (start + end) / 2
+                    flying = sum(t <= middle < t + latency for t in issued.values())
+                    ax.text(middle, 1.1, str(flying), ha="center", fontsize=8)
+            now = begin + compute
+            issued[i + ahead] = now
+        copies: dict[float, list[str]] = {}
+        for tile, time in issued.items():
+            copies.setdefault(time, []).append(str(tile))
+        for time, tiles in copies.items():
+            ax.plot(time, -0.35, marker="^", color="tab:orange")
+            ax.text(time, -0.95, ",".join(tiles), ha="center", fontsize=7)
+        ax.set_yticks([])
+        ax.set_ylim(-1.1, 1.6)
+        ax.set_ylabel(f"{name}\n{c['loop']}, {c['kv_buffers']} buffer(s)", rotation=0, ha="right",
+                      va="center", fontsize=8)
+    axes[-1, 0].set_xlabel(f"time (a copy takes {latency:g}, a tile's compute {compute:g}); "
+                           "grey: waiting, blue: computing, number: tiles in flight, "
+                           "triangle: tile n's copy issued")
+    return axes[:, 0]
 
 
 def main(argv: list[str] | None = None) -> None:

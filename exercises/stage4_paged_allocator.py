@@ -16,8 +16,7 @@ kvlab keeps `fork`.
 
 A full block is never written again, so sharing it is safe for good. A partly filled last block is
 not: the next token of either sibling lands in it. Copy-on-write: the first sibling to write there
-gets a fresh block holding a copy of the shared one, and the shared block's ref count drops by one.
-The manager only decides; it records (source, destination) and the model runner copies the K/V of
+gets a fresh block holding a copy of the shared one. The manager only decides; it records (source, destination) and the model runner copies the K/V of
 every layer before the forward pass (`take_copies`, vLLM v0's `blocks_to_copy`).
 
 `ForkingKVCacheManager` below is the page's manager with copy-on-write wired into
@@ -92,10 +91,9 @@ class ForkingKVCacheManager:
     def allocate_slots(self, request, num_new_tokens: int) -> list[int] | None:
         """Slots for `num_new_tokens` more tokens of `request` (a new one is admitted).
 
-        The page's `allocate_slots`, plus copy-on-write: when the first new token would land in a
-        partly filled block that another request also holds (`_must_copy_last_block`), this
-        request first gets a private copy of it (`_copy_last_block`). The copy takes a free block
-        too, so it is counted before anything changes.
+        The page's `allocate_slots`, plus copy-on-write: when `_must_copy_last_block` says so, this
+        request first gets a block of its own for its last one (`_copy_last_block`). The copy
+        takes a free block too, so it is counted before anything changes.
 
         Returns:
             The blocks taken, in the order taken (the copy's destination first), [] if none, or
@@ -122,39 +120,42 @@ class ForkingKVCacheManager:
         return copied + new_blocks
 
     def _must_copy_last_block(self, request_id) -> bool:
-        """Would this request's next token land in a block another request also holds?
-
-        True when the request's last block is partly filled (a full block is never written
-        again: the next token opens a new one) and its ref count is above 1 (after a fork). False
-        for a request with no block table yet. Changes nothing.
+        """True exactly when writing this request's next token in place would change K/V that
+        another request reads, so that the request needs a block of its own first. False for a
+        request with no block table. Changes nothing.
         """
-        raise NotImplementedError("TODO(stage 4): a token may be written only into a block that this table alone holds (ref count = number of tables listing the block); a full block is never written again, and a request with no table holds nothing")
+        raise NotImplementedError("TODO(stage 4): which block does the token at position num_tokens land in, and who else reads that block?")
 
     def _copy_last_block(self, request_id) -> int:
-        """Copy-on-write: give the request a block of its own in place of its shared last block.
+        """Copy-on-write. Afterwards this request's table ends in a fresh block (one `_take`)
+        where the shared last block was, and:
 
-        Take a fresh block (`_take`), put it in place of the shared block in *this* request's
-        table only (its siblings keep the shared one), drop the shared block's ref count by one,
-        and record (shared, fresh) in `copies` for the model runner, which copies the K/V. The
-        caller has checked that a block is free.
+        * every block's ref count equals the number of block tables that list it;
+        * every other request's table is as it was;
+        * `copies` ends with one more (source, destination) pair: the model runner copies the
+          source block's K/V into the destination before the forward pass.
+
+        The caller has checked that a block is free.
 
         Returns:
             The fresh block's id.
         """
-        raise NotImplementedError("TODO(stage 4): afterwards every block's ref count still equals the number of tables listing it, the siblings' tables are unchanged, and `copies` tells the model runner which block's K/V to duplicate into which")
+        raise NotImplementedError("TODO(stage 4): which block lost an owner, and which K/V must the fresh block start with?")
 
     def fork(self, parent, child) -> None:
-        """Start `child` as a copy of `parent` that shares all its blocks.
+        """Start `child` as a second completion of `parent`'s tokens (paper section 4.4).
 
-        The child gets a block table of its own listing the parent's blocks, and the parent's
-        token count; each of those blocks' ref count goes up by one. No block is taken and no
-        data is copied: that is what parallel sampling saves (paper section 4.4).
+        Afterwards the child holds the parent's tokens in the parent's blocks; no block was taken
+        and no K/V copied (what parallel sampling saves); every block's ref count equals the
+        number of block tables that list it; and growing either table later leaves the other as
+        it is. Works for any parent: a fresh request, a fork, or one that has copied.
 
         Raises:
             KeyError: the parent holds no block table.
             ValueError: the child already holds one.
+            A call that raises changes nothing.
         """
-        raise NotImplementedError("TODO(stage 4): a refused call changes nothing; afterwards every block's ref count equals the number of tables listing it, and the two tables are separate lists (growing one never grows the other)")
+        raise NotImplementedError("TODO(stage 4): check before you change anything")
 
     def free(self, request) -> None:
         """The request finished (or is preempted): each of its blocks loses one owner, and a block

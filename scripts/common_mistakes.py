@@ -102,6 +102,8 @@ MISTAKES = [
      "self.block_tables[child.request_id] = blocks"),
     (4, "the copy recorded as (fresh, shared): the model runner would copy the wrong way",
      "self.copies.append((shared, fresh))", "self.copies.append((fresh, shared))"),
+    (4, "fork sets each shared block's ref count to 2 (right for one fork, not for a fork of a fork)",
+     "            self.ref_counts[block_id] += 1\n", "            self.ref_counts[block_id] = 2\n"),
     (5, "split-KV: the split length rounded down (the longest sequence's last positions in no split)",
      "split_len = -(-int(seq_lens.max()) // num_splits)", "split_len = int(seq_lens.max()) // num_splits"),
     (5, "split-KV: the grid without its third axis (only split 0 of each sequence runs)",

@@ -44,6 +44,10 @@ MISTAKES = [  # (stage, answer text, the learner's version, the line kvlab check
      "from typing import Protocol, Sequence\nfrom torch import\n",
      r"ERROR test_reservation_tokens_paper_example \(3 of 3 cases\): SyntaxError: .* "
      r"\(stage2_\w+\.py, line \d+\)$"),
+    (4, "            self.ref_counts[block_id] += 1\n", "            self.ref_counts[block_id] = 2\n",
+     r"FAIL  test_a_fork_of_a_fork_counts_every_table: ForkingKVCacheManager\(10, block_size=4\), "
+     r"allocate_slots\('a', 6\), fork\('a', 'b'\), fork\('b', 'c'\): ref_counts \(three tables list "
+     r"blocks 0 and 1; each fork adds one to the count, whatever it was\): expected list \[3, 3, 0"),
     (5, *NO_LARGEST_MAX, r"FAIL  test_combine_splits_of_large_scores_needs_the_largest_max: "
      r"combine_splits of 3 splits whose maxima reach \d+ .* got nan \(tolerance "),
 ]

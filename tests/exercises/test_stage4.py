@@ -113,6 +113,47 @@ def test_fork_shares_every_block_and_takes_none(ex):
                  f"table must be a list of its own, not the parent's)")
 
 
+def test_a_fork_of_a_fork_counts_every_table(ex):
+    trace = forked(ex)  # a, b: [0, 1]; block 1 holds positions 4 and 5
+    trace.fork("b", "c")
+    assert_equal(trace.manager.ref_counts, [3, 3] + [0] * 8,
+                 f"{trace.what}: ref_counts (three tables list blocks 0 and 1; each fork adds "
+                 f"one to the count, whatever it was)")
+    trace.expect(block_tables={"a": [0, 1], "b": [0, 1], "c": [0, 1]},
+                 num_tokens={"a": 6, "b": 6, "c": 6}, free_block_queue=list(range(2, 10)))
+    for name, copied in [("c", [2]), ("b", [3]), ("a", [])]:
+        assert_equal(trace.allocate_slots(name, 1), copied,
+                     f"{trace.what}: the blocks taken (block 1 is copied while another table "
+                     f"still lists it; the last of the three writes into it in place)")
+    trace.expect(copies=[(1, 2), (1, 3)], block_tables={"a": [0, 1], "b": [0, 3], "c": [0, 2]},
+                 ref_counts=[3, 1, 1, 1] + [0] * 6)
+
+
+def test_a_fork_after_a_copy_on_write_shares_the_copy(ex):
+    trace = forked(ex)
+    trace.allocate_slots("b", 1)  # b copies block 1 into block 2: a [0, 1], b [0, 2]
+    trace.take_copies()
+    trace.fork("b", "c")          # c shares b's blocks, the copy included
+    trace.expect(block_tables={"a": [0, 1], "b": [0, 2], "c": [0, 2]},
+                 num_tokens={"a": 6, "b": 7, "c": 7}, ref_counts=[3, 1, 2] + [0] * 7)
+    assert_equal(trace.allocate_slots("c", 1), [3],
+                 f"{trace.what}: the blocks taken (c's token 8 lands in block 2, which b also "
+                 f"lists: a copy)")
+    assert_equal(trace.allocate_slots("a", 1), [],
+                 f"{trace.what}: the blocks taken (block 1 is a's alone since b copied)")
+    trace.expect(copies=[(2, 3)], block_tables={"a": [0, 1], "b": [0, 2], "c": [0, 3]},
+                 ref_counts=[3, 1, 1, 1] + [0] * 6)
+
+
+def test_a_fork_of_full_blocks_copies_nothing_later(ex):
+    trace = forked(ex, prompt=8)
+    trace.fork("b", "c")  # three tables over two full blocks
+    for name in ("c", "b", "a"):
+        trace.allocate_slots(name, 1)
+    trace.expect(copies=[], ref_counts=[3, 3, 1, 1, 1] + [0] * 5,
+                 block_tables={"a": [0, 1, 4], "b": [0, 1, 3], "c": [0, 1, 2]})
+
+
 FORK_ERRORS = {
     "fork into a request that has a table": (ValueError, lambda m: m.fork(named("a"), named("a"))),
     "fork an unknown parent": (KeyError, lambda m: m.fork(named("nobody"), named("c"))),
@@ -183,7 +224,7 @@ def test_three_siblings_copy_twice(ex):
 
 @pytest.mark.parametrize("num_blocks, num_new_tokens, why", [
     (2, 1, "the copy needs a block and none is free"),
-    (3, 3, "the copy and one block past the end need 2 blocks, 1 is free"),
+    (3, 3, "exactly 1 block is free, but the copy and one block past the end need 2"),
 ])
 def test_a_refused_copy_changes_nothing(ex, num_blocks, num_new_tokens, why):
     trace = forked(ex, num_blocks=num_blocks)

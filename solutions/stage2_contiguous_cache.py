@@ -37,7 +37,7 @@ In this count the growing slab keeps token states in more of its memory than eve
 knows every length: why, step by step? Then what the count leaves out: how many tokens does it copy
 over the trace (a growth at step i copies the P + i - 1 tokens held), and what becomes of the
 memory a request leaves behind each time it moves to a bigger slab (stage 4 measures external
-fragmentation)?
+fragmentation)? Answers, with their figures, are folded under the exercise cell of notebook 02.
 
 A request of P prompt tokens generating G tokens lives S = max(G, 1) scheduler steps and holds
 P + i tokens at step i (0 <= i < S): the last token is sampled and never fed back, so its K/V is

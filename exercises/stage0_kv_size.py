@@ -67,7 +67,7 @@ def sliding_window_kv_bytes(seq_len: int, bytes_per_token: int, sliding_window: 
         Bytes (int). Mistral-7B v0.1 (window 4,096) in bf16 at 32,768 tokens: 536,870,912 (512
         MiB, 8x less than the 4 GiB without a window).
     """
-    raise NotImplementedError("TODO(stage 0): how many tokens does a layer keep for a request longer than the window, and for one shorter? None means no window")
+    raise NotImplementedError("TODO(stage 0): point 2 of the module docstring says what a layer keeps; picture a request early on, and the same request much later. None means no window")
 
 
 def mla_kv_bytes_per_token(num_hidden_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
@@ -84,4 +84,4 @@ def mla_kv_bytes_per_token(num_hidden_layers: int, kv_lora_rank: int, qk_rope_he
     Returns:
         Bytes per token (int). DeepSeek-V2 in bf16: 69,120 (67.5 KiB).
     """
-    raise NotImplementedError("TODO(stage 0): count the numbers kept per token and layer (point 3 of the module docstring names them), then their bytes")
+    raise NotImplementedError("TODO(stage 0): point 3 of the module docstring says what a layer caches for one token: is any of it kept once per head?")

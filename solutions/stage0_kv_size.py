@@ -77,8 +77,8 @@ def sliding_window_kv_bytes(seq_len: int, bytes_per_token: int, sliding_window: 
         Bytes (int). Mistral-7B v0.1 (window 4,096) in bf16 at 32,768 tokens: 536,870,912 (512
         MiB, 8x less than the 4 GiB without a window).
     """
-    # BEGIN SOLUTION hint: how many tokens does a layer keep for a request longer than the window,
-    # hint: and for one shorter? None means no window
+    # BEGIN SOLUTION hint: point 2 of the module docstring says what a layer keeps; picture a
+    # hint: request early on, and the same request much later. None means no window
     held = seq_len if sliding_window is None else min(seq_len, sliding_window)
     return held * bytes_per_token
     # END SOLUTION
@@ -98,7 +98,7 @@ def mla_kv_bytes_per_token(num_hidden_layers: int, kv_lora_rank: int, qk_rope_he
     Returns:
         Bytes per token (int). DeepSeek-V2 in bf16: 69,120 (67.5 KiB).
     """
-    # BEGIN SOLUTION hint: count the numbers kept per token and layer (point 3 of the module
-    # hint: docstring names them), then their bytes
+    # BEGIN SOLUTION hint: point 3 of the module docstring says what a layer caches for one
+    # hint: token: is any of it kept once per head?
     return num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
     # END SOLUTION

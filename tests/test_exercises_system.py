@@ -200,8 +200,8 @@ def test_checker_passes_the_solutions_and_fails_untouched_exercises_cleanly(tmp_
     code, output = kvlab_check("all", "--target", str(tmp_path))
     assert code == 1 and all(f"Stage {n}: NOT YET (0 of" in output for n in STAGES), output
     assert all(line.startswith(("Stage ", "  TODO  test_")) for line in output.splitlines())
-    assert ("  TODO  test_sliding_window_mistral_paper: sliding_window_kv_bytes(): how many tokens "
-            "does a layer keep for a request longer than the window") in output
+    assert ("  TODO  test_sliding_window_mistral_paper: sliding_window_kv_bytes(): point 2 of the "
+            "module docstring says what a layer keeps") in output
 
 
 def test_checker_reports_each_kind_of_mistake_on_one_line(tmp_path):

@@ -187,7 +187,7 @@ def test_mla_published_configs(ex, layers, dtype_bytes, expected, note):
     check_mla(ex, layers, 512, 64, dtype_bytes, expected, note)
 
 
-def test_mla_is_the_papers_four_and_a_half_head_dims(ex):
+def test_mla_matches_the_papers_table_1(ex):
     # DeepSeek-V2, table 1: (d_c + d_h^R) l elements a token, d_c = 4 d_h and d_h^R = d_h / 2, so
     # 9/2 d_h l. With d_h = 128 and l = 60 layers, in fp32 (4 B) this time.
     check_mla(ex, 60, 4 * 128, 128 // 2, 4, 9 * 128 * 60 // 2 * 4,

@@ -91,6 +91,28 @@ def test_a_while_loop_is_not_software_pipelined(compiled):
     assert (written_as_while["kv_buffers"], written_as_while["async_copies"]) == (0, 0)
 
 
+def test_the_annotated_loop_counts_the_headline_pipelines_copies(compiled):
+    # annotate_loop's listing: the buffers, the prologue's copies, the loop, and in it one wait
+    # with the compile's num, the K and V reads and one K and one V copy per iteration; the
+    # prologue's and the loop's copies add up to every copy in the code.
+    headline = compiled[json.dumps({})]
+    labels = [label for label, _ in headline["listing"]]
+    lines = [line for _, line in headline["listing"]]
+    assert f"memdesc<{headline['kv_buffers']}x32x128xbf16" in lines[0]
+    prologue = int(labels[1].split(": ")[1].split()[0])
+    assert prologue == 2 * headline["kv_buffers"], labels[1]  # K and V of every buffer
+    assert "scf.for" in lines[2] and "scf.yield" in lines[-1]
+    assert sum("async_wait" in line for line in lines) == 1
+    wait = next(line for line in lines if "async_wait" in line)
+    assert f"{{num = {headline['wait_num']}" in wait, wait
+    loop_copies = [label for label in labels[3:] if label.startswith("issue")]
+    assert sorted(loop_copies) == ["issue a later tile's K copy", "issue a later tile's V copy"]
+    assert prologue + len(loop_copies) == headline["async_copies"]
+    assert [label for label in labels if label.startswith("read")] == \
+        ["read tile i's K from its buffer", "read tile i's V from its buffer"]
+    assert compiled[json.dumps({"while_loop": True})]["listing"] == []
+
+
 SCRIPT = r"""
 import json, sys, torch, triton
 if "nvidia" not in triton.backends.backends:

@@ -32,13 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 __all__ = ["CompiledDecode", "HEADLINE", "compile_decode", "compile_launch", "loop_lines",
-           "cubin_resources", "compile_in_subprocess", "decode_variant", "plot_loop_timeline",
-           "main"]
+           "annotate_loop", "cubin_resources", "compile_in_subprocess", "decode_variant",
+           "plot_loop_timeline", "main"]
 
 # The headline decode step: Llama-3.1-8B's attention (32 query / 8 KV heads, head_dim 128), bf16,
 # batch 64 x 4,096 tokens in blocks of 16.
@@ -70,6 +70,7 @@ class CompiledDecode:
     seconds: float       # the compile's wall time
     loop: str = ""       # the decode loop's TTGIR op: "scf.for" (pipelined) or "scf.while"
     async_copies: int = 0  # ttg.async_copy_global_to_local ops (cp.async): 0, nothing in flight
+    listing: list = field(default_factory=list)  # annotate_loop's [label, TTGIR line] pairs
 
 
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
@@ -115,6 +116,61 @@ def loop_lines(ttgir: str, tile: int, head_dim_pad: int) -> tuple[str | None, in
     num = int(re.search(r"num = (\d+)", waits[0]).group(1))
     return (_strip_location(buffers[0]), int(shape.search(buffers[0]).group(1)),
             _strip_location(waits[0]), num)
+
+
+def _short(line: str) -> str:
+    """A TTGIR line without its location, its result types and a for's iter_args."""
+    line = _strip_location(line)
+    if "ttg.local_alloc : ()" in line:
+        return re.sub(r"!ttg\.(memdesc<[^,]*),.*", r"\1, ...>", line)
+    return re.sub(r" iter_args\(.*| : (tensor|!|\(|<).*", "", line)
+
+
+def _copied(line: str) -> str:
+    """What a TTGIR copy (its result's name) or read (its buffer's name) moves: "K", "V", "ids"."""
+    read = re.search(r"ttg\.local_load (%\w+)", line)
+    name = read.group(1) if read else _short(line)
+    return "V" if name.startswith("%v") else "K" if name.startswith("%k") else "ids"
+
+
+def annotate_loop(ttgir: str, tile: int, head_dim_pad: int) -> list[list[str]]:
+    """The pipelined decode loop's key TTGIR lines as [label, line] pairs: K's buffers, the
+    prologue's copies (one shown, all counted), the scf.for, and in its body the wait, the reads of
+    K and V from shared memory, the two dots, the block-id load, the copies it issues and the
+    scf.yield. [] when the loop copies nothing asynchronously (no buffers)."""
+    lines = ttgir.splitlines()
+    shape = re.compile(rf"ttg\.local_alloc\s*:.*memdesc<(\d+)x{tile}x{head_dim_pad}x")
+    alloc = next((i for i, line in enumerate(lines) if shape.search(line)), None)
+    loop = next((i for i, line in enumerate(lines) if "scf.for" in line), None)
+    if alloc is None or loop is None:
+        return []
+    end = next(i for i in range(loop, len(lines)) if "scf.yield" in lines[i])
+    buffers = shape.search(lines[alloc]).group(1)
+    prologue = [line for line in lines[alloc:loop] if "ttg.async_copy_global_to_local" in line]
+    counts = {what: sum(_copied(line) == what for line in prologue) for what in ("K", "V", "ids")}
+    listing = [[f"K's buffers: {buffers} tile(s) in shared memory (V's: a second alloc)",
+                lines[alloc]]]
+    if prologue:
+        kinds = ", ".join(f"{n} tile(s)' {what}" for what, n in counts.items() if n)
+        listing.append([f"before the loop: {len(prologue)} copies like this ({kinds})",
+                        prologue[0]])
+    listing.append(["the loop: iteration i computes tile i", lines[loop]])
+    body = {"ttg.async_wait": "wait until at most {num} copies fly: tile i is in",
+            "ttg.local_load": "read tile i's {what} from its buffer",
+            "tt.dot": "{dot}",
+            "tt.load": "load a later tile's block ids (into registers)",
+            "ttg.async_copy_global_to_local": "issue a later tile's {what} copy"}
+    dots = iter(["scores = q . K^T", "acc += p . V"])
+    for line in lines[loop + 1:end]:
+        op = next((op for op in body if f" {op} " in line), None)
+        if op is None or (op == "ttg.local_load" and " token " not in line):
+            continue  # q's and p's shared-memory round trips are not the pipeline
+        found = re.search(r"num = (\d+)", line)
+        label = body[op].format(num=found.group(1) if found else "", what=_copied(line),
+                                dot=next(dots, "a dot") if op == "tt.dot" else "")
+        listing.append([label, line])
+    listing.append(["next iteration: acc, m, l, ids, buffer indices", lines[end]])
+    return [[label, _short(line)] for label, line in listing]
 
 
 def cubin_resources(cubin: bytes) -> tuple[int, int]:
@@ -176,7 +232,8 @@ def compile_decode(arch: int = 90, prefetch_ids: bool = True, tile: int | None =
     return CompiledDecode(arch, triton.__version__, shape, kwargs["TILE"], prefetch_ids, split,
                           buffers, num, buffer_line, wait_line, registers, kernel.metadata.shared,
                           static_shared, kernel.metadata.num_warps, kernel.metadata.num_stages,
-                          round(seconds, 2), loop, ttgir.count("ttg.async_copy_global_to_local"))
+                          round(seconds, 2), loop, ttgir.count("ttg.async_copy_global_to_local"),
+                          annotate_loop(ttgir, kwargs["TILE"], kwargs["HEAD_DIM_PAD"]))
 
 
 def compile_in_subprocess(variants: list[dict], timeout: float = 600) -> list[dict] | str:
@@ -224,7 +281,8 @@ def plot_loop_timeline(compiles: dict, iterations: int = 5, latency: float = 3.0
     """A schematic timeline of one program's decode loop per compile (name -> `CompiledDecode`
     dict): each iteration's wait (grey) and compute (blue), each tile's copy issued (triangle,
     tile number) and the tiles in flight (number over each bar). A copy takes `latency`, a tile's
-    compute `compute` (arbitrary units). With N = kv_buffers >= 2 the prologue issues tiles 0 to
+    compute `compute` (arbitrary units, assumed: not measured, and fixed however many copies fly,
+    so bandwidth is ignored). With N = kv_buffers >= 2 the prologue issues tiles 0 to
     N - 1 and iteration i, after computing tile i, issues tile i + N into its buffer; with fewer
     (one buffer, or the `while`'s registers) tile i + 1 is issued after tile i is computed."""
     import matplotlib.pyplot as plt
@@ -256,9 +314,17 @@ def plot_loop_timeline(compiles: dict, iterations: int = 5, latency: float = 3.0
         ax.set_ylim(-1.1, 1.6)
         ax.set_ylabel(f"{name}\n{c['loop']}, {c['kv_buffers']} buffer(s)", rotation=0, ha="right",
                       va="center", fontsize=8)
-    axes[-1, 0].set_xlabel(f"time (a copy takes {latency:g}, a tile's compute {compute:g}); "
-                           "grey: waiting, blue: computing, number: tiles in flight, "
-                           "triangle: tile n's copy issued")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    axes[0, 0].legend(handles=[Patch(color="0.8", label="waiting"),
+                               Patch(color="tab:blue", label="computing"),
+                               Line2D([], [], marker="^", color="tab:orange", linestyle="",
+                                      label="tile n's copy issued")],
+                      loc="lower right", bbox_to_anchor=(1, 1), fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel(f"time, assumed: a copy takes {latency:g}, a tile's compute "
+                           f"{compute:g}, whatever else is in flight (bandwidth ignored); "
+                           "number: tiles in flight")
     return axes[:, 0]
 
 

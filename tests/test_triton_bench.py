@@ -167,6 +167,42 @@ def test_small_points_are_timed_from_a_cuda_graph():
     assert median_ms(lambda: calls.append(1), "cpu_best", repeats=3) >= 0 and len(calls) == 4
 
 
+@pytest.mark.parametrize("layout", ["token-major", "head-major"])
+def test_paging_cost_steps_agree_with_float64_attention(layout):
+    """Notebook 05b times these arms: each must compute the decode step (the copy: the blocks)."""
+    from kvlab.oracles import sdpa_attention
+    from kvlab.tools.bench_paged_attention import (BenchConfig, contiguous_kv, make_point,
+                                                   paging_cost_steps)
+
+    cfg = BenchConfig(num_heads=4, num_kv_heads=2, head_dim=16)
+    point = make_point(cfg, batch=3, context=37, block_size=8, layout=layout,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    def reference(table):  # each sequence's blocks read one by one in table order, in float64
+        out = []
+        for seq in range(3):
+            blocks = [point[name][int(block)] for name in ("k_cache", "v_cache")
+                      for block in point[table][seq]]
+            if layout == "head-major":  # [kv_heads, slots, dim] -> [slots, kv_heads, dim]
+                blocks = [block.transpose(0, 1) for block in blocks]
+            keys, values = (torch.cat(blocks[i * 5:(i + 1) * 5])[:37].double() for i in (0, 1))
+            out.append(sdpa_attention(point["query"][seq:seq + 1].double(), keys, values,
+                                      query_positions=torch.tensor([36]))[0])
+        return torch.stack(out)
+
+    expected = {"shuffled": reference("shuffled"), "identity": reference("identity")}
+    tables = {"contiguous": "shuffled", "+ mask": "shuffled", "paged": "shuffled",
+              "in order": "identity"}
+    for kernel in (False, True):
+        steps = paging_cost_steps(point, kernel=kernel)
+        assert set(steps) == set(tables) | {"copy"}
+        for name, table in tables.items():
+            error = (steps[name]().double() - expected[table]).abs().max().item()
+            assert error < 1e-5, f"kernel={kernel}, {name}: max error {error:.1e}"
+    copied = [buffer.view(3, 2, -1, 16)[:, :, :37] for buffer in steps["copy"]()]
+    for got, want in zip(copied, contiguous_kv(point)):
+        assert torch.equal(got, want)  # the copy: each sequence's K/V rows in order
+
+
 def test_kernel_record_reads_the_launched_binary():
     from kvlab.tools.bench_timing import kernel_record
 

@@ -21,6 +21,8 @@ sm_80):
   recorded beside it);
 * paging overhead: the same pool read through a shuffled block table vs the identity table.
 
+`paging_cost_steps` gives notebook 05b the arms it times (on a CPU, stage 4's copy and its parts).
+
 Then the layout study at one point: both pool layouts x block sizes 1-128, next to stage 4's waste
 for those block sizes on the requests stage 4 replays (`bench_report.stage4_waste`). Writes JSON
 (the machine as `kvlab.tools.machine.describe_environment` records it, as the GPU tour does, and the
@@ -135,6 +137,49 @@ def contiguous_kv(point: dict) -> tuple[torch.Tensor, torch.Tensor]:
         out.append(blocks.reshape(batch, -1, *blocks.shape[3:])[:, :point["context"]]
                    .transpose(1, 2).contiguous())
     return out[0], out[1]
+
+
+def paging_cost_steps(point: dict, kernel: bool) -> dict:
+    """Notebook 05b's decode step over the point and its parts, as functions of no arguments.
+
+    "contiguous": SDPA over `contiguous_kv`; "+ mask": the same with stage 4's mask (0, or -inf
+    past a sequence's end; [batch, 1, 1, slots] in query's dtype); "copy": stage 4's copy of the
+    blocks into its gather buffers (two index_selects, out=), alone; "paged": the step through the
+    shuffled block table, the Triton kernel if `kernel` else stage 4's copy + masked SDPA
+    (`decode_attention`); "in order": "paged" through the identity table. Each returns
+    [batch, num_heads, head_dim] except "copy" (the buffers)."""
+    from torch.nn import functional as F
+
+    from kvlab.kernels.paged_attention import paged_attention_decode
+    from kvlab.paged.torch_attention import decode_attention, decode_gather
+
+    query, k_cache, v_cache, lens = (point[k] for k in ("query", "k_cache", "v_cache", "seq_lens"))
+    batch, num_heads, head_dim = query.shape
+    keys, values = contiguous_kv(point)  # [batch, num_kv_heads, context, head_dim]
+    grouped = query.view(batch, keys.shape[1], -1, head_dim)  # a KV head's query heads as rows
+    gathers = {name: decode_gather(point[name].long(), lens.long(), k_cache, point["layout"])
+               for name in ("shuffled", "identity")}
+    mask = gathers["shuffled"].score_bias[..., :keys.shape[2]].to(query.dtype)  # the pad's slots off
+    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)  # decode_gather's rows
+
+    def paged(table: str):
+        if kernel:
+            return lambda: paged_attention_decode(query, k_cache, v_cache, point[table], lens,
+                                                  layout=point["layout"],
+                                                  max_seq_len=point["context"], validate=False)
+        return lambda: decode_attention(query, k_cache, v_cache, gathers[table])
+
+    def copy():
+        gather = gathers["shuffled"]
+        return (torch.index_select(k_rows, 0, gather.rows, out=gather.keys.view(-1, head_dim)),
+                torch.index_select(v_rows, 0, gather.rows, out=gather.values.view(-1, head_dim)))
+
+    def sdpa(attn_mask=None):
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attn_mask)
+        return out.reshape(batch, num_heads, head_dim)
+
+    return {"contiguous": sdpa, "+ mask": lambda: sdpa(mask),
+            "copy": copy, "paged": paged("shuffled"), "in order": paged("identity")}
 
 
 def launch_once(point: dict, device: torch.device) -> dict:

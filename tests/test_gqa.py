@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlab.config import LlamaConfig
-from kvlab.evaluate import perplexity
+from kvlab.evaluate import next_token_scores, perplexity
 from kvlab.gqa import PackedSequences, convert_layers, convert_to_gqa, mean_pool_kv_heads, uptrain
 from kvlab.model import LlamaForCausalLM
 
@@ -78,6 +78,30 @@ def test_perplexity_rejects_bad_windows_and_short_text():
         perplexity(model, [1, 2, 3], window=65)
     with pytest.raises(ValueError, match="2 tokens"):
         perplexity(model, [1], window=8)
+
+
+def test_next_token_scores_match_a_hand_count():
+    model = mha_model()
+    ids = torch.randint(0, 61, (30,))
+    right = sure = 0.0
+    for chunk in (ids[:16], ids[16:]):  # window 16: two sequences, 15 + 13 predictions
+        probs = model(chunk)[:-1].detach().softmax(dim=-1)
+        right += float((probs.argmax(dim=-1) == chunk[1:]).sum())
+        sure += float(probs.max(dim=-1).values.sum())
+    scores = next_token_scores(model, ids.tolist(), window=16)
+    assert scores.accuracy == pytest.approx(right / 28)
+    assert scores.confidence == pytest.approx(sure / 28, rel=1e-5)
+    assert scores.perplexity == pytest.approx(perplexity(model, ids.tolist(), window=16))
+    repeated = [5, 9] * 20  # a model that always guesses the right next token: accuracy 1
+    oracle = next_token_scores(_Oracle(model.config), repeated, window=16)
+    assert oracle.accuracy == 1.0 and oracle.confidence > 0.99 and oracle.perplexity < 1.01
+
+
+class _Oracle(LlamaForCausalLM):  # logits +50 on the token after the input's (5 -> 9, 9 -> 5)
+    def forward(self, ids):
+        logits = torch.zeros(len(ids), self.config.vocab_size)
+        logits[torch.arange(len(ids)), torch.where(ids == 5, 9, 5)] = 50.0
+        return logits
 
 
 # ---- another conversion, and uptraining -------------------------------------------------------

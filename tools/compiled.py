@@ -137,7 +137,8 @@ def annotate_loop(ttgir: str, tile: int, head_dim_pad: int) -> list[list[str]]:
     """The pipelined decode loop's key TTGIR lines as [label, line] pairs: K's buffers, the
     prologue's copies (one shown, all counted), the scf.for, and in its body the wait, the reads of
     K and V from shared memory, the two dots, the block-id load, the copies it issues and the
-    scf.yield. [] when the loop copies nothing asynchronously (no buffers)."""
+    scf.yield, and before the load and the copies the `start + constant` that picks their tile.
+    [] when the loop copies nothing asynchronously (no buffers)."""
     lines = ttgir.splitlines()
     shape = re.compile(rf"ttg\.local_alloc\s*:.*memdesc<(\d+)x{tile}x{head_dim_pad}x")
     alloc = next((i for i, line in enumerate(lines) if shape.search(line)), None)
@@ -158,16 +159,26 @@ def annotate_loop(ttgir: str, tile: int, head_dim_pad: int) -> list[list[str]]:
     body = {"ttg.async_wait": "wait until at most {num} copies fly: tile i is in",
             "ttg.local_load": "read tile i's {what} from its buffer",
             "tt.dot": "{dot}",
-            "tt.load": "load a later tile's block ids (into registers)",
+            "tt.load": "load tile i + {ahead}'s block ids (into registers)",
             "ttg.async_copy_global_to_local": "issue a later tile's {what} copy"}
     dots = iter(["scores = q . K^T", "acc += p . V"])
+    start = re.search(r"scf\.for (%\w+) =", lines[loop]).group(1)  # tile i's first position
+    shift, ahead = None, "?"  # the last `start + constant` line, unshown, and its tile count
     for line in lines[loop + 1:end]:
+        found = re.search(rf"arith\.addi {start}, %c(\d+)_i32", line)
+        if found:
+            ahead = int(found.group(1)) // tile
+            shift = [f"tile i + {ahead}: tile i's start + {found.group(1)} tokens", line]
+            continue
         op = next((op for op in body if f" {op} " in line), None)
         if op is None or (op == "ttg.local_load" and " token " not in line):
             continue  # q's and p's shared-memory round trips are not the pipeline
+        if shift and op in ("tt.load", "ttg.async_copy_global_to_local"):
+            listing.append(shift)  # shown once, before the load or the copies it addresses
+            shift = None
         found = re.search(r"num = (\d+)", line)
         label = body[op].format(num=found.group(1) if found else "", what=_copied(line),
-                                dot=next(dots, "a dot") if op == "tt.dot" else "")
+                                dot=next(dots, "a dot") if op == "tt.dot" else "", ahead=ahead)
         listing.append([label, line])
     listing.append(["next iteration: acc, m, l, ids, buffer indices", lines[end]])
     return [[label, _short(line)] for label, line in listing]

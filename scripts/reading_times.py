@@ -2,23 +2,26 @@
 
 The rule (docs/instructor_notes.md, "Time per stage: run times measured, reading times counted"):
 
-    minutes = markdown words / 60 words per minute
-            + non-blank code lines / 7.5 lines per minute,   rounded to the nearest 5 minutes
+    minutes = markdown words / 40 words per minute
+            + non-blank code lines / 5 lines per minute,   rounded to the nearest 5 minutes
 
 * a *word* is a whitespace-separated token of a markdown cell's source (headings, list bullets and
   formulas count as they are written; outputs never count);
 * a *code line* is a line of a code cell's source holding anything other than whitespace.
 
 The rates are not silent reading (120 words and 15 code lines a minute, this rule until 7 December
-2026, which gave half the time learners took): they are calibrated to what a first-time learner
-spends per word and per line with everything else a notebook asks — running the cells, reading
-outputs, tables and plots, tracing an example by hand, thinking. On 7 December 2026 ten notebooks
-(00, 02, 03, 04, 04b, 05, 05b, 06, 07, 07b) were each read by a fresh reviewer as a first-time
-learner would (running it, reading every output, trying the exercise), who estimated a human
-first-time learner's time section by section; a least-squares fit of those ten estimates gave 0.0198
-minutes a word and 0.106 a code line, i.e. 1.97 times the old count, which these rates round
-(within -18 % ... +27 % of each estimate; the dense Triton notebooks, 05 and 05b, took the longest
-per line). The estimates are the reviewers' own, not a stopwatch on a human reader.
+2026, which gave a third of the time learners took): they are calibrated to what a first-time
+learner spends per word and per line with everything else a notebook asks — running the cells,
+reading outputs, tables and plots, tracing an example by hand, thinking. On 7 December 2026 fresh
+reviewers, one per notebook or pair of notebooks and none twice, each took notebooks as a
+first-time learner would (running them, reading every output, trying the exercise) and estimated a
+human first-time learner's time section by section, over six rounds of revision: 62 estimates of
+the twelve notebooks. Set against the words and code lines of the version each reviewer read,
+they averaged 1.48 times (median 1.46) the rule of 60 words and 7.5 code lines a minute that a
+first round of ten had given; these rates are that rule's 1.5 times (within -30 % ... +62 % of
+each estimate: reviewers differ more than the notebooks do, and the dense Triton notebooks 05c
+and 07 drew the longest estimates per line). The estimates are the reviewers' own, not a stopwatch
+on a human reader.
 
 Halves round up (22.5 minutes reads as 25), so a figure does not flip with Python's round-half-even.
 
@@ -56,8 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 INSTRUCTOR_NOTES = ROOT / "docs" / "instructor_notes.md"
 
-WORDS_PER_MINUTE = 60
-CODE_LINES_PER_MINUTE = 7.5
+WORDS_PER_MINUTE = 40
+CODE_LINES_PER_MINUTE = 5
 ROUND_TO_MINUTES = 5
 
 # "**Time:** about 25 minutes to read and run, plus about 30 for the exercise."

@@ -144,14 +144,14 @@ def paging_cost_steps(point: dict, kernel: bool) -> dict:
 
     "contiguous": SDPA over `contiguous_kv`; "+ mask": the same with stage 4's mask (0, or -inf
     past a sequence's end; [batch, 1, 1, slots] in query's dtype); "copy": stage 4's copy of the
-    blocks into its gather buffers (two index_selects, out=), alone; "paged": the step through the
-    shuffled block table, the Triton kernel if `kernel` else stage 4's copy + masked SDPA
-    (`decode_attention`); "in order": "paged" through the identity table. Each returns
-    [batch, num_heads, head_dim] except "copy" (the buffers)."""
+    blocks into its gather buffers alone (`_gather_rows`, the copy `decode_attention` makes);
+    "paged": the step through the shuffled block table, the Triton kernel if `kernel` else stage
+    4's copy + masked SDPA (`decode_attention`); "in order": "paged" through the identity table.
+    Each returns [batch, num_heads, head_dim] except "copy" (the buffers)."""
     from torch.nn import functional as F
 
     from kvlab.kernels.paged_attention import paged_attention_decode
-    from kvlab.paged.torch_attention import decode_attention, decode_gather
+    from kvlab.paged.torch_attention import _gather_rows, decode_attention, decode_gather
 
     query, k_cache, v_cache, lens = (point[k] for k in ("query", "k_cache", "v_cache", "seq_lens"))
     batch, num_heads, head_dim = query.shape
@@ -160,7 +160,6 @@ def paging_cost_steps(point: dict, kernel: bool) -> dict:
     gathers = {name: decode_gather(point[name].long(), lens.long(), k_cache, point["layout"])
                for name in ("shuffled", "identity")}
     mask = gathers["shuffled"].score_bias[..., :keys.shape[2]].to(query.dtype)  # the pad's slots off
-    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)  # decode_gather's rows
 
     def paged(table: str):
         if kernel:
@@ -169,10 +168,10 @@ def paging_cost_steps(point: dict, kernel: bool) -> dict:
                                                   max_seq_len=point["context"], validate=False)
         return lambda: decode_attention(query, k_cache, v_cache, gathers[table])
 
-    def copy():
+    def copy():  # the copy decode_attention makes, alone (into the buffers in inference mode)
         gather = gathers["shuffled"]
-        return (torch.index_select(k_rows, 0, gather.rows, out=gather.keys.view(-1, head_dim)),
-                torch.index_select(v_rows, 0, gather.rows, out=gather.values.view(-1, head_dim)))
+        return (_gather_rows(k_cache, gather.rows, gather.keys),
+                _gather_rows(v_cache, gather.rows, gather.values))
 
     def sdpa(attn_mask=None):
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attn_mask)

@@ -35,9 +35,12 @@ _MAIN = re.compile(r"^def main\(", re.MULTILINE)
 # the part of their name before the first "_" (one with no entry gets "notebook"). Guesses until a
 # GPU run measures them: on a GPU the models and caches are fast, and what takes time is Python
 # (the simulator, the scheduler's loop), Triton's compiles (05, 05b; 05c compiles five sm_90
-# variants and sweeps the layouts), the uptraining (03) and the decode sweeps (00).
+# variants and sweeps the layouts), the uptraining (03) and the decode sweeps (00). Stage 7's
+# three notebooks get 55 s (its two had 50): 07 serves the tiny model only (20 s whole on 2 shared
+# CPU cores), 07b the simulated replays (27-33 s there), 07c without vLLM (25 s there).
 TIMEOUTS = {"environment": 15, "tests": 40, "benchmark": 70, "oom_story": 45,
-            "00": 35, "02": 30, "03": 40, "05": 30, "05b": 45, "05c": 35, "notebook": 25}
+            "00": 35, "02": 30, "03": 40, "05": 30, "05b": 45, "05c": 35,
+            "07": 15, "07b": 20, "07c": 20, "notebook": 25}
 BUDGET_S = 540  # with the watchdog's grace and the install, the command ends within 9.5 minutes
 DRY_RUN_SCALE = 5  # the CPU runs every notebook whole: up to 2 minutes each
 # (name, module, extra arguments). Each writes <out>/<name>/<name>.{json,md}.

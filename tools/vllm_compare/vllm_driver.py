@@ -11,7 +11,7 @@ v1's `Scheduler` (`recording_scheduler`), passed as the `scheduler_cls` engine a
 every step: after `schedule()` it records its request counts (`get_request_counts()`, what its
 stat loggers read), after `update_from_output()` the time of each token sampled. vLLM's log goes
 to stderr; stdout carries the JSON alone. Importing this module imports neither vLLM nor torch
-(notebook 07b prints `recording_scheduler`'s source from kvlab's venv).
+(notebook 07c prints `recording_scheduler`'s source from kvlab's venv).
 """
 
 import json

@@ -279,3 +279,51 @@ def test_a_run_records_the_machine_it_ran_on():
 
     recorded = machine()
     assert recorded.startswith(f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs")
+
+
+def test_long_workloads_are_long_and_share_only_the_document():
+    from kvlab.tools.vllm_compare import long_workload
+
+    unrelated = long_workload(vocab_size=2048, lengths=(400, 300, 90), max_tokens=4)
+    assert [len(p) for p in unrelated.prompts] == [400, 300, 90] and unrelated.name == "long"
+    assert unrelated.prompts[0][:8] != unrelated.prompts[1][:8]
+    assert long_workload(vocab_size=2048, lengths=(400, 300, 90)).prompts == unrelated.prompts
+    shared = long_workload(vocab_size=2048, shared_document_tokens=256, lengths=(5, 9))
+    assert shared.name == "long-shared" and [len(p) for p in shared.prompts] == [261, 265]
+    assert shared.prompts[0][:256] == shared.prompts[1][:256]  # the document, block for block
+    assert shared.prompts[0][256:] != shared.prompts[1][256:261]  # a question of its own each
+    with pytest.raises(ValueError, match="lengths must be positive"):
+        long_workload(vocab_size=2048, lengths=(5, 0))
+
+
+def test_the_long_workloads_bring_their_own_settings_unless_given():
+    import argparse
+
+    from kvlab.tools.vllm_compare.command import engine_settings
+
+    def args(**given):
+        base = dict(workload="chats", block_size=32, num_blocks=None, kv_cache_memory_bytes=None,
+                    kvlab_num_blocks=None, max_num_seqs=256, max_num_batched_tokens=None,
+                    max_model_len=None, enable_prefix_caching=True, threads=1)
+        return argparse.Namespace(**{**base, **given})
+
+    chats = engine_settings(args())
+    assert (chats.num_blocks, chats.max_num_batched_tokens, chats.max_model_len) == (40, 2048, 1024)
+    long = engine_settings(args(workload="long-shared"))
+    assert (long.num_blocks, long.max_num_batched_tokens, long.max_model_len) == (640, 256, 4128)
+    given = engine_settings(args(workload="long", max_num_batched_tokens=8192, num_blocks=700))
+    assert (given.num_blocks, given.max_num_batched_tokens) == (700, 8192)
+    by_bytes = engine_settings(args(workload="long", kv_cache_memory_bytes=10**9))
+    assert by_bytes.num_blocks is None and by_bytes.kv_cache_memory_bytes == 10**9
+
+
+def test_the_table_gives_wall_time_prefill_speed_and_the_ratio():
+    from kvlab.tools.vllm_compare.table import speed_ratio
+
+    ours = result(steps={"running": [2, 2, 1], "waiting": [0, 0, 0], "batched_tokens": [90, 2, 1]})
+    theirs = result(steps=ours["steps"], token_times_s=[[0.2, 0.4, 0.8], [0.2, 0.6]])
+    rows = {row.name: row for row in compare(ours, theirs)}
+    assert rows["wall time, first step to last token (s)"].kvlab == "0.40"
+    assert rows["wall time, first step to last token (s)"].vllm == "0.80"
+    assert rows["tokens computed per second"].kvlab == "232"  # 93 tokens in 0.4 s
+    assert speed_ratio(ours, theirs) == pytest.approx(2.0)  # kvlab twice as fast

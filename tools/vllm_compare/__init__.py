@@ -10,7 +10,8 @@ weights (kvlab exports them as a Hugging Face folder). The table compares the ge
 the prefix-cache hits, the preemptions and the running / waiting requests at every engine step,
 then the speed of both, measured in the same run. One module per job, in reading order:
 
-* `workloads`: the 16 chats sharing a system prompt, and a shrunk Mooncake burst.
+* `workloads`: the 16 chats sharing a system prompt, a shrunk Mooncake burst, and long prompts
+  (unrelated, or after one shared document).
 * `settings`: `EngineSettings` (vLLM's argument names) and the result both sides report.
 * `export`: kvlab's weights as the HF folder vLLM loads.
 * `vllm_driver`: the script run in vLLM's venv (a `scheduler_cls` subclass records each step).
@@ -31,9 +32,10 @@ from .plot import plot_steps
 from .settings import RESULT_KEYS, EngineSettings, check_result
 from .table import Row, compare, decisions_equal, first_difference, format_table, timing
 from .vllm_process import VLLMUnavailable, check_vllm_python, run_vllm
-from .workloads import Workload, chat_workload, mooncake_workload
+from .workloads import Workload, chat_workload, long_workload, mooncake_workload
 
 __all__ = ["WORKLOADS", "Comparison", "build_workload", "run_comparison", "run_kvlab",
            "plot_steps", "RESULT_KEYS", "EngineSettings", "check_result", "Row", "compare",
            "decisions_equal", "first_difference", "format_table", "timing", "VLLMUnavailable",
-           "check_vllm_python", "run_vllm", "Workload", "chat_workload", "mooncake_workload"]
+           "check_vllm_python", "run_vllm", "Workload", "chat_workload", "mooncake_workload",
+           "long_workload"]

@@ -9,20 +9,31 @@ import argparse
 import json
 import sys
 
-from .comparison import run_comparison
+from .comparison import WORKLOAD_DEFAULTS, run_comparison
 from .plot import plot_steps
 from .settings import EngineSettings
-from .table import format_table, timing
+from .table import format_table, speed_ratio, timing
 
-__all__ = ["run_compare_vllm"]
+__all__ = ["engine_settings", "run_compare_vllm"]
+
+
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """The command line's settings; pool, step budget and max_model_len default to the workload's
+    (`WORKLOAD_DEFAULTS`: the long prompts need more of each), else 40 blocks, 2,048 and 1,024."""
+    defaults = {"num_blocks": 40, "max_num_batched_tokens": 2048, "max_model_len": 1024,
+                **WORKLOAD_DEFAULTS.get(args.workload, {})}
+    chosen = {name: value if (value := getattr(args, name)) is not None else default
+              for name, default in defaults.items()}
+    if args.kv_cache_memory_bytes:
+        chosen["num_blocks"] = None
+    return EngineSettings(args.block_size, chosen["num_blocks"], args.max_num_seqs,
+                          chosen["max_num_batched_tokens"], chosen["max_model_len"],
+                          args.enable_prefix_caching, args.kvlab_num_blocks, args.threads,
+                          args.kv_cache_memory_bytes)
 
 
 def run_compare_vllm(args: argparse.Namespace) -> int:
-    num_blocks = args.num_blocks or (None if args.kv_cache_memory_bytes else 40)
-    settings = EngineSettings(args.block_size, num_blocks, args.max_num_seqs,
-                              args.max_num_batched_tokens, args.max_model_len,
-                              args.enable_prefix_caching, args.kvlab_num_blocks, args.threads,
-                              args.kv_cache_memory_bytes)
+    settings = engine_settings(args)
     result = run_comparison(args.model, args.workload, settings, args.vllm_python,
                             args.num_requests, args.max_tokens, args.vllm_log,
                             with_transformers=args.transformers)
@@ -46,6 +57,8 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
         print(f"kvlab compare-vllm: error: {result.vllm_error}", file=sys.stderr)
         return 2
     print(format_table(result.rows, title))
+    print(f"speed, kvlab / vLLM (vLLM's wall time / kvlab's): "
+          f"{speed_ratio(result.kvlab, result.vllm):.2f}x")
     print(f"torch threads: kvlab {result.kvlab.get('torch_threads')}, vLLM "
           f"{result.vllm.get('torch_threads')}")
     if result.transformers:

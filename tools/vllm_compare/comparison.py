@@ -16,12 +16,23 @@ from .kvlab_side import run_kvlab
 from .settings import EngineSettings
 from .table import Row, compare
 from .vllm_process import VLLMUnavailable, check_vllm_python, run_vllm
-from .workloads import Workload, chat_workload, mooncake_workload
+from .workloads import (LONG_PROMPT_LENGTHS, Workload, chat_workload, long_workload,
+                        mooncake_workload)
 
-__all__ = ["WORKLOADS", "Comparison", "build_workload", "run_comparison", "export_dir",
+__all__ = ["WORKLOADS", "WORKLOAD_DEFAULTS", "Comparison", "build_workload", "run_comparison", "export_dir",
            "machine"]
 
-WORKLOADS = ("chats", "mooncake")
+WORKLOADS = ("chats", "mooncake", "long", "long-shared")
+
+# Settings a workload needs unless the command line gives them: the long prompts need a longer
+# max_model_len, a pool that holds them all at once, and a chunked-prefill step budget of 256.
+WORKLOAD_DEFAULTS = {"long": {"num_blocks": 640, "max_model_len": 4096 + 32,
+                              "max_num_batched_tokens": 256},
+                     "long-shared": {"num_blocks": 640, "max_model_len": 4096 + 32,
+                                     "max_num_batched_tokens": 256}}
+# The shared document of 'long-shared', and its questions' lengths.
+SHARED_DOCUMENT_TOKENS = 3000
+QUESTION_LENGTHS = (120, 60, 200, 90, 150, 40, 180, 75)
 
 
 def machine() -> str:
@@ -73,7 +84,7 @@ def export_dir(model_name: str) -> Path:
 
 def build_workload(name: str, model_name: str, num_requests: int | None = None,
                    max_tokens: int | None = None):
-    """(the model, the workload) for 'chats' or 'mooncake' on `model_name`.
+    """(the model, the workload) for a name of `WORKLOADS` on `model_name`.
 
     Raises:
         ValueError: unknown workload.
@@ -90,8 +101,17 @@ def build_workload(name: str, model_name: str, num_requests: int | None = None,
         template = load_chat_template(model_name) if model_name != "tiny" else None
         workload = chat_workload(load_tokenizer(model_name), template,
                                  num_requests or 16, **extra)
-    else:
+    elif name == "mooncake":
         workload = mooncake_workload(model.config.vocab_size, num_requests or 24, **extra)
+    else:
+        shared = SHARED_DOCUMENT_TOKENS if name == "long-shared" else 0
+        lengths = QUESTION_LENGTHS if shared else LONG_PROMPT_LENGTHS
+        if num_requests is not None:
+            if num_requests > len(lengths):
+                raise ValueError(f"the {name} workload has at most {len(lengths)} requests, "
+                                 f"asked for {num_requests}")
+            lengths = lengths[:num_requests]
+        workload = long_workload(model.config.vocab_size, shared, lengths, **extra)
     return model, workload
 
 

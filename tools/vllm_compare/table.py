@@ -3,7 +3,8 @@
 Rows: tokens identical (requests whose generated ids are equal); cached tokens identical per
 request; KV capacity (free blocks before the first step, and their tokens); prefix-cache queries
 and hits; preemptions; per-step running and waiting, and tokens computed where recorded (equal
-over how many steps, the first step they differ); engine steps; output tokens/s and per
+over how many steps, the first step they differ); engine steps; wall time and tokens computed
+per second (prompt and output: the prefill speed on long prompts); output tokens/s and per
 CPU-second; TTFT and TPOT (p50, p99). Timing comes from each result's `token_times_s` through
 `timing`, the same arithmetic for both.
 """
@@ -16,7 +17,7 @@ from kvlab.workload import percentile
 from .settings import check_result
 
 __all__ = ["Timing", "timing", "first_difference", "Row", "compare", "format_table",
-           "decisions_equal"]
+           "decisions_equal", "speed_ratio"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,10 @@ def compare(kvlab: dict, vllm: dict) -> list[Row]:
         rows.append(_series_row("tokens computed per step", steps_a["batched_tokens"],
                                 steps_b["batched_tokens"]))
     ta, tb = timing(kvlab), timing(vllm)
+    rows.append(Row("wall time, first step to last token (s)", f"{ta.duration_s:.2f}",
+                    f"{tb.duration_s:.2f}", None))
+    rows.append(Row("tokens computed per second", _computed_per_second(kvlab, ta),
+                    _computed_per_second(vllm, tb), None))
     rows.append(Row("output tokens/s", f"{ta.tokens_per_s:.1f}", f"{tb.tokens_per_s:.1f}", None))
     rows.append(Row("output tokens per CPU-second", _per_cpu_second(kvlab, ta),
                     _per_cpu_second(vllm, tb), None))
@@ -119,6 +124,20 @@ def compare(kvlab: dict, vllm: dict) -> list[Row]:
         rows.append(Row(f"{label} (ms)", f"{1000 * getattr(ta, key):.0f}",
                         f"{1000 * getattr(tb, key):.0f}", None))
     return rows
+
+
+def _computed_per_second(result: dict, t: Timing) -> str:
+    """Prompt and output tokens the engine computed (its steps' `batched_tokens`: prefill chunks,
+    recomputation and decodes; not the prefix-cache hits) over the wall time: the prefill speed
+    where prompts are long. '-' where the steps' tokens were not recorded."""
+    computed = result["steps"].get("batched_tokens")
+    return f"{sum(computed) / t.duration_s:,.0f}" if computed and t.duration_s > 0 else "-"
+
+
+def speed_ratio(kvlab: dict, vllm: dict) -> float:
+    """kvlab's speed over vLLM's on the same work: vLLM's wall time / kvlab's (> 1: kvlab is
+    faster)."""
+    return timing(vllm).duration_s / timing(kvlab).duration_s
 
 
 def _per_cpu_second(result: dict, t: Timing) -> str:

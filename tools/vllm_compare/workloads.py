@@ -13,6 +13,10 @@ every step and any difference in their decisions is a difference of rule, not of
   each 512-token trace block id turned into a run of 512 / shrink token ids drawn from a generator
   seeded by (position, id), so prompts share exactly the token runs whose trace blocks are equal
   (`kvlab.serving.shrink` and `synthetic_prompt_ids`).
+* `long_workload`: long prompts (1-4K tokens) of random token ids, where prefill dominates: either
+  unrelated prompts, or (`shared_document_tokens`) one long document followed by a short question
+  of each request's own, the shape of retrieval-augmented or document-chat traffic, where prefix
+  caching computes the document once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import dataclasses
 
 from kvlab.prefix.chats import FIRST_QUESTIONS, render_chat
 
-__all__ = ["Workload", "SYSTEM_PROMPT", "QUESTIONS", "chat_workload", "mooncake_workload"]
+__all__ = ["Workload", "SYSTEM_PROMPT", "QUESTIONS", "LONG_PROMPT_LENGTHS", "chat_workload",
+           "mooncake_workload", "long_workload"]
 
 SYSTEM_PROMPT = ("You are a patient teacher who explains things to curious students of every age. "
                  "Answer in plain, friendly words and keep every answer short and concrete. "
@@ -45,7 +50,7 @@ class Workload:
     """A batch of requests: prompts as token ids and the output tokens each generates.
 
     Attributes:
-        name: 'chats' or 'mooncake'.
+        name: 'chats', 'mooncake', 'long' or 'long-shared'.
         prompts: token ids per request, in arrival (admission) order.
         max_tokens: output tokens per request (vLLM's `SamplingParams.max_tokens`).
         parameters: what made it (for printing beside the figures).
@@ -139,4 +144,37 @@ def mooncake_workload(vocab_size: int, num_requests: int = 24, shrink: int = 16,
     return Workload("mooncake", prompts, [min(r.max_output_tokens, max_tokens) for r in kept],
                     {"trace": "conversation", "start": start, "num_requests": num_requests,
                      "shrink": shrink, "max_prompt_tokens": max_prompt_tokens,
+                     "max_tokens": max_tokens, "seed": seed})
+
+
+# Unrelated long prompts: lengths spread over 1-4K tokens (one of 4,000 as in the profile that
+# opened issue 34, beside 1,500 and 900).
+LONG_PROMPT_LENGTHS = (4000, 3000, 2200, 1500, 1200, 900)
+
+
+def long_workload(vocab_size: int, shared_document_tokens: int = 0,
+                  lengths: tuple[int, ...] = LONG_PROMPT_LENGTHS, max_tokens: int = 16,
+                  seed: int = 0) -> Workload:
+    """Long prompts of token ids drawn uniformly from [0, vocab_size) with `seed`.
+
+    Without a shared document ('long'), request i's prompt is `lengths[i]` unrelated ids. With
+    `shared_document_tokens` > 0 ('long-shared'), every prompt is the same document of that many
+    ids followed by a question of its own of `lengths[i]` ids (give short lengths, e.g. 40-200).
+
+    Raises:
+        ValueError: no lengths, a length or max_tokens < 1, shared_document_tokens < 0.
+    """
+    import random
+
+    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"lengths must be positive integers, got {lengths!r}")
+    if max_tokens < 1 or shared_document_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 1 and shared_document_tokens >= 0, got "
+                         f"{max_tokens} and {shared_document_tokens}")
+    draw = random.Random(seed)
+    document = [draw.randrange(vocab_size) for _ in range(shared_document_tokens)]
+    prompts = [document + [draw.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    name = "long-shared" if shared_document_tokens else "long"
+    return Workload(name, prompts, [max_tokens] * len(prompts),
+                    {"shared_document_tokens": shared_document_tokens, "lengths": list(lengths),
                      "max_tokens": max_tokens, "seed": seed})

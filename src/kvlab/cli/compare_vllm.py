@@ -2,6 +2,7 @@
 
     kvlab compare-vllm --workload chats --vllm-python vllm-venv/bin/python --plot running.png
     kvlab compare-vllm --workload mooncake --num-blocks 80 --no-prefix-caching --json out.json
+    kvlab compare-vllm --workload long-shared --json long-shared.json
 
 Flags carry vLLM's engine-argument names. vLLM runs in its own venv (--vllm-python, or
 $KVLAB_VLLM_PYTHON); without it, or when it fails, kvlab's figures still print, then one line
@@ -25,9 +26,13 @@ def register(commands) -> None:
         description="The same batch (greedy, fixed output lengths, fp32) through vLLM's CPU "
                     "build and kvlab's engine with the same settings: tokens, prefix-cache "
                     "hits, preemptions, running/waiting per step, tokens/s, TTFT, TPOT.")
-    p.add_argument("--workload", choices=("chats", "mooncake"), default="chats",
+    p.add_argument("--workload", choices=("chats", "mooncake", "long", "long-shared"),
+                   default="chats",
                    help="chats: 16 chats sharing a system prompt (the model's chat template); "
-                        "mooncake: a shrunk burst of the Mooncake conversation trace")
+                        "mooncake: a shrunk burst of the Mooncake conversation trace; long: 6 "
+                        "unrelated prompts of 900-4,000 tokens; long-shared: 8 questions after "
+                        "one shared 3,000-token document (both: 640 blocks, max_model_len "
+                        "4,128, 256 tokens a step unless given)")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (after `kvlab fetch smollm2-135m`, default) or tiny")
     p.add_argument("--num-requests", type=positive_int, default=None,
@@ -40,7 +45,7 @@ def register(commands) -> None:
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=positive_int, default=None,
                       help="blocks in the pool (vLLM's num_gpu_blocks_override; vLLM keeps block "
-                           "0 as its null block; default 40)")
+                           "0 as its null block; default 40, 640 for the long workloads)")
     pool.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
                       help="size the pool from bytes instead (vLLM's kv_cache_memory_bytes; "
                            "kvlab divides by its own block bytes)")
@@ -48,8 +53,11 @@ def register(commands) -> None:
                    help="kvlab's pool (default: vLLM's usable pool, num-blocks - 1, since vLLM "
                         "keeps block 0 as its null block; give --num-blocks to see the difference)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    p.add_argument("--max-model-len", type=positive_int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="tokens computed a step at most (default 2,048; 256 for the long "
+                        "workloads: chunked prefill)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="default 1,024; 4,128 for the long workloads")
     p.add_argument("--prefix-caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's enable_prefix_caching (default on)")

@@ -2,7 +2,7 @@
 
 * A prefill chunk after earlier tokens: on the CPU, attention over the earlier keys and over the
   chunk's own keys merged by log-sum-exp, against the masked SDPA and a float64 reference; its
-  blocks read as a view when consecutive, copied when not.
+  blocks read in place, run by run, when they form few runs of consecutive ids, copied when not.
 * A decode batch whose sequences share leading blocks: the shared prefix read once for all
   queries, against the float64 reference, in both pool layouts, with poison in every slot no
   sequence owns; a batch below the threshold keeps the one batched gather.
@@ -34,16 +34,26 @@ def _write(k_cache, v_cache, table, key, value, layout=TOKEN_MAJOR, start=0):
     write_kv(k_cache, v_cache, key, value, slots, layout=layout)
 
 
+def _table(kind: str, count: int, generator: torch.Generator) -> list[int]:
+    if kind == "one run":
+        return list(range(3, 3 + count))
+    if kind == "three runs":  # e.g. a prefix-cache hit, then blocks taken later
+        cut1, cut2 = count // 3, 2 * count // 3
+        return (list(range(40, 40 + cut1)) + list(range(5, 5 + cut2 - cut1))
+                + list(range(80, 80 + count - cut2)))
+    return (torch.randperm(count + 100, generator=generator)[:count] + 0).tolist()  # scattered
+
+
 @pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
-@pytest.mark.parametrize("consecutive", [True, False])
-@pytest.mark.parametrize("seq_len, num_tokens", [(37, 9), (64, 16), (10, 1)])
-def test_a_later_chunk_equals_the_masked_path_and_float64(seq_len, num_tokens, consecutive,
-                                                         layout, monkeypatch):
+@pytest.mark.parametrize("kind", ["one run", "three runs", "scattered"])
+@pytest.mark.parametrize("seq_len, num_tokens", [(37, 9), (64, 16), (10, 1), (61, 61)])
+def test_a_later_chunk_equals_the_masked_path_and_float64(seq_len, num_tokens, kind, layout,
+                                                         monkeypatch):
+    monkeypatch.setattr(torch_attention, "SPLIT_MIN_EARLIER", 1)  # split at these small sizes
     generator = torch.Generator().manual_seed(seq_len)
     count = -(-seq_len // BLOCK)
-    table = (list(range(3, 3 + count)) if consecutive
-             else torch.randperm(count + 5, generator=generator)[:count].tolist())
-    k_cache, v_cache = _pool(count + 5, layout)
+    table = _table(kind, count, generator)
+    k_cache, v_cache = _pool(max(table) + 1, layout)
     key, value = (torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=generator) for _ in "kv")
     _write(k_cache, v_cache, table, key, value, layout)
     query = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=generator)
@@ -59,6 +69,17 @@ def test_a_later_chunk_equals_the_masked_path_and_float64(seq_len, num_tokens, c
     exact = sdpa_attention(query.double(), key.double(), value.double(), positions)
     torch.testing.assert_close(split.double(), exact, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(split, masked, rtol=1e-5, atol=1e-6)
+
+
+def test_runs_of_consecutive_blocks_are_read_in_place():
+    k_cache, v_cache = _pool(100)
+    pieces = torch_attention._sequence_kv(k_cache, v_cache, torch.tensor([40, 41, 5, 6, 7, 80]),
+                                          22, TOKEN_MAJOR)
+    assert [k.shape[0] for k, _ in pieces] == [8, 12, 2]  # 22 tokens: 2 + 3 blocks, then 2 tokens
+    assert all(k.data_ptr() != 0 and k._base is not None for k, _ in pieces)  # views, no copies
+    assert pieces[1][0].data_ptr() == k_cache[5].data_ptr()
+    scattered = torch.arange(0, 40, 4)  # 10 runs > MAX_RUNS: one copy
+    assert len(torch_attention._sequence_kv(k_cache, v_cache, scattered, 40, TOKEN_MAJOR)) == 1
 
 
 def _shared_batch(num_seqs, shared_len, own_lens, layout, seed=0):

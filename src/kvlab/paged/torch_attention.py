@@ -110,21 +110,59 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
+# A sequence whose blocks form more runs of consecutive ids than this is copied whole instead
+# (one flash call per run of earlier keys would cost more than the copy).
+MAX_RUNS = 8
+# A later chunk is split into earlier keys and its own only past this many earlier tokens: below
+# it, two calls and a merge cost what the mask saves (one CPU thread, SmolLM2's shapes, a
+# 256-token chunk: equal at 768 earlier keys, 1.6x faster at 1,792, 1.4x at 3,744).
+SPLIT_MIN_EARLIER = 1024
+
+
 def _sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_len: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gather_kv` of keys and values, checked once; where the blocks are consecutive ids of a
-    token-major pool (a fresh pool hands blocks out in order) a view of them, no copy."""
+                 seq_len: int, layout: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`gather_kv` of keys and values, checked once, as consecutive pieces ([n, H_kv, D] each) in
+    position order: in a token-major pool, a view of each run of consecutive block ids (a fresh
+    pool hands blocks out in order; a prefix-cache hit is one run, the blocks after it another);
+    past `MAX_RUNS` runs, or in a head-major pool, one copy."""
     pools = [token_major_view(pool, layout) for pool in (k_cache, v_cache)]
     num_blocks, block_size, num_kv_heads, head_dim = pools[0].shape
     _check_range("block_table", block_table, 0, num_blocks - 1)
     _check_range("seq_len", torch.tensor([seq_len]), 0, block_table.numel() * block_size)
-    first, count = int(block_table[0]) if block_table.numel() else 0, block_table.numel()
-    if check_layout(layout) == TOKEN_MAJOR and count and torch.equal(
-            block_table, torch.arange(first, first + count, device=block_table.device)):
-        pools = [pool[first:first + count] for pool in pools]  # a view of the same memory
-    else:
-        pools = [pool[block_table] for pool in pools]  # advanced indexing copies
-    return tuple(pool.reshape(-1, num_kv_heads, head_dim)[:seq_len] for pool in pools)
+    table = block_table.tolist()
+    runs_start = [i for i in range(len(table)) if i == 0 or table[i] != table[i - 1] + 1]
+    if check_layout(layout) != TOKEN_MAJOR or not runs_start or len(runs_start) > MAX_RUNS:
+        keys, values = (pool[block_table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+                        for pool in pools)  # advanced indexing copies
+        return [(keys, values)]
+    pieces = []
+    for run, end in zip(runs_start, runs_start[1:] + [len(table)]):
+        first_token = run * block_size
+        if first_token >= seq_len:
+            break
+        k, v = (pool[table[run]:table[run] + end - run].reshape(-1, num_kv_heads, head_dim)
+                for pool in pools)  # views of the same memory
+        pieces.append((k[:seq_len - first_token], v[:seq_len - first_token]))
+    return pieces
+
+
+def _positions(pieces: list[tuple[torch.Tensor, torch.Tensor]], begin: int,
+               end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The parts of `pieces` (consecutive, from position 0) that hold positions begin .. end - 1."""
+    out, offset = [], 0
+    for k, v in pieces:
+        lo, hi = max(begin - offset, 0), min(end - offset, k.shape[0])
+        if lo < hi:
+            out.append((k[lo:hi], v[lo:hi]))
+        offset += k.shape[0]
+    return out
+
+
+def _joined(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pieces as one keys and one values tensor: the piece itself if there is one (a view)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([k for k, _ in pieces]), torch.cat([v for _, v in pieces])
 
 
 # PyTorch's CPU flash-attention kernel, the one SDPA calls on the CPU, called directly because it
@@ -132,35 +170,41 @@ def _sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _earlier_then_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                      scale: float | None) -> torch.Tensor:
-    """Causal attention of a chunk at positions start .. start + T - 1 as two unmasked-or-causal
-    halves merged by their log-sum-exps (the split-KV reduction of stage 5b, flash-decoding):
-    every query sees all `start` earlier keys, so that half needs no mask, and the chunk's own T
-    keys are SDPA's plain causal case. A [T, seq_len] mask costs the CPU kernel ~20 % of its time
-    at 4,000 keys; the split pays one small merge instead. For the earlier half, the G query heads
-    of each KV head are stacked into one head of G * T rows: the same keys, fewer and larger
-    matrix products. q [1, H, T, D]; k, v [1, H_kv, seq_len, D], float32 -> [1, H, T, D]."""
+def _as_heads(rows: torch.Tensor) -> torch.Tensor:
+    """[n, H_kv, D] pool rows -> [1, H_kv, n, D] float32, as attention reads them (a view)."""
+    return rows.transpose(0, 1).float()[None]
+
+
+def _earlier_then_own(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]],
+                      start: int, scale: float | None) -> torch.Tensor:
+    """Causal attention of a chunk at positions start .. start + T - 1 as unmasked and causal
+    parts merged by their log-sum-exps (the split-KV reduction of stage 5b, flash-decoding):
+    every query sees all `start` earlier keys, so they need no mask (read piece by piece, in
+    place), and the chunk's own T keys are SDPA's plain causal case. A [T, seq_len] mask costs the
+    CPU kernel ~20 % of its time at 4,000 keys; the split pays small merges instead. For the
+    earlier keys, the G query heads of each KV head are stacked into one head of G * T rows: the
+    same keys, fewer and larger matrix products. q [1, H, T, D] float32 -> [1, H, T, D]."""
     _, num_heads, num_tokens, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = pieces[0][0].shape[1]
     stacked = q.reshape(1, num_kv_heads, num_heads // num_kv_heads * num_tokens, head_dim)
-    earlier, earlier_lse = _CPU_FLASH(stacked, k[:, :, :start], v[:, :, :start], scale=scale)
-    earlier = earlier.reshape(q.shape)
-    earlier_lse = earlier_lse.reshape(1, num_heads, num_tokens, 1)
-    own, own_lse = _CPU_FLASH(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)
-    return _merge(earlier, earlier_lse, own, own_lse.reshape(earlier_lse.shape))
+    earlier = None
+    for k, v in _positions(pieces, 0, start):
+        part = _CPU_FLASH(stacked, _as_heads(k), _as_heads(v), scale=scale)
+        earlier = part if earlier is None else _merge(*earlier, *part)
+    own_k, own_v = _joined(_positions(pieces, start, start + num_tokens))
+    own = _CPU_FLASH(q, _as_heads(own_k), _as_heads(own_v), is_causal=True, scale=scale)
+    out, _ = _merge(earlier[0].reshape(q.shape), earlier[1].reshape(own[1].shape), *own)
+    return out
 
 
 def _merge(first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor,
-           second_lse: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint sets of keys, merged into attention over their union: each
-    output is softmax-weighted within its own keys, so it is weighted by its share of the whole
-    exp-sum, exp(lse) / (exp(first_lse) + exp(second_lse)) (log-sum-exps shaped to broadcast
-    against the outputs; the larger subtracted first so nothing overflows)."""
-    top = torch.maximum(first_lse, second_lse)
-    first_weight, second_weight = torch.exp(first_lse - top), torch.exp(second_lse - top)
-    total = first_weight + second_weight
-    return first * (first_weight / total) + second * (second_weight / total)
+           second_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint sets of keys merged into attention over their union, and its
+    log-sum-exp. Each output is softmax-weighted within its own keys, so it weighs its share of
+    the whole exp-sum: the second's share is e^b / (e^a + e^b) = sigmoid(b - a) for log-sum-exps
+    a, b (shaped as the outputs without their last dim)."""
+    share = torch.sigmoid(second_lse - first_lse).unsqueeze(-1)
+    return torch.lerp(first, second, share), torch.logaddexp(first_lse, second_lse)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -182,19 +226,20 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if not torch.equal(query_positions, positions):
         raise ValueError(f"query_positions must be the sequence's last {num_tokens}, "
                          f"{start} .. {seq_len - 1}, got {query_positions.tolist()[:8]}")
-    keys, values = _sequence_kv(k_cache, v_cache, block_table, seq_len, layout)  # [seq_len, H_kv, D]
-    kv_group_size(num_heads, keys.shape[1])
-    if keys.shape[2] != head_dim:
+    pieces = _sequence_kv(k_cache, v_cache, block_table, seq_len, layout)  # [n, H_kv, D] each
+    kv_group_size(num_heads, pieces[0][0].shape[1])
+    if pieces[0][0].shape[2] != head_dim:
         raise ValueError(f"head_dim mismatch: query {tuple(query.shape)}, pool rows "
-                         f"{tuple(keys.shape[1:])}")
+                         f"{tuple(pieces[0][0].shape[1:])}")
     # Stage 3's `grouped_attention` in one fused call (module docstring): a query at position p
     # sees keys 0 .. p, and query head h reads KV head h // G (enable_gqa). A whole sequence is
     # SDPA's own causal case; a later part sees every earlier key, so it needs the mask, or (on
-    # the CPU) the split into earlier keys and its own.
-    q, k, v = (x.transpose(0, 1).float()[None] for x in (query, keys, values))
-    if start and _CPU_FLASH is not None and q.device.type == "cpu":
-        out = _earlier_then_own(q, k, v, start, scale)
+    # the CPU, past SPLIT_MIN_EARLIER earlier keys) the split into earlier keys and its own.
+    q = query.transpose(0, 1).float()[None]
+    if start >= SPLIT_MIN_EARLIER and _CPU_FLASH is not None and q.device.type == "cpu":
+        out = _earlier_then_own(q, pieces, start, scale)
     else:
+        k, v = (_as_heads(x) for x in _joined(pieces))
         visible = None if start == 0 else (
             torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=start == 0,
@@ -327,12 +372,12 @@ def _shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     stacked_q = grouped_q.transpose(0, 1).reshape(1, num_kv_heads, num_seqs * group, head_dim)
     shared, shared_lse = _CPU_FLASH(stacked_q, shared_k, shared_v, scale=scale)
     shared = shared.view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
-    shared_lse = shared_lse.view(num_kv_heads, num_seqs, group, 1).transpose(0, 1)
+    shared_lse = shared_lse.view(num_kv_heads, num_seqs, group).transpose(0, 1)
     # Each sequence's own blocks, masked as in `decode_attention`.
     own_k = _gather_rows(k_cache, gather.rows, gather.keys).view(gather.shape).float()
     own_v = _gather_rows(v_cache, gather.rows, gather.values).view(gather.shape).float()
     own, own_lse = _CPU_FLASH(grouped_q, own_k, own_v, attn_mask=gather.score_bias, scale=scale)
-    out = _merge(shared, shared_lse, own, own_lse.view(shared_lse.shape))  # [S, H_kv, G, D]
+    out, _ = _merge(shared, shared_lse, own, own_lse)  # [S, H_kv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

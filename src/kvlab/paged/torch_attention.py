@@ -113,10 +113,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 # A sequence whose blocks form more runs of consecutive ids than this is copied whole instead
 # (one flash call per run of earlier keys would cost more than the copy).
 MAX_RUNS = 8
-# A later chunk is split into earlier keys and its own only past this many earlier tokens: below
+# A later chunk is split into earlier keys and its own only from this many earlier tokens: below
 # it, two calls and a merge cost what the mask saves (one CPU thread, SmolLM2's shapes, a
-# 256-token chunk: equal at 768 earlier keys, 1.6x faster at 1,792, 1.4x at 3,744).
-SPLIT_MIN_EARLIER = 1024
+# 256-token chunk alone: 0.9x at 256 earlier keys, equal at 768, 1.6x faster at 1,792, 1.4x at
+# 3,744; the six long prompts through the engine, splitting from 1 or from 1,024: within 3 %).
+SPLIT_MIN_EARLIER = 512
 
 
 def _sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

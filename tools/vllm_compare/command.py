@@ -6,6 +6,7 @@ reason vLLM did not run, exit status 2), and plot running / waiting requests per
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -19,9 +20,11 @@ __all__ = ["engine_settings", "run_compare_vllm"]
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
     """The command line's settings; pool, step budget and max_model_len default to the workload's
-    (`WORKLOAD_DEFAULTS`: the long prompts need more of each), else 40 blocks, 2,048 and 1,024."""
-    defaults = {"num_blocks": 40, "max_num_batched_tokens": 2048, "max_model_len": 1024,
-                **WORKLOAD_DEFAULTS.get(args.workload, {})}
+    (`WORKLOAD_DEFAULTS`: the long prompts need more of each), else to `EngineSettings`'."""
+    fields = {field.name: field.default for field in dataclasses.fields(EngineSettings)}
+    defaults = {name: fields[name] for name in ("num_blocks", "max_num_batched_tokens",
+                                                "max_model_len")}
+    defaults.update(WORKLOAD_DEFAULTS.get(args.workload, {}))
     chosen = {name: value if (value := getattr(args, name)) is not None else default
               for name, default in defaults.items()}
     if args.kv_cache_memory_bytes:

@@ -16,23 +16,19 @@ from .kvlab_side import run_kvlab
 from .settings import EngineSettings
 from .table import Row, compare
 from .vllm_process import VLLMUnavailable, check_vllm_python, run_vllm
-from .workloads import (LONG_PROMPT_LENGTHS, Workload, chat_workload, long_workload,
-                        mooncake_workload)
+from .workloads import (LONG_PROMPT_LENGTHS, QUESTION_LENGTHS, SHARED_DOCUMENT_TOKENS, Workload,
+                        chat_workload, long_workload, mooncake_workload)
 
-__all__ = ["WORKLOADS", "WORKLOAD_DEFAULTS", "Comparison", "build_workload", "run_comparison", "export_dir",
-           "machine"]
+__all__ = ["WORKLOADS", "WORKLOAD_DEFAULTS", "Comparison", "build_workload", "run_comparison",
+           "export_dir", "machine"]
 
 WORKLOADS = ("chats", "mooncake", "long", "long-shared")
 
 # Settings a workload needs unless the command line gives them: the long prompts need a longer
 # max_model_len, a pool that holds them all at once, and a chunked-prefill step budget of 256.
-WORKLOAD_DEFAULTS = {"long": {"num_blocks": 640, "max_model_len": 4096 + 32,
-                              "max_num_batched_tokens": 256},
-                     "long-shared": {"num_blocks": 640, "max_model_len": 4096 + 32,
-                                     "max_num_batched_tokens": 256}}
-# The shared document of 'long-shared', and its questions' lengths.
-SHARED_DOCUMENT_TOKENS = 3000
-QUESTION_LENGTHS = (120, 60, 200, 90, 150, 40, 180, 75)
+_LONG_PROMPT_SETTINGS = {"num_blocks": 640, "max_model_len": 4096 + 32,
+                         "max_num_batched_tokens": 256}
+WORKLOAD_DEFAULTS = {"long": _LONG_PROMPT_SETTINGS, "long-shared": _LONG_PROMPT_SETTINGS}
 
 
 def machine() -> str:

@@ -25,8 +25,9 @@ import dataclasses
 
 from kvlab.prefix.chats import FIRST_QUESTIONS, render_chat
 
-__all__ = ["Workload", "SYSTEM_PROMPT", "QUESTIONS", "LONG_PROMPT_LENGTHS", "chat_workload",
-           "mooncake_workload", "long_workload"]
+__all__ = ["Workload", "SYSTEM_PROMPT", "QUESTIONS", "LONG_PROMPT_LENGTHS",
+           "SHARED_DOCUMENT_TOKENS", "QUESTION_LENGTHS", "chat_workload", "mooncake_workload",
+           "long_workload"]
 
 SYSTEM_PROMPT = ("You are a patient teacher who explains things to curious students of every age. "
                  "Answer in plain, friendly words and keep every answer short and concrete. "
@@ -150,6 +151,9 @@ def mooncake_workload(vocab_size: int, num_requests: int = 24, shrink: int = 16,
 # Unrelated long prompts: lengths spread over 1-4K tokens (one of 4,000 as in the profile that
 # opened issue 34, beside 1,500 and 900).
 LONG_PROMPT_LENGTHS = (4000, 3000, 2200, 1500, 1200, 900)
+# 'long-shared': one document, then a question of its own per request.
+SHARED_DOCUMENT_TOKENS = 3000
+QUESTION_LENGTHS = (120, 60, 200, 90, 150, 40, 180, 75)
 
 
 def long_workload(vocab_size: int, shared_document_tokens: int = 0,

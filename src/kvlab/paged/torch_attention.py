@@ -104,10 +104,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     ValueError: a block id outside the pool, or seq_len outside [0, len(block_table) * block_size].
     """
     cache = token_major_view(cache, layout)
-    _check_range("block_table", block_table, 0, cache.shape[0] - 1)
-    _check_range("seq_len", torch.tensor([seq_len]), 0, block_table.numel() * cache.shape[1])
+    _check_sequence(block_table, seq_len, *cache.shape[:2])
     blocks = cache[block_table]  # [n, block_size, H_kv, D]: advanced indexing copies
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def _check_sequence(block_table: torch.Tensor, seq_len: int, num_blocks: int,
+                    block_size: int) -> None:
+    """ValueError for a block id outside the pool, or seq_len outside what the table holds."""
+    _check_range("block_table", block_table, 0, num_blocks - 1)
+    _check_range("seq_len", torch.tensor([seq_len]), 0, block_table.numel() * block_size)
 
 
 # A sequence whose blocks form more runs of consecutive ids than this is copied whole instead
@@ -128,8 +134,7 @@ def _sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     past `MAX_RUNS` runs, or in a head-major pool, one copy."""
     pools = [token_major_view(pool, layout) for pool in (k_cache, v_cache)]
     num_blocks, block_size, num_kv_heads, head_dim = pools[0].shape
-    _check_range("block_table", block_table, 0, num_blocks - 1)
-    _check_range("seq_len", torch.tensor([seq_len]), 0, block_table.numel() * block_size)
+    _check_sequence(block_table, seq_len, num_blocks, block_size)
     table = block_table.tolist()
     runs_start = [i for i in range(len(table)) if i == 0 or table[i] != table[i - 1] + 1]
     if check_layout(layout) != TOKEN_MAJOR or not runs_start or len(runs_start) > MAX_RUNS:
@@ -293,23 +298,23 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: t
     num_blocks, block_size, num_kv_heads, head_dim = token_major_view(k_cache, layout).shape
     _check_range("block_tables", block_tables, 0, num_blocks - 1)
     _check_range("seq_lens", seq_lens, 1, width * block_size)
-    shared_rows = None
-    if num_seqs > 1 and _CPU_FLASH is not None and k_cache.device.type == "cpu":
-        num_shared = _num_shared_blocks(block_tables, seq_lens, block_size)
-        if (num_seqs - 1) * num_shared * block_size >= SHARED_PREFIX_MIN_ROWS:
-            shared_slots = torch.arange(num_shared * block_size, device=block_tables.device)
-            shared_slots = (block_tables[:1, shared_slots // block_size] * block_size
-                            + shared_slots % block_size)
-            shared_rows = _pool_rows(shared_slots, num_kv_heads, block_size, layout).reshape(-1)
-            block_tables, seq_lens = block_tables[:, num_shared:], seq_lens - num_shared * block_size
-            width -= num_shared
-    num_slots = width * block_size
-    positions = torch.arange(num_slots, device=block_tables.device)
-    holds_token = positions[None, :] < seq_lens[:, None]  # [num_seqs, num_slots]
-    # Each position's slot through the block table. A position the sequence does not hold reads
-    # its own first slot instead, so no slot it does not own is ever read (another request's
-    # tokens, NaN perhaps); its score is masked out, so it weighs exactly 0.
+    positions = torch.arange(width * block_size, device=block_tables.device)
+    # Each position's slot through the block table.
     slots = block_tables[:, positions // block_size] * block_size + positions % block_size
+    shared_rows, shared = None, 0  # shared: positions every sequence reads from the same slots
+    if num_seqs > 1 and _CPU_FLASH is not None and k_cache.device.type == "cpu":
+        shared = _num_shared_blocks(block_tables, seq_lens, block_size) * block_size
+        if (num_seqs - 1) * shared >= SHARED_PREFIX_MIN_ROWS:
+            shared_rows = _pool_rows(slots[:1, :shared], num_kv_heads, block_size,
+                                     layout).reshape(-1)
+        else:
+            shared = 0
+    positions, slots = positions[shared:], slots[:, shared:]
+    num_slots = positions.numel()
+    holds_token = positions[None, :] < seq_lens[:, None]  # [num_seqs, num_slots]
+    # A position the sequence does not hold reads its own first slot instead, so no slot it does
+    # not own is ever read (another request's tokens, NaN perhaps); its score is masked out, so it
+    # weighs exactly 0.
     slots = torch.where(holds_token, slots, slots[:, :1])
     rows = _pool_rows(slots, num_kv_heads, block_size, layout).reshape(-1)
     score_bias = torch.zeros(num_seqs, 1, 1, num_slots, device=block_tables.device)

@@ -11,9 +11,8 @@ memory, and the first long prefill would run out of memory mid-serving.
 
 kvlab's profile run goes through the model's reference attention (`NoCache`), which holds the
 scores [heads, tokens, tokens] in float32; a serving step of as many tokens prefills through SDPA
-over its blocks instead, which holds less at the lengths the course serves (notebook 04 measures
-both, step by step). vLLM's profile run skips attention altogether: no KV cache exists yet, and
-flash attention needs little memory.
+over its blocks instead, which holds less at the lengths the course serves. vLLM's profile run
+skips attention altogether: no KV cache exists yet, and flash attention needs little memory.
 
 What is measured, by device:
 

@@ -2,8 +2,8 @@
 
 Notebook 05's kernel gives one program one KV head of one sequence, and that program walks all of
 the sequence's tokens; notebook 05b (section 1) shows why a batch of a few long sequences then
-leaves most of a GPU idle, and combines two splits in PyTorch from each split's output and
-log-sum-exp. Split-KV (Dao, Haziza, Massa and Sizov, "Flash-Decoding for long-context inference",
+leaves most of a GPU idle, and writes split-KV in PyTorch (non-empty splits, combined through
+each split's output and log-sum-exp). Split-KV (Dao, Haziza, Massa and Sizov, "Flash-Decoding for long-context inference",
 2023) adds a third grid axis: split s of a sequence walks only its own range of positions, through
 the block table as before, and stores what its online softmax ends with (Milakov and Gimelshein,
 2018), for each query head: the running max m of its scores, the running sum l of exp(score - m)

@@ -1,0 +1,65 @@
+"""Your-turn cells: a piece of the stage the learner writes on the page, checked where it stands.
+
+A notebook leaves a small function for the learner (its body `raise NotImplementedError`, a
+comment saying what to write) and passes it here with the library's version and a few inputs.
+Not written yet: the page says so and carries on with the library's version, so every later cell
+still runs (and the committed outputs are those of the unwritten state). Written: it must give
+the library's results on every input, or the cell fails with the input and both answers. The
+pattern is Triton-Puzzles' and *LLMs from Scratch*'s exercises, moved onto the page: the learner
+writes the line before reading on, and the check answers at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["your_turn"]
+
+
+def _same(yours: Any, library: Any, atol: float, rtol: float) -> bool:
+    if isinstance(library, torch.Tensor):
+        if not isinstance(yours, torch.Tensor) or yours.shape != library.shape:
+            return False
+        return bool(torch.allclose(yours.to(library.dtype), library, atol=atol, rtol=rtol,
+                                   equal_nan=True))
+    if isinstance(library, (tuple, list)):
+        return (isinstance(yours, (tuple, list)) and len(yours) == len(library)
+                and all(_same(a, b, atol, rtol) for a, b in zip(yours, library)))
+    return yours == library
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}, {value.dtype}" if value.numel() > 8 \
+            else repr(value.tolist())
+    return repr(value)
+
+
+def your_turn(yours: Callable, library: Callable, inputs: Sequence[tuple],
+              atol: float = 0.0, rtol: float = 0.0) -> Callable:
+    """`yours` if it gives `library`'s result on every tuple of arguments in `inputs` (tensors
+    within atol/rtol, anything else equal); `library` if `yours` raises NotImplementedError.
+
+    Raises:
+        AssertionError: `yours` differs on an input (the input and both results in the message).
+        ValueError: no inputs to check against.
+    """
+    if not inputs:
+        raise ValueError("your_turn needs at least one tuple of arguments to check with")
+    name = getattr(yours, "__name__", "your function")
+    try:
+        results = [yours(*args) for args in inputs]
+    except NotImplementedError:
+        print(f"{name}: not written yet; the rest of the page uses kvlab's "
+              f"({library.__module__}.{library.__qualname__}). Write it, then run this cell again.")
+        return library
+    for args, result in zip(inputs, results):
+        expected = library(*args)
+        if not _same(result, expected, atol, rtol):
+            raise AssertionError(
+                f"{name}({', '.join(map(_shown, args))}) gives {_shown(result)}; kvlab's gives "
+                f"{_shown(expected)}")
+    print(f"{name}: yours gives kvlab's results on all {len(inputs)} inputs")
+    return yours

@@ -1,0 +1,60 @@
+"""kvlab.your_turn: the fallback when unwritten, the failure on a wrong answer that runs, the pass."""
+
+import pytest
+import torch
+
+from kvlab.your_turn import your_turn
+
+
+def library_bytes(layers, kv_heads, head_dim, dtype_bytes):
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+INPUTS = [(32, 8, 128, 2), (80, 8, 128, 2), (30, 3, 64, 4)]
+
+
+def test_unwritten_falls_back_to_the_library(capsys):
+    def kv_bytes(layers, kv_heads, head_dim, dtype_bytes):
+        raise NotImplementedError
+
+    assert your_turn(kv_bytes, library_bytes, INPUTS) is library_bytes
+    assert "not written yet" in capsys.readouterr().out
+
+
+def test_a_wrong_answer_that_runs_fails_with_the_input_and_both_results():
+    def kv_bytes(layers, kv_heads, head_dim, dtype_bytes):  # forgot V: half the bytes
+        return layers * kv_heads * head_dim * dtype_bytes
+
+    with pytest.raises(AssertionError, match=r"kv_bytes\(32, 8, 128, 2\) gives 65536; kvlab's gives 131072"):
+        your_turn(kv_bytes, library_bytes, INPUTS)
+
+
+def test_a_right_answer_is_returned(capsys):
+    def kv_bytes(layers, kv_heads, head_dim, dtype_bytes):
+        return layers * kv_heads * head_dim * dtype_bytes * 2
+
+    assert your_turn(kv_bytes, library_bytes, INPUTS) is kv_bytes
+    assert "all 3 inputs" in capsys.readouterr().out
+
+
+def test_tensors_compare_within_tolerance_and_by_shape():
+    def library_mask(n):
+        return torch.ones(n, n, dtype=torch.bool).tril()
+
+    def transposed(n):  # runs, right shape, wrong mask
+        return torch.ones(n, n, dtype=torch.bool).triu()
+
+    def right(n):
+        return torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+
+    with pytest.raises(AssertionError, match="transposed"):
+        your_turn(transposed, library_mask, [(3,)])
+    assert your_turn(right, library_mask, [(3,), (5,)]) is right
+    with pytest.raises(AssertionError):
+        your_turn(lambda n: right(n)[:-1], library_mask, [(3,)])
+    assert your_turn(lambda x: x + 1e-7, lambda x: x, [(torch.ones(4),)], atol=1e-6)
+
+
+def test_no_inputs_is_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        your_turn(library_bytes, library_bytes, [])

@@ -58,3 +58,11 @@ def test_tensors_compare_within_tolerance_and_by_shape():
 def test_no_inputs_is_refused():
     with pytest.raises(ValueError, match="at least one"):
         your_turn(library_bytes, library_bytes, [])
+
+
+def test_a_long_argument_is_shown_by_its_name():
+    from kvlab.config import load_config
+
+    config = load_config("llama-3.1-70b")
+    with pytest.raises(AssertionError, match=r"LlamaConfig\('llama-3.1-70b'\)"):
+        your_turn(lambda c: c.num_hidden_layers + 1, lambda c: c.num_hidden_layers, [(config,)])

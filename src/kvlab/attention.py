@@ -15,7 +15,7 @@ import math
 
 import torch
 
-__all__ = ["grouped_attention", "kv_group_size", "repeat_kv"]
+__all__ = ["causal_mask", "grouped_attention", "kv_group_size", "repeat_kv"]
 
 
 def kv_group_size(num_heads: int, num_kv_heads: int) -> int:
@@ -23,6 +23,11 @@ def kv_group_size(num_heads: int, num_kv_heads: int) -> int:
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
     return num_heads // num_kv_heads
+
+
+def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """bool [num_queries, num_keys]: True where the key's position is at or before the query's."""
+    return key_positions[None, :] <= query_positions[:, None]
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,7 +61,7 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     if key_positions is None:
         key_positions = torch.arange(num_keys, device=key.device)
-    visible = key_positions[None, :] <= query_positions[:, None]  # [Tq, Tk]
+    visible = causal_mask(query_positions, key_positions)  # [Tq, Tk]
     if key_mask is not None:
         visible = visible & key_mask[None, :]
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -31,10 +31,14 @@ def _same(yours: Any, library: Any, atol: float, rtol: float) -> bool:
 
 
 def _shown(value: Any) -> str:
+    """A value for the error message: small tensors in full, a long object by its name."""
     if isinstance(value, torch.Tensor):
-        return f"tensor of shape {tuple(value.shape)}, {value.dtype}" if value.numel() > 8 \
-            else repr(value.tolist())
-    return repr(value)
+        return repr(value.tolist()) if value.numel() <= 64 else \
+            f"tensor of shape {tuple(value.shape)}, {value.dtype}"
+    text = repr(value)
+    if len(text) > 100 and isinstance(getattr(value, "name", None), str):
+        return f"{type(value).__name__}({value.name!r})"
+    return text
 
 
 def your_turn(yours: Callable, library: Callable, inputs: Sequence[tuple],

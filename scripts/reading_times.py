@@ -2,8 +2,8 @@
 
 The rule (docs/instructor_notes.md, "Time per stage: run times measured, reading times counted"):
 
-    minutes = markdown words / 40 words per minute
-            + non-blank code lines / 5 lines per minute,   rounded to the nearest 5 minutes
+    minutes = markdown words / 30 words per minute
+            + non-blank code lines / 3.75 lines per minute,   rounded to the nearest 5 minutes
 
 * a *word* is a whitespace-separated token of a markdown cell's source (headings, list bullets and
   formulas count as they are written; outputs never count);
@@ -18,10 +18,12 @@ first-time learner would (running them, reading every output, trying the exercis
 human first-time learner's time section by section, over six rounds of revision: 62 estimates of
 the twelve notebooks. Set against the words and code lines of the version each reviewer read,
 they averaged 1.48 times (median 1.46) the rule of 60 words and 7.5 code lines a minute that a
-first round of ten had given; these rates are that rule's 1.5 times (within -30 % ... +62 % of
-each estimate: reviewers differ more than the notebooks do, and the dense Triton notebooks 05c
-and 07 drew the longest estimates per line). The estimates are the reviewers' own, not a stopwatch
-on a human reader.
+first round of ten had given, which became 40 words and 5 lines. After the notebooks were cut to
+45 minutes by that rule, a seventh round (seven reviewers, 7 December 2026, at commit 64b51a4)
+estimated the thirteen notebooks at 50-80 minutes: 1.12-1.80 times the rule's count, median 1.35,
+mean 1.40. These rates are 40 and 5 divided by 1.33 (the rule within -26 % ... +19 % of each of those
+estimates: reviewers differ more than the notebooks do; 07b, the densest, drew the longest). The
+estimates are the reviewers' own, not a stopwatch on a human reader.
 
 Halves round up (22.5 minutes reads as 25), so a figure does not flip with Python's round-half-even.
 
@@ -59,8 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 INSTRUCTOR_NOTES = ROOT / "docs" / "instructor_notes.md"
 
-WORDS_PER_MINUTE = 40
-CODE_LINES_PER_MINUTE = 5
+WORDS_PER_MINUTE = 30
+CODE_LINES_PER_MINUTE = 3.75
 ROUND_TO_MINUTES = 5
 
 # "**Time:** about 25 minutes to read and run, plus about 30 for the exercise."

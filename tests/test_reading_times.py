@@ -36,10 +36,10 @@ def table_rows() -> dict[str, re.Match]:
 
 
 def test_the_rule():
-    # 400 words = 10 min, 50 code lines = 10 min (calibrated rates: the module docstring).
-    assert rt.reading_minutes(400, 50) == 20
-    assert rt.reading_minutes(400 + 40 * 2, 50) == 20     # 22 min rounds down
-    assert rt.reading_minutes(400 + 20 * 5, 50) == 25     # 22.5 min: halves round up
+    # 300 words = 10 min, 75 code lines = 20 min (calibrated rates: the module docstring).
+    assert rt.reading_minutes(300, 75) == 30
+    assert rt.reading_minutes(300 + 30 * 2, 75) == 30     # 32 min rounds down
+    assert rt.reading_minutes(300 + 15 * 5, 75) == 35     # 32.5 min: halves round up
     assert rt.round_to_five(27.4) == 25 and rt.round_to_five(27.5) == 30
     assert [rt.format_duration(m) for m in (50, 240, 465)] == ["50 min", "4 h", "7 h 45 min"]
 
@@ -65,7 +65,7 @@ def test_sections_cut_at_level_2_headings_and_add_up_to_the_notebook():
     sections = rt.count_sections(notebook)
     assert [(s.heading, s.markdown_words, s.code_lines) for s in sections] == [
         ("(header)", 7, 1), ("1. First", 10, 2), ("Second", 2, 0)]
-    assert sections[1].minutes == 10 / 40 + 2 / 5  # "### not a section" is in it
+    assert sections[1].minutes == 10 / 30 + 2 / 3.75  # "### not a section" is in it
     for time in TIMES.values():
         real = json.loads((ROOT / "notebooks" / time.notebook).read_text(encoding="utf-8"))
         cut = rt.count_sections(real)

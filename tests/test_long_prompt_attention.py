@@ -16,8 +16,8 @@ import torch
 from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
 from kvlab.oracles import sdpa_attention
 from kvlab.paged import paged_prefill_attention, write_kv
-from kvlab.paged import torch_attention, torch_decode
-from kvlab.paged.torch_decode import decode_attention, decode_gather
+from kvlab.paged import torch_attention
+from kvlab.paged.torch_attention import decode_attention, decode_gather
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
@@ -131,9 +131,9 @@ def test_the_shared_prefix_ends_a_token_before_the_shortest_sequence():
     # own part is never empty), and a block only some sequences share is not common.
     tables = torch.tensor([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 5, 0]])
     lens = torch.tensor([16, 15, 12])
-    assert torch_decode._num_shared_blocks(tables, lens, BLOCK) == 2
-    assert torch_decode._num_shared_blocks(tables[:2], torch.tensor([12, 16]), BLOCK) == 2
-    assert torch_decode._num_shared_blocks(tables[:2], torch.tensor([16, 16]), BLOCK) == 3
+    assert torch_attention._num_shared_blocks(tables, lens, BLOCK) == 2
+    assert torch_attention._num_shared_blocks(tables[:2], torch.tensor([12, 16]), BLOCK) == 2
+    assert torch_attention._num_shared_blocks(tables[:2], torch.tensor([16, 16]), BLOCK) == 3
 
 
 def test_a_short_shared_prefix_keeps_the_batched_gather():

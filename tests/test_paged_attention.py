@@ -78,7 +78,7 @@ def test_decode_attention_matches_contiguous_and_float64_reference(seq_lens, blo
 def test_one_decode_gather_serves_every_layer_of_a_pass():
     # Its gather buffers are refilled by each layer: layer B's call must not see layer A's K/V,
     # and a pool of another dtype (or one autograd tracks) gets a fresh copy instead.
-    from kvlab.paged.torch_decode import decode_attention, decode_gather
+    from kvlab.paged.torch_attention import decode_attention, decode_gather
 
     seq_lens, block_size = [5, 9, 1], 4
     layers = [scatter_sequences(seq_lens, block_size, 8, seed)[:3] for seed in (5, 6)]

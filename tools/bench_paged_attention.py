@@ -151,7 +151,7 @@ def paging_cost_steps(point: dict, kernel: bool) -> dict:
     from torch.nn import functional as F
 
     from kvlab.kernels.paged_attention import paged_attention_decode
-    from kvlab.paged.torch_decode import _gather_rows, decode_attention, decode_gather
+    from kvlab.paged.torch_attention import _gather_rows, decode_attention, decode_gather
 
     query, k_cache, v_cache, lens = (point[k] for k in ("query", "k_cache", "v_cache", "seq_lens"))
     batch, num_heads, head_dim = query.shape

@@ -10,8 +10,7 @@ One module per idea, in reading order:
 * `block_pool`: `Block`, `BlockPool` (a free block queue + ref counts; no tensors).
 * `block_table`: `BlockTable` (logical -> physical blocks, slot = block_id * block_size + offset).
 * `kv_cache_manager`: `KVCacheManager`, keyed by the request (vLLM v1's verbs, copy-on-write).
-* `torch_attention`: write K/V by slot mapping; gather + attend a prefill (the plain-PyTorch path).
-* `torch_decode`: a batched decode step over the block tables, gathered once a forward pass.
+* `torch_attention`: write K/V by slot mapping; gather + attend (the plain-PyTorch teaching path).
 * `backends`: `AttentionBackend`, `TorchBackend`, `BACKENDS` (where stage 5's kernel plugs in).
 * `paged_cache`: `PagedKVCache` (the pool tensors, the KV stores a model runs on, exact bytes).
 * `budget`: `num_blocks_for_budget`, `check_pool_fits` (vLLM's start-up arithmetic).
@@ -35,8 +34,8 @@ from .kv_cache_manager import KVCacheManager
 __getattr__, __dir__ = on_first_use(__name__, {
     "backends": ("BACKENDS", "AttentionBackend", "TorchBackend", "resolve_backend"),
     "paged_cache": ("PagedBatchStore", "PagedKVCache"),
-    "torch_attention": ("gather_kv", "paged_prefill_attention", "write_kv"),
-    "torch_decode": ("paged_decode_attention",),
+    "torch_attention": ("gather_kv", "paged_decode_attention", "paged_prefill_attention",
+                        "write_kv"),
 })
 
 __all__ = [

@@ -25,8 +25,7 @@ from typing import Callable, Protocol, Union
 import torch
 
 from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
-from .torch_attention import paged_prefill_attention, write_kv
-from .torch_decode import decode_attention, decode_gather
+from .torch_attention import decode_attention, decode_gather, paged_prefill_attention, write_kv
 
 __all__ = ["AttentionBackend", "TorchBackend", "BACKENDS", "resolve_backend"]
 

@@ -16,7 +16,7 @@ import torch
 from kvlab.kernels.pool_layout import HEAD_MAJOR, TOKEN_MAJOR
 from kvlab.oracles import sdpa_attention
 from kvlab.paged import paged_prefill_attention, write_kv
-from kvlab.paged import torch_attention
+from kvlab.paged import split_prefill, torch_attention
 from kvlab.paged.torch_attention import decode_attention, decode_gather
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
@@ -49,7 +49,7 @@ def _table(kind: str, count: int, generator: torch.Generator) -> list[int]:
 @pytest.mark.parametrize("seq_len, num_tokens", [(37, 9), (64, 16), (10, 1), (61, 61)])
 def test_a_later_chunk_equals_the_masked_path_and_float64(seq_len, num_tokens, kind, layout,
                                                          monkeypatch):
-    monkeypatch.setattr(torch_attention, "SPLIT_MIN_EARLIER", 1)  # split at these small sizes
+    monkeypatch.setattr(split_prefill, "SPLIT_MIN_EARLIER", 1)  # split at these small sizes
     generator = torch.Generator().manual_seed(seq_len)
     count = -(-seq_len // BLOCK)
     table = _table(kind, count, generator)
@@ -62,7 +62,7 @@ def test_a_later_chunk_equals_the_masked_path_and_float64(seq_len, num_tokens, k
 
     split = paged_prefill_attention(query, k_cache, v_cache, block_table, seq_len, positions,
                                     layout=layout)
-    monkeypatch.setattr(torch_attention, "_CPU_FLASH", None)  # the masked SDPA, as on a GPU
+    monkeypatch.setattr(split_prefill, "CPU_FLASH", None)  # the masked SDPA, as on a GPU
     masked = paged_prefill_attention(query, k_cache, v_cache, block_table, seq_len, positions,
                                      layout=layout)
 

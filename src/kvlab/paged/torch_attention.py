@@ -18,6 +18,8 @@ block_id * block_size + offset. Three operations cover a forward pass:
   in memory. In torch 2.13 (the CPU build this course installs) its CPU flash kernel takes the
   grouped heads and the mask as they are, checked; an older torch may compute the same numbers on
   its slower math path. Measured on the engine's prefills: docs/vllm_comparison.md, section 9.
+  On the CPU, a long prompt's later chunks and a decode batch over a shared prefix attend in two
+  parts merged by their log-sum-exps (`kvlab.paged.split_prefill`).
 
 This implementation copies the blocks into a contiguous tensor before attending; a real kernel
 reads them in place, block by block. Same numbers, less memory traffic: that is stage 5.
@@ -41,6 +43,8 @@ from torch.nn import functional as F
 
 from ..attention import causal_mask, kv_group_size
 from ..kernels.pool_layout import TOKEN_MAJOR, check_layout
+from . import split_prefill
+from .split_prefill import earlier_then_own, merge_attention
 
 __all__ = ["write_kv", "gather_kv", "paged_prefill_attention", "paged_decode_attention",
            "DecodeGather", "decode_gather", "decode_attention", "token_major_view"]
@@ -119,11 +123,6 @@ def _check_sequence(block_table: torch.Tensor, seq_len: int, num_blocks: int,
 # A sequence whose blocks form more runs of consecutive ids than this is copied whole instead
 # (one flash call per run of earlier keys would cost more than the copy).
 MAX_RUNS = 8
-# A later chunk is split into earlier keys and its own only from this many earlier tokens: below
-# it, two calls and a merge cost what the mask saves (one CPU thread, SmolLM2's shapes, a
-# 256-token chunk alone: 0.9x at 256 earlier keys, equal at 768, 1.6x faster at 1,792, 1.4x at
-# 3,744; the six long prompts through the engine, splitting from 1 or from 1,024: within 3 %).
-SPLIT_MIN_EARLIER = 512
 
 
 def _sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -171,46 +170,9 @@ def _joined(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tens
     return torch.cat([k for k, _ in pieces]), torch.cat([v for _, v in pieces])
 
 
-# PyTorch's CPU flash-attention kernel, the one SDPA calls on the CPU, called directly because it
-# also returns each row's log-sum-exp of scores (`_earlier_then_own`). Absent: the masked SDPA.
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def _as_heads(rows: torch.Tensor) -> torch.Tensor:
     """[n, H_kv, D] pool rows -> [1, H_kv, n, D] float32, as attention reads them (a view)."""
     return rows.transpose(0, 1).float()[None]
-
-
-def _earlier_then_own(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]],
-                      start: int, scale: float | None) -> torch.Tensor:
-    """Causal attention of a chunk at positions start .. start + T - 1 as unmasked and causal
-    parts merged by their log-sum-exps (the split-KV reduction of stage 5b, flash-decoding):
-    every query sees all `start` earlier keys, so they need no mask (read piece by piece, in
-    place), and the chunk's own T keys are SDPA's plain causal case. A [T, seq_len] mask costs the
-    CPU kernel ~20 % of its time at 4,000 keys; the split pays small merges instead. For the
-    earlier keys, the G query heads of each KV head are stacked into one head of G * T rows: the
-    same keys, fewer and larger matrix products. q [1, H, T, D] float32 -> [1, H, T, D]."""
-    _, num_heads, num_tokens, head_dim = q.shape
-    num_kv_heads = pieces[0][0].shape[1]
-    stacked = q.reshape(1, num_kv_heads, num_heads // num_kv_heads * num_tokens, head_dim)
-    earlier = None
-    for k, v in _positions(pieces, 0, start):
-        part = _CPU_FLASH(stacked, _as_heads(k), _as_heads(v), scale=scale)
-        earlier = part if earlier is None else _merge(*earlier, *part)
-    own_k, own_v = _joined(_positions(pieces, start, start + num_tokens))
-    own = _CPU_FLASH(q, _as_heads(own_k), _as_heads(own_v), is_causal=True, scale=scale)
-    out, _ = _merge(earlier[0].reshape(q.shape), earlier[1].reshape(own[1].shape), *own)
-    return out
-
-
-def _merge(first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor,
-           second_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over two disjoint sets of keys merged into attention over their union, and its
-    log-sum-exp. Each output is softmax-weighted within its own keys, so it weighs its share of
-    the whole exp-sum: the second's share is e^b / (e^a + e^b) = sigmoid(b - a) for log-sum-exps
-    a, b (shaped as the outputs without their last dim)."""
-    share = torch.sigmoid(second_lse - first_lse).unsqueeze(-1)
-    return torch.lerp(first, second, share), torch.logaddexp(first_lse, second_lse)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -242,8 +204,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     # SDPA's own causal case; a later part sees every earlier key, so it needs the mask, or (on
     # the CPU, past SPLIT_MIN_EARLIER earlier keys) the split into earlier keys and its own.
     q = query.transpose(0, 1).float()[None]
-    if start >= SPLIT_MIN_EARLIER and _CPU_FLASH is not None and q.device.type == "cpu":
-        out = _earlier_then_own(q, pieces, start, scale)
+    if (start >= split_prefill.SPLIT_MIN_EARLIER and split_prefill.CPU_FLASH is not None
+            and q.device.type == "cpu"):
+        earlier = [(_as_heads(k), _as_heads(v)) for k, v in _positions(pieces, 0, start)]
+        own_k, own_v = (_as_heads(x) for x in _joined(_positions(pieces, start, seq_len)))
+        out = earlier_then_own(q, earlier, own_k, own_v, scale)
     else:
         k, v = (_as_heads(x) for x in _joined(pieces))
         visible = None if start == 0 else causal_mask(
@@ -302,7 +267,7 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: t
     # Each position's slot through the block table.
     slots = block_tables[:, positions // block_size] * block_size + positions % block_size
     shared_rows, shared = None, 0  # shared: positions every sequence reads from the same slots
-    if num_seqs > 1 and _CPU_FLASH is not None and k_cache.device.type == "cpu":
+    if num_seqs > 1 and split_prefill.CPU_FLASH is not None and k_cache.device.type == "cpu":
         shared = _num_shared_blocks(block_tables, seq_lens, block_size) * block_size
         if (num_seqs - 1) * shared >= SHARED_PREFIX_MIN_ROWS:
             shared_rows = _pool_rows(slots[:1, :shared], num_kv_heads, block_size,
@@ -364,7 +329,7 @@ def _shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     prompt or document): the shared blocks are copied once, and all the batch's queries attend to
     them in one call (each KV head's S * G query rows over the same keys, one matrix product
     instead of S); each sequence's own blocks as `decode_attention` reads them; the two halves
-    merged by their log-sum-exps (as `_earlier_then_own`). Cascade attention: Hydragen (Juravsky
+    merged by their log-sum-exps (as `earlier_then_own`). Cascade attention: Hydragen (Juravsky
     et al., 2024, section 3) and FlashInfer's cascade inference; it saves the batch's copies of
     the prefix, (S - 1) x its bytes a layer."""
     num_seqs, num_kv_heads, _, head_dim = gather.shape
@@ -376,14 +341,15 @@ def _shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     shared_k, shared_v = (cache.reshape(-1, head_dim).index_select(0, gather.shared_rows)
                           .view(1, num_kv_heads, -1, head_dim).float() for cache in (k_cache, v_cache))
     stacked_q = grouped_q.transpose(0, 1).reshape(1, num_kv_heads, num_seqs * group, head_dim)
-    shared, shared_lse = _CPU_FLASH(stacked_q, shared_k, shared_v, scale=scale)
+    shared, shared_lse = split_prefill.CPU_FLASH(stacked_q, shared_k, shared_v, scale=scale)
     shared = shared.view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
     shared_lse = shared_lse.view(num_kv_heads, num_seqs, group).transpose(0, 1)
     # Each sequence's own blocks, masked as in `decode_attention`.
     own_k = _gather_rows(k_cache, gather.rows, gather.keys).view(gather.shape).float()
     own_v = _gather_rows(v_cache, gather.rows, gather.values).view(gather.shape).float()
-    own, own_lse = _CPU_FLASH(grouped_q, own_k, own_v, attn_mask=gather.score_bias, scale=scale)
-    out, _ = _merge(shared, shared_lse, own, own_lse)  # [S, H_kv, G, D]
+    own, own_lse = split_prefill.CPU_FLASH(grouped_q, own_k, own_v, attn_mask=gather.score_bias,
+                                           scale=scale)
+    out, _ = merge_attention(shared, shared_lse, own, own_lse)  # [S, H_kv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

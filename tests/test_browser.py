@@ -49,8 +49,8 @@ SCREENSHOTS = Path(os.environ.get("KVLAB_SCREENSHOTS", ROOT / "build" / "screens
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 TIMEOUT_MS = 60_000
-# Notebook 00 runs whole in the browser, SmolLM2's decode sweep included: about 25 s on a quiet
-# 2-core machine, 85 s under a load average of 8.
+# Notebook 00 runs whole in the browser: under 25 s on a quiet 2-core machine; the bound leaves
+# room for a load average of 8, which made an earlier, longer version of it take 85 s.
 RUN_ALL_TIMEOUT_MS = 240_000
 
 sync_api = pytest.importorskip(

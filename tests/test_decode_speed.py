@@ -102,7 +102,7 @@ def test_time_batched_decode_runs_real_greedy_steps(tiny_model):
 
 
 def test_time_batched_decode_keeps_the_median_of_its_timed_steps(tiny_model):
-    """Five timed steps by default (notebook 00's sweep), the median kept: the step whose time is
+    """Five timed steps by default, the median kept: the step whose time is
     the middle one, with that step's context and FLOPs; an even count keeps the faster middle."""
     for steps, timing in ((5, time_batched_decode(tiny_model, [2], context_len=4)[0]),
                           (4, time_batched_decode(tiny_model, [2], context_len=4, steps=4)[0])):

@@ -13,8 +13,9 @@ further:
   reads its own contiguous slab of cache (stage 2's layout, num_key_value_heads wide) up to its own
   length; the rest of the slab holds whatever an earlier request left there, NaN included. GQA's
   saving is here: at decode, attention reads the whole cache for one token of compute, so it reads
-  num_key_value_heads / num_attention_heads of MHA's bytes (the notebook counts them per decode
-  step at 4,096 tokens, batch 16: 32 GiB MHA, 8 GiB GQA, 1 GiB MQA for Llama-3.1-8B). The grouping
+  num_key_value_heads / num_attention_heads of MHA's bytes (per decode step at 4,096 tokens, batch
+  16, Llama-3.1-8B in bf16: 32 GiB MHA, 8 GiB GQA, 1 GiB MQA; `kvlab size` gives the bytes a
+  token). The grouping
   of the query heads is given (`group_query_heads`, the notebook's view); the rest is yours.
 * `pool_groups`: a conversion in which *any* heads may share a KV head, not only adjacent ones.
   Query head h reads KV head h // P, so the query heads of a group must first be made adjacent:

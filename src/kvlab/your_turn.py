@@ -56,8 +56,8 @@ def your_turn(yours: Callable, library: Callable, inputs: Sequence[tuple],
     try:
         results = [yours(*args) for args in inputs]
     except NotImplementedError:
-        print(f"{name}: not written yet; the rest of the page uses kvlab's "
-              f"({library.__module__}.{library.__qualname__}). Write it, then run this cell again.")
+        print(f"{name}: not written yet, so kvlab's ({library.__module__}.{library.__qualname__}) "
+              f"stands in for it. Write it, then run this cell again.")
         return library
     for args, result in zip(inputs, results):
         expected = library(*args)

@@ -66,3 +66,25 @@ def test_a_long_argument_is_shown_by_its_name():
     config = load_config("llama-3.1-70b")
     with pytest.raises(AssertionError, match=r"LlamaConfig\('llama-3.1-70b'\)"):
         your_turn(lambda c: c.num_hidden_layers + 1, lambda c: c.num_hidden_layers, [(config,)])
+
+
+def test_a_float_where_kvlab_gives_an_int_fails_even_when_equal():
+    def kv_bytes(layers, kv_heads, head_dim, dtype_bytes):  # true division: 327680.0, not 327680
+        return 2 * layers * kv_heads / 1 * head_dim * dtype_bytes
+
+    with pytest.raises(AssertionError, match=r"gives 131072\.0 \(a float\); kvlab's gives 131072$"):
+        your_turn(kv_bytes, library_bytes, INPUTS)
+
+
+def test_a_tensor_mismatch_names_the_shapes_or_the_first_difference():
+    weight = torch.arange(12.0).reshape(4, 3)
+    with pytest.raises(AssertionError, match=r"shapes: yours \(2, 2, 3\), kvlab's \(4, 3\)"):
+        your_turn(lambda w: w.reshape(2, 2, 3), lambda w: w, [(weight,)])
+    with pytest.raises(AssertionError, match=r"first difference at index \(1, 2\): yours 0, "
+                                             r"kvlab's 5; largest \|difference\| 5"):
+        your_turn(lambda w: w * (w != 5), lambda w: w, [(weight,)])
+
+
+def test_bytes_are_shown_in_hex():
+    with pytest.raises(AssertionError, match=r"gives bytes 0102; kvlab's gives bytes 0103"):
+        your_turn(lambda: b"\x01\x02", lambda: b"\x01\x03", [()])

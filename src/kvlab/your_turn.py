@@ -11,6 +11,7 @@ writes the line before reading on, and the check answers at once.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,14 +28,43 @@ def _same(yours: Any, library: Any, atol: float, rtol: float) -> bool:
     if isinstance(library, (tuple, list)):
         return (isinstance(yours, (tuple, list)) and len(yours) == len(library)
                 and all(_same(a, b, atol, rtol) for a, b in zip(yours, library)))
+    if isinstance(library, numbers.Integral) and not isinstance(library, bool):
+        # A count of bytes, blocks or slots is a whole number: 327680.0 would leak into every
+        # figure printed from it, so a float that equals it is still wrong.
+        return (isinstance(yours, numbers.Integral) and not isinstance(yours, bool)
+                and yours == library)
     return yours == library
 
 
+def _difference(yours: Any, library: Any, atol: float, rtol: float) -> str:
+    """Where two tensors differ, in one line: their shapes, or the first differing element."""
+    if not (isinstance(yours, torch.Tensor) and isinstance(library, torch.Tensor)):
+        return ""
+    if yours.shape != library.shape:
+        return f"\nshapes: yours {tuple(yours.shape)}, kvlab's {tuple(library.shape)}"
+    yours_d, library_d = yours.double(), library.double()
+    differs = ~torch.isclose(yours_d, library_d, rtol=rtol, atol=atol, equal_nan=True)
+    if not differs.any():
+        return ""
+    first = tuple(differs.nonzero()[0].tolist())
+    largest = (yours_d - library_d).abs().nan_to_num(float("inf")).max().item()
+    return (f"\nfirst difference at index {first}: yours {yours_d[first].item():.6g}, kvlab's "
+            f"{library_d[first].item():.6g}; largest |difference| {largest:.3g}")
+
+
 def _shown(value: Any) -> str:
-    """A value for the error message: small tensors in full, a long object by its name."""
+    """A value for the error message: small tensors in full (floats to 4 decimals), bytes in hex,
+    a float that should have been an int marked as such, a long object by its name."""
     if isinstance(value, torch.Tensor):
-        return repr(value.tolist()) if value.numel() <= 64 else \
-            f"tensor of shape {tuple(value.shape)}, {value.dtype}"
+        if value.numel() > 32:
+            return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
+        if value.is_floating_point():
+            return repr(torch.round(value.double(), decimals=4).tolist())
+        return repr(value.tolist())
+    if isinstance(value, (bytes, bytearray)):
+        return f"bytes {value.hex()}" if len(value) <= 32 else f"bytes {value[:32].hex()}..."
+    if isinstance(value, float) and value.is_integer():
+        return f"{value!r} (a float)"
     text = repr(value)
     if len(text) > 100 and isinstance(getattr(value, "name", None), str):
         return f"{type(value).__name__}({value.name!r})"
@@ -64,6 +94,6 @@ def your_turn(yours: Callable, library: Callable, inputs: Sequence[tuple],
         if not _same(result, expected, atol, rtol):
             raise AssertionError(
                 f"{name}({', '.join(map(_shown, args))}) gives {_shown(result)}; kvlab's gives "
-                f"{_shown(expected)}")
+                f"{_shown(expected)}{_difference(result, expected, atol, rtol)}")
     print(f"{name}: yours gives kvlab's results on all {len(inputs)} inputs")
     return yours

@@ -228,10 +228,13 @@ def test_permute_to_halves_by_hand(ex, num_rows, num_heads):
     assert_equal(list(got.shape), [num_rows, 3], f"{what}: the shape")
     got_rows = [int(r) for r in got[:, 0].tolist()]
     expected = [h * head_dim + int(i) for h in range(num_heads) for i in evens_then_odds(head_dim)]
-    try:
-        assert_equal(got_rows, expected, f"{what}: the rows' order")
-    except AssertionError as error:
-        raise AssertionError(f"{error}{permute_hint(got_rows, num_rows, num_heads)}") from None
+    if got_rows != expected:  # the wrong row named, not the whole answer printed
+        wrong = next(j for j, (a, b) in enumerate(zip(got_rows, expected)) if a != b)
+        raise AssertionError(
+            f"{what}: the rows' order: you gave {got_rows}; row {wrong} is the first wrong one (row "
+            f"{wrong % head_dim} of head {wrong // head_dim}): rows j and j + head_dim/2 of a head "
+            f"must hold the pair of Meta rows that RoPE rotates together"
+            f"{permute_hint(got_rows, num_rows, num_heads)}")
 
 
 def test_permute_to_halves_is_written_not_borrowed(ex, monkeypatch):

@@ -32,7 +32,7 @@ folder is the working directory):
 
 and score it as section 3 scores mean-pooling, before and after `uptrain(model, train_ids, 48)`.
 Do heads whose keys look alike (say, the cosine similarity of the keys each head computes on
-`eval_ids`) pool with less damage than adjacent ones? Does uptraining erase the difference?
+`unseen_ids`) pool with less damage than adjacent ones? Does uptraining erase the difference?
 
 `kvlab check 3` compares `decode_attention` with PyTorch's `scaled_dot_product_attention` over
 repeated K/V for each request on its own (`kvlab.oracles.sdpa_attention`, in float64), and

@@ -258,9 +258,24 @@ def test_one_step_decides_like_vllm_priority(ex, name):
         "schedule_step returns (scheduled, admitted, preempted)"
     _, running_sizes, waiting_sizes, *_ = SCENARIOS[name]
     assert_equal(describe(*got, running, queue, kv), expected,
-                 f"scenario {name!r} [{why}]: running (prompt, outputs, priority, arrival_s) "
-                 f"{running_sizes}, waiting (prompt, priority, arrival_s) {waiting_sizes}, "
+                 f"scenario {name!r} [{why}]: running {in_words(running_sizes)}; waiting "
+                 f"{in_words(waiting_sizes, start=len(running_sizes))}; "
                  f"max_num_seqs={seqs}, max_num_batched_tokens={tokens}")
+
+
+def in_words(sizes, start=0):
+    """A scenario's running or waiting requests as a learner reads them (not SCENARIOS' tuples)."""
+    words = []
+    for request_id, size in enumerate(sizes, start=start):
+        if len(size) == 4:  # running: (prompt, outputs, priority, arrival_s)
+            prompt, outputs, priority, arrival = size
+            state = (f"{outputs} output(s)" if outputs >= 0 else
+                     f"{-outputs} of its prompt tokens computed")
+        else:               # waiting: (prompt, priority, arrival_s)
+            (prompt, priority, arrival), state = size, "not started"
+        words.append(f"request {request_id} (prompt {prompt}, {state}, priority {priority}, "
+                     f"arrived {arrival} s)")
+    return ", ".join(words) or "none"
 
 
 def random_workload(rng):

@@ -88,3 +88,10 @@ def test_a_tensor_mismatch_names_the_shapes_or_the_first_difference():
 def test_bytes_are_shown_in_hex():
     with pytest.raises(AssertionError, match=r"gives bytes 0102; kvlab's gives bytes 0103"):
         your_turn(lambda: b"\x01\x02", lambda: b"\x01\x03", [()])
+
+
+def test_floats_equal_but_for_rounding_pass_and_others_fail():
+    terms = (0.1, 0.2, 0.3)
+    assert your_turn(lambda: terms[2] + terms[1] + terms[0], lambda: sum(terms), [()])
+    with pytest.raises(AssertionError, match="gives 0.6000001"):
+        your_turn(lambda: 0.6000001, lambda: sum(terms), [()])

@@ -75,6 +75,10 @@ class CostModel:
         self.flops_per_pair = (4 * config.num_hidden_layers * (config.num_attention_heads // tp)
                                * config.head_dim)
 
+    def __repr__(self) -> str:  # short enough to name the clock in a failed check's message
+        return (f"CostModel({self.clock}: {getattr(self.config, 'name', 'model')} on {self.tp} x "
+                f"{self.card.name}, {self.dtype})")
+
     def step_time(self, num_batched_tokens: int, kv_tokens_read: int, attention_pairs: int,
                   num_sampled: int) -> float:
         """Seconds for one forward pass computing num_batched_tokens (prefill + decode, each

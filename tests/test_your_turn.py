@@ -95,3 +95,16 @@ def test_floats_equal_but_for_rounding_pass_and_others_fail():
     assert your_turn(lambda: terms[2] + terms[1] + terms[0], lambda: sum(terms), [()])
     with pytest.raises(AssertionError, match="gives 0.6000001"):
         your_turn(lambda: 0.6000001, lambda: sum(terms), [()])
+
+
+def test_long_objects_in_a_list_are_shown_by_their_first_field():
+    from kvlab.serving import Request
+
+    running = [Request(i, 0.0, 40, 8, trace_block_ids=tuple(range(20))) for i in range(3)]
+    with pytest.raises(AssertionError, match=r"pick\(\[Request\(request_id=0, \.\.\.\), Request\("
+                                             r"request_id=1, \.\.\.\), Request\(request_id=2, \.\.\.\)\]\) "
+                                             r"gives Request\(request_id=0, \.\.\.\); kvlab's gives "
+                                             r"Request\(request_id=2, \.\.\.\)"):
+        def pick(running):
+            return running[0]
+        your_turn(pick, lambda running: running[-1], [(running,)])

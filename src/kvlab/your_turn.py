@@ -11,6 +11,7 @@ writes the line before reading on, and the check answers at once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, Callable, Sequence
@@ -58,7 +59,8 @@ def _difference(yours: Any, library: Any, atol: float, rtol: float) -> str:
 
 def _shown(value: Any) -> str:
     """A value for the error message: small tensors in full (floats to 4 decimals), bytes in hex,
-    a float that should have been an int marked as such, a long object by its name."""
+    a float that should have been an int marked as such, a long object by its name or first
+    field."""
     if isinstance(value, torch.Tensor):
         if value.numel() > 32:
             return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
@@ -70,8 +72,16 @@ def _shown(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         return f"{value!r} (a float)"
     text = repr(value)
-    if len(text) > 100 and isinstance(getattr(value, "name", None), str):
+    if len(text) <= 100:
+        return text
+    if isinstance(value, (list, tuple)):  # each element shortened on its own
+        inner = ", ".join(map(_shown, value))
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(getattr(value, "name", None), str):
         return f"{type(value).__name__}({value.name!r})"
+    if dataclasses.is_dataclass(value):  # e.g. a Request: its first field names it
+        first = dataclasses.fields(value)[0].name
+        return f"{type(value).__name__}({first}={getattr(value, first)!r}, ...)"
     return text
 
 

@@ -342,33 +342,33 @@ def test_calculator_widgets_print_the_right_figures(lab, browser):
     calculator = page.locator(".widget-interact")
     output = calculator.locator(".widget-output")
     # The widgets' start values: Llama-3.1-70B, batch 128, 4,096 tokens, bf16, H100-80GB, tp 8.
-    # Per GPU: 2 x 80 layers x (8 / 8) KV heads x 128 x 2 B = 40,960 B per token;
-    # 128 x 4,096 x 40,960 B = 20 GiB.
-    expect_printed(output, "KV per token per GPU (tp=8): 2 x 80 x 1 x 128 x 2 = 40,960 B (40 KiB)",
-                   "KV cache per GPU (tp=8): 128 x 4,096 tokens = 20 GiB")
+    # Per GPU: 2 x 80 layers x (8 / 8) KV heads x 128 x 2 B = 40 KiB per token;
+    # 128 x 4,096 x 40 KiB = 20 GiB beside 16.43 GiB of weights.
+    expect_printed(output, "on each of 8 GPU(s): weights 16.43 GiB + cache (128 x 4,096 tokens x "
+                   "40 KiB = 20 GiB) = 36.43 GiB, fits in 0.9 x H100-80GB",
+                   "requests of 4,096 tokens that fit beside the weights: 355")
 
     widget(page, "dropdown", "tp").locator("select").select_option(label="1")
-    # One GPU holds all 8 KV heads: 327,680 B per token; 128 x 4,096 x 327,680 B = 160 GiB, which
+    # One GPU holds all 8 KV heads: 320 KiB per token; 128 x 4,096 x 320 KiB = 160 GiB, which
     # beside 131.42 GiB of weights does not fit in 90 % of 80 GiB.
-    expect_printed(output, "KV per token: 2 x 80 x 8 x 128 x 2 = 327,680 B (320 KiB)",
-                   "KV cache: 128 x 4,096 tokens = 160 GiB", "does NOT fit in 72 GiB")
+    expect_printed(output, "weights 131.42 GiB + cache (128 x 4,096 tokens x 320 KiB = 160 GiB) = "
+                   "291.42 GiB, does NOT fit in 0.9 x H100-80GB")
 
     widget(page, "dropdown", "model").locator("select").select_option(label="llama-3.1-8b")
-    # 2 x 32 x 8 x 128 x 2 = 131,072 B per token; (72 GiB - 14.96 GiB) / 512 MiB -> 114 requests.
-    expect_printed(output, "llama-3.1-8b, bf16: 8.03 B parameters",
-                   "KV per token: 2 x 32 x 8 x 128 x 2 = 131,072 B (128 KiB)",
-                   "KV cache: 128 x 4,096 tokens = 64 GiB",
+    # 2 x 32 x 8 x 128 x 2 = 128 KiB per token; (72 GiB - 14.96 GiB) / 512 MiB -> 114 requests.
+    expect_printed(output, "llama-3.1-8b, bf16, on each of 1 GPU(s): weights 14.96 GiB + cache "
+                   "(128 x 4,096 tokens x 128 KiB = 64 GiB)",
                    "requests of 4,096 tokens that fit beside the weights: 114")
 
     set_slider(page, "batch", 1)
-    expect_printed(output, "KV cache: 1 x 4,096 tokens = 512 MiB")
+    expect_printed(output, "cache (1 x 4,096 tokens x 128 KiB = 512 MiB)")
 
     # Back to the story's deployment, the state the README's screenshot shows.
     widget(page, "dropdown", "model").locator("select").select_option(label="llama-3.1-70b")
     set_slider(page, "batch", 128)
-    expect_printed(output, "KV cache: 128 x 4,096 tokens = 160 GiB")
+    expect_printed(output, "cache (128 x 4,096 tokens x 320 KiB = 160 GiB)")
     widget(page, "dropdown", "tp").locator("select").select_option(label="8")
-    expect_printed(output, "KV cache per GPU (tp=8): 128 x 4,096 tokens = 20 GiB",
+    expect_printed(output, "cache (128 x 4,096 tokens x 40 KiB = 20 GiB)",
                    "requests of 4,096 tokens that fit beside the weights: 355")
     assert page.evaluate(JS_ERRORS, path) == []
 
